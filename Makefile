@@ -1,0 +1,39 @@
+# Set-up is part of every target: a fresh clone runs `make test` or `make demo` alone.
+PY      ?= python3
+VENV    := .venv
+VPY     := $(VENV)/bin/python
+STAMP   := $(VENV)/.installed
+# This machine's pip serves a CPU build of torch 2.13.0 from local disk; any other
+# torch request would download a multi-GB CUDA build, so the pin lives here.
+TORCH   := torch==2.13.0
+export HYPOTHESIS_PROFILE ?= ci
+
+.PHONY: demo test lint typecheck unit fuzz clean
+
+$(STAMP): pyproject.toml
+	test -x $(VPY) || $(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install -q "$(TORCH)"
+	$(VPY) -m pip install -q -e ".[test,dev]" "$(TORCH)"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VPY) examples/quickstart.py
+
+lint: $(STAMP)
+	$(VPY) -m ruff check .
+	$(VPY) -m ruff format --check .
+
+typecheck: $(STAMP)
+	$(VPY) -m mypy
+
+unit: $(STAMP)
+	$(VPY) -m pytest -q
+
+test: lint typecheck unit
+
+fuzz: $(STAMP)
+	HYPOTHESIS_PROFILE=nightly $(VPY) -m pytest -q tests -k "property"
+
+clean:
+	rm -rf $(VENV) *.egg-info .mypy_cache .ruff_cache

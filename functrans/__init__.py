@@ -1,0 +1,28 @@
+"""functrans: JAX-style pure function transforms over PyTorch.
+
+Trace a function to an ATen graph, build its joint forward+backward graph, and partition it into
+forward and backward graphs that save exactly what you choose.
+"""
+
+from ._errors import FunctransError as FunctransError
+from ._errors import InvalidPartitionError as InvalidPartitionError
+from ._errors import TraceError as TraceError
+from ._errors import UnknownNameError as UnknownNameError
+from ._errors import UnsupportedOpError as UnsupportedOpError
+from ._graph import Graph as Graph
+from ._graph import GraphError as GraphError
+from ._graph import JointGraph as JointGraph
+from ._graph import Phase as Phase
+from ._graph import Role as Role
+from ._graph import verify as verify
+from ._joint import joint as joint
+from ._trace import trace as trace
+
+__version__ = "0.1.0"
+from ._api import grad as grad
+from ._api import value_and_grad as value_and_grad
+from ._api import vjp as vjp
+from ._partition import Partition as Partition
+from ._partition import SavedValue as SavedValue
+from ._partition import partition as partition
+from ._split import split as split

@@ -1,0 +1,37 @@
+"""One exception hierarchy for the whole library.
+
+Every message names the user's op or argument, says what was expected and how to fix it.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "FunctransError",
+    "InvalidPartitionError",
+    "TraceError",
+    "UnknownNameError",
+    "UnsupportedOpError",
+]
+
+
+class FunctransError(Exception):
+    """Base class of every error functrans raises on purpose."""
+
+
+class TraceError(FunctransError):
+    """The function could not be traced to a pure ATen graph (mutation, data-dependent flow...)."""
+
+
+class UnsupportedOpError(FunctransError):
+    """An op the requested transform or backend cannot handle."""
+
+
+class InvalidPartitionError(FunctransError):
+    """A saved set or strategy result that cannot produce correct forward/backward graphs."""
+
+
+class UnknownNameError(FunctransError, KeyError):
+    """A registry lookup with a name nobody registered; the message lists the known names."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""

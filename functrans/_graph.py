@@ -1,0 +1,246 @@
+"""The IR: :class:`Graph` (a traced ATen FX graph with pytree calling convention) and
+:class:`JointGraph` (forward+backward in one graph), node roles and phases, ``verify``.
+
+Roles and phases live under namespaced meta keys; nothing in functrans matches on node names.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from ._errors import FunctransError
+from ._format import format_graph
+from ._pytree import Flat, check_matches, unflatten
+
+__all__ = [
+    "PHASE",
+    "RECOMPUTED",
+    "ROLE",
+    "SOURCE",
+    "Graph",
+    "GraphError",
+    "JointGraph",
+    "Phase",
+    "Role",
+    "verify",
+]
+
+ROLE = "functrans.role"  # placeholder role: Role
+PHASE = "functrans.phase"  # node phase in a joint graph: Phase
+RECOMPUTED = "functrans.recomputed"  # True on forward nodes re-emitted in a backward graph
+SOURCE = "functrans.source"  # "file:line: code" of the user line that produced the node
+PATH = "functrans.path"  # placeholder: the user's argument path, e.g. "x" or "params['w']"
+
+
+class Role(enum.Enum):
+    """What a placeholder holds."""
+
+    PRIMAL = "primal"  # an input of the user's function
+    TANGENT = "tangent"  # an incoming gradient (cotangent) of a forward output
+    SAVED = "saved"  # a forward value handed to a backward graph
+
+
+class Phase(enum.Enum):
+    """Which half of the joint computation a node belongs to, decided by data flow."""
+
+    FORWARD = "forward"  # depends on no tangent
+    BACKWARD = "backward"  # depends on some tangent
+
+
+class GraphError(FunctransError):
+    """A graph that breaks an IR invariant (raised by :func:`verify`)."""
+
+
+class Graph:
+    """A traced function: an ATen ``fx.GraphModule`` plus its pytree calling convention.
+
+    Calling it runs it with the same arguments the traced function took; static (non-tensor)
+    leaves, shapes and dtypes must match what was traced.
+
+    >>> import torch, functrans as ft
+    >>> g = ft.trace(lambda x: x.sin() * 2)(torch.ones(3))
+    >>> print(g)
+    def forward(x: "f32[3]"):
+        sin: "f32[3]" = aten.sin.default(x)
+        mul: "f32[3]" = aten.mul.Tensor(sin, 2)
+        return (mul,)
+    >>> g(torch.zeros(3))
+    tensor([0., 0., 0.])
+    """
+
+    def __init__(self, graph_module: fx.GraphModule, in_flat: Flat, out_flat: Flat) -> None:
+        self._gm = graph_module
+        self._in = in_flat
+        self._out = out_flat
+
+    @property
+    def graph_module(self) -> fx.GraphModule:
+        return self._gm
+
+    @property
+    def fx_graph(self) -> fx.Graph:
+        return self._gm.graph
+
+    @property
+    def in_flat(self) -> Flat:
+        """How call arguments ``(args, kwargs)`` flatten into the graph's inputs."""
+        return self._in
+
+    @property
+    def out_flat(self) -> Flat:
+        """How the graph's flat outputs rebuild the result pytree."""
+        return self._out
+
+    @property
+    def in_spec(self) -> Any:
+        return self._in.spec
+
+    @property
+    def out_spec(self) -> Any:
+        return self._out.spec
+
+    def placeholders(self) -> list[fx.Node]:
+        return [n for n in self._gm.graph.nodes if n.op == "placeholder"]
+
+    def output_nodes(self) -> list[Any]:
+        """The flat values the graph returns (nodes, or None)."""
+        out = next(n for n in reversed(self._gm.graph.nodes) if n.op == "output")
+        return list(out.args[0])
+
+    def ops(self) -> Iterator[fx.Node]:
+        return (n for n in self._gm.graph.nodes if n.op == "call_function")
+
+    def run_flat(self, *tensors: torch.Tensor) -> list[Any]:
+        """Run on flat tensor inputs, return flat outputs (no pytree handling, no checks)."""
+        return list(self._gm(*tensors))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        tensors = check_matches(self._in, (args, kwargs), type(self).__name__)
+        _check_tensors(self.placeholders(), tensors)
+        return unflatten(self._out, self.run_flat(*tensors))
+
+    def __str__(self) -> str:
+        marks = {n: "recomputed" for n in self._gm.graph.nodes if n.meta.get(RECOMPUTED)}
+        return format_graph(self._gm.graph, marks)
+
+    def __repr__(self) -> str:
+        n = sum(1 for _ in self.ops())
+        return f"<{type(self).__name__} with {len(self.placeholders())} inputs and {n} ops>"
+
+    def verify(self) -> None:
+        """Check the graph's invariants; raise :class:`GraphError` on the first violation."""
+        verify(self)
+
+
+class JointGraph(Graph):
+    """Forward and backward in one graph: ``(primals, tangents) -> (outputs, grads)``.
+
+    ``primals`` is the tuple of the function's positional arguments, ``tangents`` a tuple with one
+    cotangent per floating-point output leaf (in flattening order). ``grads`` holds one gradient
+    per floating-point tensor leaf of the differentiated arguments (None for other leaves).
+    """
+
+    def __init__(
+        self,
+        graph_module: fx.GraphModule,
+        in_flat: Flat,
+        out_flat: Flat,
+        *,
+        fn_in: Flat,
+        fn_out: Flat,
+        grads_flat: Flat,
+        num_outputs: int,
+        argnums: tuple[int, ...],
+    ) -> None:
+        super().__init__(graph_module, in_flat, out_flat)
+        self.fn_in = fn_in  # the user function's (args, kwargs)
+        self.fn_out = fn_out  # the user function's outputs
+        self.grads_flat = grads_flat  # structure of the grads result
+        self.num_outputs = num_outputs  # flat forward outputs; the rest of the outputs are grads
+        self.argnums = argnums
+
+    def primals(self) -> list[fx.Node]:
+        return [n for n in self.placeholders() if n.meta[ROLE] is Role.PRIMAL]
+
+    def tangents(self) -> list[fx.Node]:
+        return [n for n in self.placeholders() if n.meta[ROLE] is Role.TANGENT]
+
+    def forward_outputs(self) -> list[Any]:
+        return self.output_nodes()[: self.num_outputs]
+
+    def grad_outputs(self) -> list[Any]:
+        return self.output_nodes()[self.num_outputs :]
+
+    def forward_nodes(self) -> list[fx.Node]:
+        return [n for n in self._gm.graph.nodes if n.meta.get(PHASE) is Phase.FORWARD]
+
+    def backward_nodes(self) -> list[fx.Node]:
+        return [n for n in self._gm.graph.nodes if n.meta.get(PHASE) is Phase.BACKWARD]
+
+
+def _check_tensors(placeholders: list[fx.Node], tensors: list[torch.Tensor]) -> None:
+    for node, t in zip(placeholders, tensors, strict=True):
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and (val.shape != t.shape or val.dtype != t.dtype):
+            where = node.meta.get(PATH, node.name)
+            raise FunctransError(
+                f"input {where} was traced as {_short(val)} but got {_short(t)}; graphs are "
+                "specialized to shapes and dtypes: trace again for new ones."
+            )
+
+
+def _short(t: torch.Tensor) -> str:
+    return f"{t.dtype} {list(t.shape)}"
+
+
+def assign_phases(graph: fx.Graph) -> None:
+    """Tag every node FORWARD or BACKWARD by data flow: BACKWARD iff it depends on a tangent."""
+    for node in graph.nodes:
+        if node.op == "output":
+            continue
+        backward = node.meta.get(ROLE) is Role.TANGENT or any(
+            a.meta.get(PHASE) is Phase.BACKWARD for a in node.all_input_nodes
+        )
+        node.meta[PHASE] = Phase.BACKWARD if backward else Phase.FORWARD
+
+
+def verify(graph: Graph) -> None:
+    """Check FX well-formedness plus functrans invariants.
+
+    - the FX graph lints and every value node carries ``meta["val"]``;
+    - every placeholder has a role;
+    - in a joint graph, phases agree with data flow (a node is BACKWARD iff it depends on a
+      tangent); a backward graph never takes primals.
+
+    >>> import torch, functrans as ft
+    >>> ft.joint(lambda x: x.exp().sum())(torch.ones(2)).verify()
+    """
+    g = graph.fx_graph
+    try:
+        g.lint()
+    except Exception as e:  # fx raises bare RuntimeError
+        raise GraphError(f"FX lint failed: {e}") from e
+    for node in g.nodes:
+        if node.op != "output" and "val" not in node.meta:
+            raise GraphError(f"node {node.name} ({node.target}) has no meta['val']")
+        if node.op == "placeholder" and not isinstance(node.meta.get(ROLE), Role):
+            raise GraphError(f"placeholder {node.name} has no {ROLE!r} meta")
+    if isinstance(graph, JointGraph):
+        _verify_phases(g.nodes)
+
+
+def _verify_phases(nodes: Iterable[fx.Node]) -> None:
+    for node in nodes:
+        if node.op == "output":
+            continue
+        expect = node.meta.get(ROLE) is Role.TANGENT or any(
+            a.meta.get(PHASE) is Phase.BACKWARD for a in node.all_input_nodes
+        )
+        got = node.meta.get(PHASE)
+        if got is not (Phase.BACKWARD if expect else Phase.FORWARD):
+            raise GraphError(f"node {node.name} has phase {got}, but data flow says otherwise")

@@ -1,0 +1,198 @@
+"""``joint(f)(*args)``: forward and backward traced into one :class:`JointGraph`.
+
+The joint function runs ``f`` on the primals under autograd, then ``torch.autograd.grad`` with
+the tangents, and the whole thing is traced by ``make_fx``: forward and backward end up in one
+graph, connected only by data flow, which is what lets a partitioner plan globally what to save.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import optree
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from ._errors import TraceError
+from ._graph import JointGraph, Role, assign_phases
+from ._passes import InputSpec, canonicalize
+from ._pytree import NAMESPACE, Flat, flatten, unflatten
+from ._trace import Decompositions, arg_names, decomposition_table, run_traced, trace, trace_module
+
+__all__ = ["joint", "normalize_argnums"]
+
+
+def normalize_argnums(argnums: int | Sequence[int] | None, nargs: int) -> tuple[int, ...]:
+    """``None`` -> all positional args; an int or a tuple selects them (negative ints allowed)."""
+    if argnums is None:
+        return tuple(range(nargs))
+    picked = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    for i in picked:
+        if not isinstance(i, int) or not -nargs <= i < nargs:
+            raise TraceError(
+                f"argnums={argnums!r} names argument {i!r}, but the function was called with "
+                f"{nargs} positional arguments"
+            )
+    return tuple(i % nargs for i in picked)
+
+
+def _is_float(t: torch.Tensor) -> bool:
+    return t.is_floating_point()
+
+
+def _diff_mask(
+    args: tuple[Any, ...], kwargs: dict[str, Any], argnums: tuple[int, ...]
+) -> list[bool]:
+    """For each tensor leaf of ``(args, kwargs)``: is it a differentiated float leaf?"""
+    mask: list[bool] = []
+    for i, a in enumerate(args):
+        leaves, _ = flatten(a)
+        mask += [i in argnums and _is_float(t) for t in leaves]
+    mask += [False] * len(flatten(kwargs)[0])
+    return mask
+
+
+def _grads_structure(args: tuple[Any, ...], argnums: tuple[int, ...], is_int: bool) -> Any:
+    """The grads pytree: the tensor where a gradient goes, ``None`` for every other leaf."""
+
+    def slot(x: Any) -> Any:
+        return x if isinstance(x, torch.Tensor) and _is_float(x) else None
+
+    per_arg = [optree.tree_map(slot, args[i], namespace=NAMESPACE) for i in argnums]
+    return per_arg[0] if is_int else tuple(per_arg)
+
+
+def joint(
+    f: Callable[..., Any],
+    *,
+    argnums: int | Sequence[int] | None = None,
+    has_aux: bool = False,
+    decompositions: Decompositions = "core",
+) -> Callable[..., JointGraph]:
+    """Trace ``f`` forward+backward into one :class:`JointGraph`.
+
+    The result computes ``(outputs, grads)`` from ``(primals, tangents)``: ``primals`` are the
+    positional arguments, ``tangents`` one cotangent per floating-point output leaf. With
+    ``has_aux``, ``f`` returns ``(output, aux)`` and ``aux`` gets no tangent.
+
+    >>> import torch, functrans as ft
+    >>> jg = ft.joint(lambda x: (x * x).sum())(torch.ones(3))
+    >>> outs, grads = jg((torch.tensor([1.0, 2.0, 3.0]),), (torch.tensor(1.0),))
+    >>> outs, grads
+    (tensor(14.), (tensor([2., 4., 6.]),))
+    """
+    table = decomposition_table(decompositions)
+
+    def traced(*args: Any, **kwargs: Any) -> JointGraph:
+        nums = normalize_argnums(argnums, len(args))
+        tensors, fn_in = flatten((args, kwargs))
+        mask = _diff_mask(args, kwargs, nums)
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        fakes = [mode.from_tensor(t.detach()) for t in tensors]
+        out_tree = _eval_shape(f, fn_in, fakes, mask, mode)
+        out_vals, fn_out = flatten(out_tree)
+        wants_tangent = _tangent_mask(f, out_tree, out_vals, has_aux)
+        with mode:
+            tangents = [
+                torch.empty_like(o.detach())
+                for o, w in zip(out_vals, wants_tangent, strict=True)
+                if w
+            ]
+        joint_fn = _joint_function(f, fn_in, mask, wants_tangent)
+        paths = arg_names(f, fn_in)
+        inputs = [t.requires_grad_(m) for t, m in zip(fakes, mask, strict=True)] + tangents
+        try:
+            gm = trace_module(joint_fn, inputs, user_fn=f, table=table, input_paths=paths)
+        except RuntimeError as e:
+            if "in-place operation" in str(e):  # autograd refused to mutate a leaf: name it
+                trace(f, decompositions=decompositions)(*args, **kwargs)
+            raise
+        tangent_paths = [p for p, w in zip(fn_out.tensor_paths(), wants_tangent, strict=True) if w]
+        specs = [InputSpec(f"primals_{i + 1}", Role.PRIMAL, p) for i, p in enumerate(paths)]
+        specs += [
+            InputSpec(f"tangents_{i + 1}", Role.TANGENT, f"tangent of output{p}")
+            for i, p in enumerate(tangent_paths)
+        ]
+        gm = canonicalize(gm, specs)
+        assign_phases(gm.graph)
+        _, in_flat = flatten(((args, tuple(tangents)), kwargs))
+        grads_tree = _grads_structure(args, nums, isinstance(argnums, int))
+        _, out_flat = flatten((out_tree, grads_tree))
+        return JointGraph(
+            gm,
+            in_flat,
+            out_flat,
+            fn_in=fn_in,
+            fn_out=fn_out,
+            grads_flat=flatten(grads_tree)[1],
+            num_outputs=len(out_vals),
+            argnums=nums,
+        )
+
+    return traced
+
+
+def _joint_function(
+    f: Callable[..., Any], fn_in: Flat, mask: list[bool], wants_tangent: list[bool]
+) -> Callable[..., list[torch.Tensor]]:
+    """The flat function ``(*primals, *tangents) -> [*outputs, *grads]`` that gets traced."""
+    n_primals = len(mask)
+
+    def joint_fn(*leaves: torch.Tensor) -> list[torch.Tensor]:
+        primals, cots = list(leaves[:n_primals]), list(leaves[n_primals:])
+        with torch.enable_grad():
+            a, kw = unflatten(fn_in, primals)
+            outs, _ = flatten(f(*a, **kw))
+            wrt = [p for p, m in zip(primals, mask, strict=True) if m]
+            diff_outs = [o for o, w in zip(outs, wants_tangent, strict=True) if w]
+            pairs = [(o, t) for o, t in zip(diff_outs, cots, strict=True) if o.requires_grad]
+            grads: Sequence[torch.Tensor | None] = [None] * len(wrt)
+            if pairs and wrt:
+                grads = torch.autograd.grad(
+                    [o for o, _ in pairs], wrt, [t for _, t in pairs], allow_unused=True
+                )
+        full = [
+            g if g is not None else torch.zeros_like(w) for g, w in zip(grads, wrt, strict=True)
+        ]
+        return [o.detach() for o in outs] + [g.detach() for g in full]
+
+    return joint_fn
+
+
+def _eval_shape(
+    f: Callable[..., Any],
+    fn_in: Flat,
+    fakes: Sequence[torch.Tensor],
+    mask: list[bool],
+    mode: FakeTensorMode,
+) -> Any:
+    """Run ``f`` on fake tensors to learn its outputs' structure, shapes and dtypes."""
+
+    def run() -> Any:
+        with mode, torch.enable_grad():
+            leaves = [t.detach().requires_grad_(m) for t, m in zip(fakes, mask, strict=True)]
+            a, kw = unflatten(fn_in, leaves)
+            return f(*a, **kw)
+
+    return optree.tree_map(
+        lambda x: x.detach() if isinstance(x, torch.Tensor) else x,
+        run_traced(run, f),
+        namespace=NAMESPACE,
+    )
+
+
+def _tangent_mask(
+    f: Callable[..., Any], out_tree: Any, out_vals: list[torch.Tensor], has_aux: bool
+) -> list[bool]:
+    """Which output leaves get a tangent: float leaves (of ``output`` only, with has_aux)."""
+    floats = [_is_float(o) for o in out_vals]
+    if not has_aux:
+        return floats
+    if not (isinstance(out_tree, tuple) and len(out_tree) == 2):
+        raise TraceError(
+            f"{getattr(f, '__qualname__', f)} was marked has_aux=True, so it must return a pair "
+            f"(output, aux); it returned {type(out_tree).__name__}"
+        )
+    n_main = len(flatten(out_tree[0])[0])
+    return [fl and i < n_main for i, fl in enumerate(floats)]

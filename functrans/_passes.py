@@ -1,0 +1,96 @@
+"""Small pure passes over FX graphs: canonicalize traced graphs, dead-code elimination.
+
+Each pass returns a new ``GraphModule`` and leaves its input untouched.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from ._graph import PATH, ROLE, SOURCE, Role
+
+__all__ = ["InputSpec", "canonicalize", "copy_module", "source_of"]
+
+aten = torch.ops.aten
+
+# Ops that return their input's value unchanged; in a functional graph they are plain renames.
+_IDENTITY_OPS = frozenset({aten.alias.default, aten.detach.default})
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """How to name and tag one placeholder."""
+
+    name: str
+    role: Role
+    path: str
+
+
+def identifier(text: str) -> str:
+    """A valid, readable Python identifier for an argument path like ``params['w'][0]``."""
+    s = re.sub(r"\W+", "_", text).strip("_")
+    return s if s and not s[0].isdigit() else f"arg_{s}"
+
+
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in \S+\n\s*(?P<code>.*)')
+
+
+def source_of(stack_trace: str | None) -> str | None:
+    """``file:line: code`` of the innermost frame recorded in an FX ``stack_trace``."""
+    if not stack_trace:
+        return None
+    frames = list(_FRAME.finditer(stack_trace))
+    if not frames:
+        return None
+    m = frames[-1]
+    return f"{m['file']}:{m['line']}: {m['code'].strip()}"
+
+
+def copy_module(root: torch.nn.Module, graph: fx.Graph) -> fx.GraphModule:
+    """A GraphModule over ``graph`` that keeps ``root``'s attributes (constants)."""
+    return fx.GraphModule(root, graph)
+
+
+def canonicalize(gm: fx.GraphModule, inputs: Sequence[InputSpec]) -> fx.GraphModule:
+    """Rename and tag placeholders, drop identity ops, remove dead code, record source lines."""
+    new = fx.Graph()
+    env: dict[fx.Node, Any] = {}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(inputs):
+        raise ValueError(f"{len(placeholders)} placeholders but {len(inputs)} input specs")
+    for node, spec in zip(placeholders, inputs, strict=True):
+        p = new.placeholder(spec.name)
+        p.meta.update(node.meta)
+        p.meta[ROLE] = spec.role
+        p.meta[PATH] = spec.path
+        env[node] = p
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            continue
+        if node.op == "call_function" and node.target in _IDENTITY_OPS:
+            env[node] = env[node.args[0]]
+            continue
+        copied = new.node_copy(node, lambda n: env[n])
+        src = source_of(node.meta.get("stack_trace"))
+        if src is not None:
+            copied.meta[SOURCE] = src
+        env[node] = copied
+    eliminate_dead_code(new)
+    out = copy_module(gm, new)
+    return out
+
+
+def eliminate_dead_code(graph: fx.Graph, keep: Callable[[fx.Node], bool] | None = None) -> None:
+    """Remove every op whose value nothing uses (in place, on a graph this pass owns)."""
+    for node in reversed(list(graph.nodes)):
+        if node.op in ("placeholder", "output") or node.users:
+            continue
+        if keep is not None and keep(node):
+            continue
+        graph.erase_node(node)

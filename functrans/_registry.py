@@ -1,0 +1,52 @@
+"""A tiny name -> object registry shared by partition strategies and codegen backends."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Generic, TypeVar
+
+from ._errors import UnknownNameError
+
+__all__ = ["Registry"]
+
+T = TypeVar("T")
+
+
+class Registry(Generic[T]):
+    """Maps names (and aliases) to objects; unknown names raise an error listing known ones.
+
+    >>> r: Registry[int] = Registry("number")
+    >>> r.register("one", 1, aliases=("uno",))
+    1
+    >>> r.get("uno"), r.names()
+    (1, ['one', 'uno'])
+    """
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self._items: dict[str, T] = {}
+
+    def register(
+        self, name: str, obj: T, *, aliases: Iterable[str] = (), replace: bool = False
+    ) -> T:
+        for key in (name, *aliases):
+            if key in self._items and not replace and self._items[key] is not obj:
+                raise ValueError(
+                    f"a {self.kind} named {key!r} is already registered; pass replace=True to "
+                    "override it"
+                )
+            self._items[key] = obj
+        return obj
+
+    def get(self, name: str) -> T:
+        try:
+            return self._items[name]
+        except KeyError:
+            known = ", ".join(repr(n) for n in self.names()) or "none"
+            raise UnknownNameError(f"unknown {self.kind} {name!r}; registered: {known}") from None
+
+    def names(self) -> list[str]:
+        return sorted(self._items)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._items

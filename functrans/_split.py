@@ -1,0 +1,160 @@
+"""``split(joint, saved)``: the one place that cuts a joint graph into forward and backward.
+
+Any valid set of forward values to save yields a forward graph ``(primals) -> (outputs, saved)``
+and a backward graph ``(saved, tangents) -> grads``. Whatever backward needs that is neither
+saved nor a tangent is re-emitted inside backward from the saved values. Strategies only choose
+the saved set; this function does all graph surgery, so one property test covers them all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch.fx as fx
+
+from ._cost import OpClass, op_class
+from ._errors import InvalidPartitionError
+from ._graph import PHASE, RECOMPUTED, ROLE, Graph, JointGraph, Phase, Role
+from ._passes import copy_module
+from ._pytree import flatten, unflatten
+
+__all__ = ["Split", "ancestors", "resolve_nodes", "split"]
+
+_VALUE_OPS = ("call_function", "get_attr")
+
+
+@dataclass(frozen=True)
+class Split:
+    """The result of :func:`split`."""
+
+    forward: Graph
+    backward: Graph
+    saved: tuple[fx.Node, ...]  # joint-graph nodes handed from forward to backward, in order
+    recomputed: tuple[fx.Node, ...]  # joint-graph nodes computed in forward AND again in backward
+
+
+def resolve_nodes(joint: JointGraph, saved: Iterable[str | fx.Node]) -> set[fx.Node]:
+    """Map names or nodes to the joint graph's nodes, rejecting anything that cannot be saved."""
+    by_name = {n.name: n for n in joint.fx_graph.nodes}
+    out: set[fx.Node] = set()
+    for item in saved:
+        name = item.name if isinstance(item, fx.Node) else item
+        node = by_name.get(name)
+        if node is None or (isinstance(item, fx.Node) and node is not item):
+            raise InvalidPartitionError(f"saved value {name!r} is not a node of this joint graph")
+        if node.op == "output":
+            raise InvalidPartitionError("the output node cannot be saved")
+        if node.meta.get(PHASE) is not Phase.FORWARD:
+            raise InvalidPartitionError(
+                f"cannot save {name!r}: it depends on a tangent ({_tangent_path(node)}), so it "
+                "does not exist when the forward pass ends. Only FORWARD-phase values can be saved."
+            )
+        out.add(node)
+    return out
+
+
+def _tangent_path(node: fx.Node) -> str:
+    chain = [node.name]
+    while node.meta.get(ROLE) is not Role.TANGENT:
+        node = next(a for a in node.all_input_nodes if a.meta.get(PHASE) is Phase.BACKWARD)
+        chain.append(node.name)
+    return " <- ".join(chain)
+
+
+def ancestors(roots: Iterable[Any], stop: set[fx.Node]) -> set[fx.Node]:
+    """All nodes reachable backwards from ``roots`` through inputs, not crossing ``stop``."""
+    seen: set[fx.Node] = set()
+    todo = [r for r in roots if isinstance(r, fx.Node)]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n not in stop:
+            todo.extend(n.all_input_nodes)
+    return seen
+
+
+def split(joint: JointGraph, saved: Iterable[str | fx.Node]) -> Split:
+    """Cut ``joint`` into forward and backward graphs that pass exactly ``saved`` between them.
+
+    ``saved`` holds FORWARD-phase nodes (or their names). Primal inputs that backward needs to
+    recompute something are added to the saved set (they are inputs: saving them is free).
+    Random ops are never silently recomputed: if backward would have to re-run a random op the
+    forward already ran, :class:`InvalidPartitionError` asks to save its output instead.
+
+    >>> import torch, functrans as ft
+    >>> jg = ft.joint(lambda x: x.sin().sum())(torch.ones(3))
+    >>> s = ft.split(jg, saved=["primals_1"])
+    >>> [n.name for n in s.saved], [n.name for n in s.recomputed]
+    (['primals_1'], [])
+    """
+    chosen = resolve_nodes(joint, saved)
+    tangents = set(joint.tangents())
+    bwd = ancestors(joint.grad_outputs(), chosen | tangents)
+    chosen |= {n for n in bwd if n.op == "placeholder" and n.meta.get(ROLE) is Role.PRIMAL}
+    bwd_inputs = [n for n in joint.fx_graph.nodes if n in chosen and n in bwd]
+    fwd = ancestors(list(joint.forward_outputs()) + bwd_inputs, set())
+    recomputed = [n for n in joint.fx_graph.nodes if n in bwd and n in fwd and n not in chosen]
+    recomputed = [n for n in recomputed if n.op != "placeholder"]
+    _check_random(recomputed)
+    forward = _forward_graph(joint, fwd, bwd_inputs)
+    backward = _backward_graph(joint, bwd, bwd_inputs, set(recomputed))
+    return Split(forward, backward, tuple(bwd_inputs), tuple(recomputed))
+
+
+def _check_random(recomputed: Sequence[fx.Node]) -> None:
+    for n in recomputed:
+        if op_class(n) is OpClass.RANDOM:
+            raise InvalidPartitionError(
+                f"this saved set makes backward re-run the random op {n.name} ({n.target}), which "
+                "would draw different numbers than forward did and give wrong gradients. Save "
+                f"{n.name!r} (or a value computed from it) instead."
+            )
+
+
+def _emit(
+    graph: fx.Graph, nodes: Iterable[fx.Node], env: dict[fx.Node, fx.Node], mark: set[fx.Node]
+) -> None:
+    for n in nodes:
+        copied = graph.node_copy(n, lambda a: env[a])
+        if n in mark:
+            copied.meta[RECOMPUTED] = True
+        env[n] = copied
+
+
+def _forward_graph(joint: JointGraph, needed: set[fx.Node], saved: list[fx.Node]) -> Graph:
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for p in joint.primals():
+        env[p] = g.placeholder(p.name)
+        env[p].meta.update(p.meta)
+    body = [n for n in joint.fx_graph.nodes if n in needed and n.op in _VALUE_OPS]
+    _emit(g, body, env, set())
+    outs = joint.forward_outputs()
+    g.output(tuple(env[o] for o in outs) + tuple(env[s] for s in saved))
+    out_tree = unflatten(joint.fn_out, [o.meta["val"] for o in outs])
+    _, out_flat = flatten((out_tree, tuple(s.meta["val"] for s in saved)))
+    return Graph(copy_module(joint.graph_module, g), joint.fn_in, out_flat)
+
+
+def _backward_graph(
+    joint: JointGraph, needed: set[fx.Node], saved: list[fx.Node], recomputed: set[fx.Node]
+) -> Graph:
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for s in saved:
+        env[s] = g.placeholder(s.name)
+        env[s].meta.update(s.meta)
+        env[s].meta[ROLE] = Role.SAVED
+    for t in joint.tangents():
+        env[t] = g.placeholder(t.name)
+        env[t].meta.update(t.meta)
+    body = [n for n in joint.fx_graph.nodes if n in needed and n not in env and n.op in _VALUE_OPS]
+    _emit(g, body, env, recomputed)
+    g.output(tuple(env[o] for o in joint.grad_outputs()))
+    vals = (tuple(s.meta["val"] for s in saved), tuple(t.meta["val"] for t in joint.tangents()))
+    _, in_flat = flatten((vals, {}))
+    return Graph(copy_module(joint.graph_module, g), in_flat, joint.grads_flat)

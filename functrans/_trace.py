@@ -1,0 +1,266 @@
+"""``trace(f)(*args)``: a Python function on pytrees of tensors -> a functional ATen :class:`Graph`.
+
+Tracing runs ``f`` once under ``make_fx`` in fake mode (no real compute), with decompositions
+down to core ATen. A second pass through functionalization removes in-place ops on
+intermediates; in-place mutation of an *input* is rejected with a :class:`TraceError` naming the
+op and the argument.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import os
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import optree
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+)
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+from ._errors import TraceError
+from ._format import op_name
+from ._graph import SOURCE, Graph, Role
+from ._passes import InputSpec, canonicalize, identifier
+from ._pytree import Flat, flatten, unflatten
+
+__all__ = [
+    "Decompositions",
+    "arg_names",
+    "decomposition_table",
+    "run_traced",
+    "trace",
+    "trace_module",
+    "user_frame",
+]
+
+Decompositions = str | Mapping[Any, Callable[..., Any]] | None
+
+_DATA_DEPENDENT = (
+    GuardOnDataDependentSymNode,
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+)
+_LIBRARY_DIRS = (
+    *(os.path.dirname(m.__file__ or "") + os.sep for m in (torch, optree, contextlib)),
+    os.path.dirname(__file__) + os.sep,
+)
+
+
+@functools.cache
+def _core_table() -> Mapping[Any, Callable[..., Any]]:
+    from torch._decomp import core_aten_decompositions
+
+    return dict(core_aten_decompositions())
+
+
+def decomposition_table(decompositions: Decompositions) -> Mapping[Any, Callable[..., Any]]:
+    """``"core"`` (core ATen), ``None``/``"none"`` (as dispatched), or a user table."""
+    if decompositions == "core":
+        return _core_table()
+    if decompositions is None or decompositions == "none":
+        return {}
+    if isinstance(decompositions, Mapping):
+        return decompositions
+    raise ValueError(
+        f"decompositions must be 'core', 'none', None or a mapping, got {decompositions!r}"
+    )
+
+
+def arg_names(f: Callable[..., Any], flat: Flat) -> list[str]:
+    """Readable paths (``x``, ``params['w']``) for the tensor leaves of ``(args, kwargs)``."""
+    try:
+        params = list(inspect.signature(f).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    out = []
+    for path in flat.tensor_paths():
+        # paths look like "[0][1]..." (args) or "[1]['key']..." (kwargs)
+        head, _, rest = path[1:].partition("]")
+        index, _, tail = rest[1:].partition("]")
+        tail = tail if not tail or tail.startswith(("[", ".")) else "." + tail
+        if head == "0":
+            i = int(index)
+            name = positional[i] if i < len(positional) else f"args[{i}]"
+        else:
+            name = index.strip("'\"")
+        out.append(name + tail)
+    return out
+
+
+def user_frame(exc: BaseException) -> traceback.FrameSummary | None:
+    """The innermost traceback frame that belongs to user code (not torch, optree, functrans)."""
+    frames = [
+        fr
+        for fr in traceback.extract_tb(exc.__traceback__)
+        if not fr.filename.startswith(_LIBRARY_DIRS) and not fr.filename.startswith("<")
+    ]
+    return frames[-1] if frames else None
+
+
+def _data_dependent_error(fn: Callable[..., Any], exc: BaseException) -> TraceError:
+    fr = user_frame(exc)
+    where = f"{fr.filename}:{fr.lineno}: `{(fr.line or '').strip()}`" if fr else "unknown line"
+    name = getattr(fn, "__qualname__", repr(fn))
+    return TraceError(
+        f"{name} depends on the value of a tensor at {where}.\n"
+        "Tracing records one straight-line graph and cannot follow Python control flow (or "
+        "output shapes) that depend on tensor values. Compute both branches and pick with "
+        "torch.where(cond, a, b), or pass the value as a Python scalar marked static with "
+        "static_argnums=(...)."
+    )
+
+
+def run_traced(fn: Callable[..., Any], user_fn: Callable[..., Any]) -> Any:
+    """Call ``fn`` (which traces ``user_fn``), translating tracing failures into TraceErrors."""
+    code = getattr(user_fn, "__code__", None) or getattr(
+        getattr(user_fn, "forward", None), "__code__", None
+    )
+    if code is not None:
+        torch.fx.proxy._STACK_TRACE_ANCHORS.add((code.co_filename, code.co_name))
+    try:
+        return fn()
+    except _DATA_DEPENDENT as e:
+        raise _data_dependent_error(user_fn, e) from e
+
+
+def check_no_input_mutation(gm: fx.GraphModule, paths: Sequence[str]) -> None:
+    """Raise TraceError if an op writes to a placeholder or to a view of one."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    where = dict(zip(placeholders, paths, strict=False))
+    for node in gm.graph.nodes:
+        target = node.target
+        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+            continue
+        for i, arg in enumerate(target._schema.arguments):
+            if arg.alias_info is None or not arg.alias_info.is_write:
+                continue
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+            base = _view_base(value)
+            if base in where:
+                src = node.meta.get(SOURCE) or _src(node)
+                raise TraceError(
+                    f"`{op_name(target)}` mutates input {where[base]} in place"
+                    f"{f' at {src}' if src else ''}. functrans traces pure functions: use the "
+                    "out-of-place op (e.g. `y = x.add(1)` instead of `x.add_(1)`, "
+                    "`torch.where`/`index_put` instead of item assignment) and return the result."
+                )
+
+
+def _src(node: fx.Node) -> str | None:
+    from ._passes import source_of
+
+    return source_of(node.meta.get("stack_trace"))
+
+
+def _view_base(value: Any) -> Any:
+    while (
+        isinstance(value, fx.Node)
+        and value.op == "call_function"
+        and isinstance(value.target, torch._ops.OpOverload)
+        and value.target.is_view
+    ):
+        value = value.args[0]
+    return value
+
+
+def _has_mutation(gm: fx.GraphModule) -> bool:
+    return any(
+        n.op == "call_function"
+        and isinstance(n.target, torch._ops.OpOverload)
+        and n.target._schema.is_mutable
+        for n in gm.graph.nodes
+    )
+
+
+def functionalize(gm: fx.GraphModule, table: Mapping[Any, Callable[..., Any]]) -> fx.GraphModule:
+    """Retrace ``gm`` through functionalization: in-place ops on intermediates become pure."""
+    if not _has_mutation(gm):
+        return gm
+    vals = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
+
+    def run(*args: Any) -> Any:
+        return fx.Interpreter(gm).run(*args)
+
+    pure = torch.func.functionalize(run, remove="mutations")
+    return make_fx(pure, table, tracing_mode="fake", record_stack_traces=True)(*vals)
+
+
+def fake_inputs(tensors: Sequence[torch.Tensor], mode: Any) -> list[torch.Tensor]:
+    return [mode.from_tensor(t) for t in tensors]
+
+
+def trace_module(
+    flat_fn: Callable[..., Any],
+    inputs: Sequence[torch.Tensor],
+    *,
+    user_fn: Callable[..., Any],
+    table: Mapping[Any, Callable[..., Any]],
+    input_paths: Sequence[str],
+) -> fx.GraphModule:
+    """make_fx ``flat_fn`` on fake ``inputs``, reject input mutation, functionalize."""
+    traced = make_fx(
+        flat_fn,
+        table,
+        tracing_mode="fake",
+        record_stack_traces=True,
+        _allow_non_fake_inputs=True,
+    )
+    gm: fx.GraphModule = run_traced(lambda: traced(*inputs), user_fn)
+    check_no_input_mutation(gm, input_paths)
+    return functionalize(gm, table)
+
+
+def trace(
+    f: Callable[..., Any],
+    *,
+    decompositions: Decompositions = "core",
+    static_argnums: Sequence[int] = (),
+) -> Callable[..., Graph]:
+    """Trace ``f`` on example arguments to a functional ATen :class:`Graph`.
+
+    Tensor leaves of the arguments (any optree pytree) become graph inputs; all other leaves,
+    and the arguments listed in ``static_argnums``, are static: baked into the graph and
+    checked when the graph is called.
+
+    >>> import torch, functrans as ft
+    >>> def f(x, cfg):
+    ...     return {"y": torch.relu(x) * cfg["scale"]}
+    >>> g = ft.trace(f)(torch.ones(2), {"scale": 3.0})
+    >>> print(g)
+    def forward(x: "f32[2]"):
+        relu: "f32[2]" = aten.relu.default(x)
+        mul: "f32[2]" = aten.mul.Tensor(relu, 3.0)
+        return (mul,)
+    >>> g(torch.tensor([-1.0, 2.0]), {"scale": 3.0})
+    {'y': tensor([0., 6.])}
+    """
+    table = decomposition_table(decompositions)
+
+    def traced(*args: Any, **kwargs: Any) -> Graph:
+        tensors, in_flat = flatten((args, kwargs), static_argnums=tuple(static_argnums))
+        names = arg_names(f, in_flat)
+        out_box: list[Flat] = []
+
+        def flat_fn(*leaves: torch.Tensor) -> list[torch.Tensor]:
+            a, kw = unflatten(in_flat, leaves)
+            out_leaves, out_flat = flatten(f(*a, **kw))
+            out_box.append(out_flat)
+            return out_leaves
+
+        gm = trace_module(
+            flat_fn, [t.detach() for t in tensors], user_fn=f, table=table, input_paths=names
+        )
+        specs = [InputSpec(identifier(n), Role.PRIMAL, n) for n in names]
+        return Graph(canonicalize(gm, specs), in_flat, out_box[-1])
+
+    return traced

@@ -1,0 +1,30 @@
+"""The plugin surface: everything a partition strategy or codegen backend may import.
+
+Third-party strategies and backends import from here (and torch, numpy, scipy, triton), never
+from functrans' private modules, so the core can change underneath them.
+
+>>> from functrans.extend import JointGraph, OpClass, op_class, activation_bytes
+"""
+
+from ._cost import COMPUTE_INTENSIVE as COMPUTE_INTENSIVE
+from ._cost import OpClass as OpClass
+from ._cost import activation_bytes as activation_bytes
+from ._cost import flops as flops
+from ._cost import is_input_alias as is_input_alias
+from ._cost import nbytes as nbytes
+from ._cost import op_class as op_class
+from ._errors import FunctransError as FunctransError
+from ._errors import InvalidPartitionError as InvalidPartitionError
+from ._errors import UnsupportedOpError as UnsupportedOpError
+from ._graph import PHASE as PHASE
+from ._graph import RECOMPUTED as RECOMPUTED
+from ._graph import ROLE as ROLE
+from ._graph import SOURCE as SOURCE
+from ._graph import Graph as Graph
+from ._graph import JointGraph as JointGraph
+from ._graph import Phase as Phase
+from ._graph import Role as Role
+from ._partition import Strategy as Strategy
+from ._registry import Registry as Registry
+from ._split import ancestors as ancestors
+from ._split import split as split

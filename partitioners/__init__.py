@@ -1,0 +1,44 @@
+"""Partition strategies: one per module, each registered here under its name.
+
+A strategy is a callable ``(joint: JointGraph, **options) -> saved nodes``; it only chooses,
+``functrans.split`` does the surgery. Register your own with :func:`register`:
+
+>>> import functrans as ft
+>>> from functrans import partitioners
+>>> def save_primals_only(joint):
+...     return [n for n in joint.primals()]
+>>> _ = partitioners.register("my_remat", save_primals_only, replace=True)
+>>> "my_remat" in partitioners.names()
+True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from functrans.extend import Registry, Strategy
+
+__all__ = ["get", "names", "register"]
+
+_STRATEGIES: Registry[Strategy] = Registry("partition strategy")
+
+
+def register(
+    name: str, strategy: Strategy, *, aliases: Iterable[str] = (), replace: bool = False
+) -> Strategy:
+    """Register ``strategy`` under ``name`` (and ``aliases``); returns it."""
+    return _STRATEGIES.register(name, strategy, aliases=aliases, replace=replace)
+
+
+def get(name: str) -> Strategy:
+    """The strategy registered as ``name``; unknown names list the registered ones."""
+    return _STRATEGIES.get(name)
+
+
+def names() -> list[str]:
+    """Names (and aliases) of every registered strategy."""
+    return _STRATEGIES.names()
+
+
+from . import default as default  # noqa: E402  (registers itself)
+from . import full_remat as full_remat  # noqa: E402
