@@ -85,6 +85,14 @@ def joint(
     table = decomposition_table(decompositions)
 
     def traced(*args: Any, **kwargs: Any) -> JointGraph:
+        try:
+            return build(*args, **kwargs)
+        except RuntimeError as e:
+            if "in-place operation" in str(e):  # autograd refused to mutate a leaf: name it
+                trace(f, decompositions=decompositions)(*args, **kwargs)
+            raise
+
+    def build(*args: Any, **kwargs: Any) -> JointGraph:
         nums = normalize_argnums(argnums, len(args))
         tensors, fn_in = flatten((args, kwargs))
         mask = _diff_mask(args, kwargs, nums)
@@ -102,12 +110,7 @@ def joint(
         joint_fn = _joint_function(f, fn_in, mask, wants_tangent)
         paths = arg_names(f, fn_in)
         inputs = [t.requires_grad_(m) for t, m in zip(fakes, mask, strict=True)] + tangents
-        try:
-            gm = trace_module(joint_fn, inputs, user_fn=f, table=table, input_paths=paths)
-        except RuntimeError as e:
-            if "in-place operation" in str(e):  # autograd refused to mutate a leaf: name it
-                trace(f, decompositions=decompositions)(*args, **kwargs)
-            raise
+        gm = trace_module(joint_fn, inputs, user_fn=f, table=table, input_paths=paths)
         tangent_paths = [p for p, w in zip(fn_out.tensor_paths(), wants_tangent, strict=True) if w]
         specs = [InputSpec(f"primals_{i + 1}", Role.PRIMAL, p) for i, p in enumerate(paths)]
         specs += [

@@ -1,12 +1,16 @@
 """Hypothesis strategy for small random straight-line PyTorch programs.
 
-A :class:`Program` is a list of :class:`Step` s, each applying one op to earlier values (the
-value list is the inputs followed by the step results).  Programs have no Python control flow on
-values, are deterministic, share one floating dtype, and are differentiable almost everywhere
-with finite gradients at the inputs :meth:`Program.example_inputs` produces: every op is total
-(``log1p(x * x)`` instead of ``log``, ``a / (1 + b * b)`` instead of ``a / b``), the generator
-tracks a bound on every value's magnitude, and ``amax``/``maximum``/``minimum``/``layer_norm``
-are only applied where exact ties or constant rows are (almost surely) impossible.
+A :class:`Program` is a list of :class:`Step` s, each applying one op (a :data:`STEP_KINDS`
+name) to earlier values; the value list is the inputs followed by the step results.  Programs
+have no Python control flow on values, are deterministic, share one floating dtype, and are
+differentiable almost everywhere with finite gradients at :meth:`Program.example_inputs`:
+
+* every op is total (``log1p(x * x)`` rather than ``log``, ``a / (1 + b * b)`` rather than
+  ``a / b``, ``exp(tanh(x))`` rather than ``exp``) and the generator tracks a bound on every
+  value's magnitude, refusing ops that would push it past ``_MAX_BOUND``;
+* ``amax``, ``maximum``/``minimum`` and ``layer_norm`` only see "generic" operands: values that
+  (almost surely) have no exact ties and no constant rows, e.g. never the output of ``relu``,
+  ``where``, ``expand``, a clamp-like op, or a combination of two values sharing an input.
 """
 
 from __future__ import annotations
@@ -23,13 +27,14 @@ import torch
 import torch.nn.functional as F
 from hypothesis import strategies as st
 
-__all__ = ["STEP_KINDS", "InputSpec", "Program", "Step", "programs"]
+__all__ = ["INPUT_BOUND", "STEP_KINDS", "InputSpec", "Program", "Step", "programs"]
 
 INPUT_BOUND = 2.0  # example inputs are uniform in [-INPUT_BOUND, INPUT_BOUND)
-_MAX_BOUND = 1000.0  # no value may exceed this magnitude bound
+_MAX_BOUND = 1000.0  # bound on the magnitude of every value
 _MAX_NUMEL = 256
 _SATURATE = 4.0  # tanh/sigmoid of larger values may round to exact ties in float32
 _CONSTANTS = (0.5, 2.0, -1.5)
+_DIM_SIZES = (1, 2, 3, 4, 1)  # size-1 dims are common, for broadcasting edge cases
 
 
 @dataclass(frozen=True)
@@ -45,7 +50,8 @@ class Step:
     """One op: ``op`` (a :data:`STEP_KINDS` name) applied to ``args``.
 
     ``args`` are value indices (``int``) or Python ``float`` constants; ``params`` are the op's
-    integer parameters (dims, sizes, flags); ``shape`` is the result's shape.
+    integer parameters (dims, narrow start/length, keepdim and transpose flags); ``shape`` is
+    the shape of the result.
     """
 
     op: str
@@ -54,62 +60,84 @@ class Step:
     shape: tuple[int, ...]
 
 
-def _ident(b: float) -> float:
-    return b
-
-
-def _sat(b: float) -> bool:
-    return b <= _SATURATE
-
-
-def _always(b: float) -> bool:
-    return True
-
-
-def _never(b: float) -> bool:
-    return False
-
-
-# name -> (function, source template, result bound from operand bound, keeps operand generic)
-_UNARY: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], str, Callable[[float], float],
-                        Callable[[float], bool]]] = {
-    "neg": (torch.neg, "-{0}", _ident, _always),
-    "tanh": (torch.tanh, "torch.tanh({0})", lambda b: 1.0, _sat),
-    "sin": (torch.sin, "torch.sin({0})", lambda b: 1.0, _always),
-    "cos": (torch.cos, "torch.cos({0})", lambda b: 1.0, _always),
-    "exp_tanh": (lambda x: torch.exp(torch.tanh(x)), "torch.exp(torch.tanh({0}))",
-                 lambda b: math.e, _sat),
-    "sigmoid": (torch.sigmoid, "torch.sigmoid({0})", lambda b: 1.0, _sat),
-    "square": (lambda x: x * x, "{0} * {0}", lambda b: b * b, _always),
-    "relu": (torch.relu, "torch.relu({0})", _ident, _never),
-    "abs": (torch.abs, "torch.abs({0})", _ident, _always),
-    "gelu": (F.gelu, "F.gelu({0})", _ident, _always),
-    "silu": (F.silu, "F.silu({0})", _ident, _always),
-    "log1p_square": (lambda x: torch.log1p(x * x), "torch.log1p({0} * {0})",
-                     lambda b: math.log1p(b * b), _always),
+# op -> (eager implementation taking (operands, params, result shape), source template)
+_Impl = Callable[[list[Any], tuple[int, ...], tuple[int, ...]], torch.Tensor]
+_OPS: dict[str, tuple[_Impl, str]] = {
+    "neg": (lambda o, p, s: -o[0], "-{x}"),
+    "tanh": (lambda o, p, s: torch.tanh(o[0]), "torch.tanh({x})"),
+    "sin": (lambda o, p, s: torch.sin(o[0]), "torch.sin({x})"),
+    "cos": (lambda o, p, s: torch.cos(o[0]), "torch.cos({x})"),
+    "exp_tanh": (lambda o, p, s: torch.exp(torch.tanh(o[0])), "torch.exp(torch.tanh({x}))"),
+    "sigmoid": (lambda o, p, s: torch.sigmoid(o[0]), "torch.sigmoid({x})"),
+    "square": (lambda o, p, s: o[0] * o[0], "{x} * {x}"),
+    "relu": (lambda o, p, s: torch.relu(o[0]), "torch.relu({x})"),
+    "abs": (lambda o, p, s: torch.abs(o[0]), "torch.abs({x})"),
+    "gelu": (lambda o, p, s: F.gelu(o[0]), "F.gelu({x})"),
+    "silu": (lambda o, p, s: F.silu(o[0]), "F.silu({x})"),
+    "log1p_square": (lambda o, p, s: torch.log1p(o[0] * o[0]), "torch.log1p({x} * {x})"),
+    "add": (lambda o, p, s: o[0] + o[1], "{x} + {y}"),
+    "sub": (lambda o, p, s: o[0] - o[1], "{x} - {y}"),
+    "mul": (lambda o, p, s: o[0] * o[1], "{x} * {y}"),
+    "div": (lambda o, p, s: o[0] / (1 + o[1] * o[1]), "{x} / (1 + {y} * {y})"),
+    "maximum": (lambda o, p, s: torch.maximum(o[0], o[1]), "torch.maximum({x}, {y})"),
+    "minimum": (lambda o, p, s: torch.minimum(o[0], o[1]), "torch.minimum({x}, {y})"),
+    "where": (lambda o, p, s: torch.where(o[0] > o[1], o[0], o[2]),
+              "torch.where({x} > {y}, {x}, {z})"),
+    "unsqueeze": (lambda o, p, s: o[0].unsqueeze(p[0]), "{x}.unsqueeze({p})"),
+    "squeeze": (lambda o, p, s: o[0].squeeze(p[0]), "{x}.squeeze({p})"),
+    "transpose": (lambda o, p, s: o[0].transpose(p[0], p[1]), "{x}.transpose({p})"),
+    "permute": (lambda o, p, s: o[0].permute(p), "{x}.permute({p})"),
+    "reshape": (lambda o, p, s: o[0].reshape(s), "{x}.reshape({s})"),
+    "flatten": (lambda o, p, s: o[0].flatten(), "{x}.flatten()"),
+    "expand": (lambda o, p, s: o[0].expand(s), "{x}.expand({s})"),
+    "narrow": (lambda o, p, s: o[0].narrow(p[0], p[1], p[2]), "{x}.narrow({p})"),
+    "sum": (lambda o, p, s: o[0].sum(p[0], keepdim=bool(p[1])), "{x}.sum({p0}, keepdim={keep})"),
+    "mean": (lambda o, p, s: o[0].mean(p[0], keepdim=bool(p[1])), "{x}.mean({p0}, keepdim={keep})"),
+    "amax": (lambda o, p, s: o[0].amax(p[0], keepdim=bool(p[1])), "{x}.amax({p0}, keepdim={keep})"),
+    "sum_all": (lambda o, p, s: o[0].sum(), "{x}.sum()"),
+    "softmax": (lambda o, p, s: torch.softmax(o[0], p[0]), "torch.softmax({x}, {p})"),
+    "log_softmax": (lambda o, p, s: torch.log_softmax(o[0], p[0]), "torch.log_softmax({x}, {p})"),
+    "layer_norm": (lambda o, p, s: F.layer_norm(o[0], o[0].shape[-1:]),
+                   "F.layer_norm({x}, {x}.shape[-1:])"),
+    "cat": (lambda o, p, s: torch.cat([o[0], o[1]], p[0]), "torch.cat([{x}, {y}], {p})"),
+    "mm": (lambda o, p, s: torch.mm(o[0], o[1].mT if p[0] else o[1]), "torch.mm({x}, {y}{t})"),
+    "bmm": (lambda o, p, s: torch.bmm(o[0], o[1].mT if p[0] else o[1]), "torch.bmm({x}, {y}{t})"),
 }  # fmt: skip
+STEP_KINDS: tuple[str, ...] = tuple(_OPS)
+"""Every ``Step.op``, simplest first: the order hypothesis shrinks towards."""
 
-# name -> (function, source template, result bound from operand bounds)
-_BINARY: dict[str, tuple[Callable[[torch.Tensor, Any], torch.Tensor], str,
-                         Callable[[float, float], float]]] = {
-    "add": (operator.add, "{0} + {1}", operator.add),
-    "sub": (operator.sub, "{0} - {1}", operator.add),
-    "mul": (operator.mul, "{0} * {1}", operator.mul),
-    "div": (lambda a, b: a / (1 + b * b), "{0} / (1 + {1} * {1})", lambda a, b: a),
-    "maximum": (torch.maximum, "torch.maximum({0}, {1})", max),
-    "minimum": (torch.minimum, "torch.minimum({0}, {1})", max),
-}  # fmt: skip
-
-_VIEWS = ("unsqueeze", "squeeze", "transpose", "permute", "reshape", "flatten", "expand", "narrow")
-_REDUCTIONS = ("sum", "mean", "amax", "sum_all")
-_OTHERS = ("softmax", "log_softmax", "layer_norm", "cat", "mm", "bmm")
-STEP_KINDS: tuple[str, ...] = (*_UNARY, *_BINARY, "where", *_VIEWS, *_REDUCTIONS, *_OTHERS)
-"""Every ``Step.op``, simplest first (the order hypothesis shrinks towards)."""
+# unary op -> (result bound from operand bound, largest operand bound keeping a value generic)
+_UNARY: dict[str, tuple[Callable[[float], float], float]] = {
+    "neg": (lambda b: b, math.inf),
+    "tanh": (lambda b: 1.0, _SATURATE),
+    "sin": (lambda b: 1.0, math.inf),
+    "cos": (lambda b: 1.0, math.inf),
+    "exp_tanh": (lambda b: math.e, _SATURATE),
+    "sigmoid": (lambda b: 1.0, _SATURATE),
+    "square": (lambda b: b * b, math.inf),
+    "relu": (lambda b: b, -1.0),  # many exact zeros
+    "abs": (lambda b: b, math.inf),
+    "gelu": (lambda b: b, math.inf),
+    "silu": (lambda b: b, math.inf),
+    "log1p_square": (lambda b: math.log1p(b * b), math.inf),
+}
+# binary op -> result bound from operand bounds
+_BINARY: dict[str, Callable[[float, float], float]] = {
+    "add": operator.add,
+    "sub": operator.add,
+    "mul": operator.mul,
+    "div": lambda a, b: a,
+    "maximum": max,
+    "minimum": max,
+}
 
 
 @dataclass(frozen=True, repr=False)
 class Program:
-    """A straight-line program: ``inputs``, then ``steps``, returning the values ``outputs``."""
+    """A straight-line program: ``inputs``, then ``steps``, returning the values ``outputs``.
+
+    Values are numbered inputs first, then one per step; ``repr`` is :meth:`source`.
+    """
 
     inputs: tuple[InputSpec, ...]
     steps: tuple[Step, ...]
@@ -125,7 +153,7 @@ class Program:
         return tuple(i.shape for i in self.inputs) + tuple(s.shape for s in self.steps)
 
     def output_shapes(self) -> tuple[tuple[int, ...], ...]:
-        """Predicted shapes of the returned tensors."""
+        """Shapes of the tensors the program returns."""
         shapes = self.value_shapes()
         return tuple(shapes[i] for i in self.outputs)
 
@@ -134,11 +162,12 @@ class Program:
             raise TypeError(f"program takes {len(self.inputs)} inputs, got {len(tensors)}")
         values = list(tensors)
         for step in self.steps:
-            values.append(_apply(step, values))
+            operands = [values[a] if isinstance(a, int) else a for a in step.args]
+            values.append(_OPS[step.op][0](operands, step.params, step.shape))
         return tuple(values[i] for i in self.outputs)
 
     def example_inputs(self, seed: int = 0) -> tuple[torch.Tensor, ...]:
-        """Deterministic inputs, uniform in ``[-INPUT_BOUND, INPUT_BOUND)``."""
+        """Deterministic inputs for ``seed``, uniform in ``[-INPUT_BOUND, INPUT_BOUND)``."""
         gen = torch.Generator().manual_seed(seed)
         return tuple(
             (torch.rand(i.shape, generator=gen, dtype=i.dtype) * 2 - 1) * INPUT_BOUND
@@ -146,14 +175,12 @@ class Program:
         )
 
     def source(self) -> str:
-        """Self-contained Python source defining an equivalent ``program`` function."""
+        """Self-contained Python source of an equivalent function named ``program``."""
         names = [f"a{i}" for i in range(len(self.inputs))]
         lines = ["import torch", "import torch.nn.functional as F", "", ""]
         lines.append(f"def program({', '.join(names)}):")
-        for name, spec in zip(names, self.inputs):
-            lines.append(
-                f"    # {name}: {str(spec.dtype).removeprefix('torch.')}{list(spec.shape)}"
-            )
+        for name, spec in zip(names, self.inputs, strict=True):
+            lines.append(f"    # {name}: {str(spec.dtype)[6:]}{list(spec.shape)}")
         for step in self.steps:
             names.append(f"v{len(names)}")
             lines.append(f"    {names[-1]} = {_expr(step, names)}  # {list(step.shape)}")
@@ -165,94 +192,25 @@ class Program:
         return self.source()
 
 
-def _apply(step: Step, values: list[torch.Tensor]) -> torch.Tensor:
-    """Run one step eagerly on the values computed so far."""
-    ops: list[Any] = [values[a] if isinstance(a, int) else a for a in step.args]
-    x, p = ops[0], step.params
-    if step.op in _UNARY:
-        return _UNARY[step.op][0](x)
-    if step.op in _BINARY:
-        return _BINARY[step.op][0](x, ops[1])
-    match step.op:
-        case "where":
-            return torch.where(x > ops[1], x, ops[2])
-        case "unsqueeze":
-            return torch.unsqueeze(x, p[0])
-        case "squeeze":
-            return torch.squeeze(x, p[0])
-        case "transpose":
-            return torch.transpose(x, p[0], p[1])
-        case "permute":
-            return torch.permute(x, p)
-        case "reshape":
-            return torch.reshape(x, step.shape)
-        case "flatten":
-            return torch.flatten(x)
-        case "expand":
-            return x.expand(step.shape)  # type: ignore[no-any-return]
-        case "narrow":
-            return torch.narrow(x, p[0], p[1], p[2])
-        case "sum":
-            return torch.sum(x, p[0], keepdim=bool(p[1]))
-        case "mean":
-            return torch.mean(x, p[0], keepdim=bool(p[1]))
-        case "amax":
-            return torch.amax(x, p[0], keepdim=bool(p[1]))
-        case "sum_all":
-            return torch.sum(x)
-        case "softmax":
-            return torch.softmax(x, p[0])
-        case "log_softmax":
-            return torch.log_softmax(x, p[0])
-        case "layer_norm":
-            return F.layer_norm(x, (x.shape[-1],))
-        case "cat":
-            return torch.cat([x, ops[1]], p[0])
-        case "mm":
-            return torch.mm(x, ops[1].mT if p[0] else ops[1])
-        case "bmm":
-            return torch.bmm(x, ops[1].mT if p[0] else ops[1])
-    raise ValueError(f"unknown op {step.op!r}")
-
-
 def _expr(step: Step, names: Sequence[str]) -> str:
-    """Source expression of one step; ``names`` maps value indices to variable names."""
+    """Source expression of ``step``; ``names`` maps value indices to variable names."""
     ops = [names[a] if isinstance(a, int) else f"({a!r})" if a < 0 else repr(a) for a in step.args]
-    x, p = ops[0], ", ".join(map(str, step.params))
-    if step.op in _UNARY:
-        return _UNARY[step.op][1].format(x)
-    if step.op in _BINARY:
-        return _BINARY[step.op][1].format(x, ops[1])
-    match step.op:
-        case "where":
-            return f"torch.where({x} > {ops[1]}, {x}, {ops[2]})"
-        case "reshape" | "expand":
-            return f"{x}.{step.op}({step.shape})"
-        case "flatten" | "sum_all":
-            return f"{x}.{step.op.removesuffix('_all')}()"
-        case "sum" | "mean" | "amax":
-            return f"{x}.{step.op}({step.params[0]}, keepdim={bool(step.params[1])})"
-        case "softmax" | "log_softmax":
-            return f"torch.{step.op}({x}, {p})"
-        case "layer_norm":
-            return f"F.layer_norm({x}, {x}.shape[-1:])"
-        case "cat":
-            return f"torch.cat([{x}, {ops[1]}], {p})"
-        case "mm" | "bmm":
-            return f"torch.{step.op}({x}, {ops[1]}{'.mT' if step.params[0] else ''})"
-    return f"{x}.{step.op}({p})"  # unsqueeze, squeeze, transpose, permute, narrow
+    ops += [""] * (3 - len(ops))
+    p = step.params
+    return _OPS[step.op][1].format(
+        x=ops[0], y=ops[1], z=ops[2], p=", ".join(map(str, p)), p0=p[0] if p else "",
+        keep=bool(p[-1]) if p else "", s=step.shape, t=".mT" if p and p[0] else "",
+    )  # fmt: skip
 
 
-# ----------------------------------------------------------------------------- generation
+# ---------------------------------------------------------------------------------- generation
 
 
 @dataclass(frozen=True)
 class _Val:
-    """What the generator tracks about a value.
-
-    ``generic``: the entries have (almost surely) no exact ties, are not constant along any dim
-    and come from a continuous distribution; ``roots``: the inputs the value depends on.
-    """
+    """What the generator tracks about a value: its shape, a bound on its magnitude, whether it
+    is generic (continuously distributed, almost surely free of exact ties and constant rows),
+    and the inputs it depends on (combining values with shared roots can cancel or tie)."""
 
     shape: tuple[int, ...]
     bound: float
@@ -261,9 +219,10 @@ class _Val:
 
 
 def _bcast(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The broadcast shape of ``a`` and ``b``, or None if incompatible or too large."""
     n = max(len(a), len(b))
     out = []
-    for x, y in zip((1,) * (n - len(a)) + a, (1,) * (n - len(b)) + b):
+    for x, y in zip((1,) * (n - len(a)) + a, (1,) * (n - len(b)) + b, strict=True):
         if x != y and 1 not in (x, y):
             return None
         out.append(max(x, y))
@@ -272,13 +231,10 @@ def _bcast(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...] | None:
 
 @functools.cache
 def _reshape_targets(numel: int) -> tuple[tuple[int, ...], ...]:
-    shapes = [
-        s
-        for r in range(4)
-        for s in itertools.product(range(1, 9), repeat=r)
-        if math.prod(s) == numel
-    ]
-    return tuple(shapes) if (numel,) in shapes else (*shapes, (numel,))
+    """Shapes of rank 0..3 (dims up to 8, or flat) with ``numel`` elements, lowest rank first."""
+    dims = range(1, 9)
+    out = [s for r in range(4) for s in itertools.product(dims, repeat=r) if math.prod(s) == numel]
+    return tuple(out) if (numel,) in out else (*out, (numel,))
 
 
 def _independent(a: _Val, b: _Val) -> bool:
@@ -286,24 +242,23 @@ def _independent(a: _Val, b: _Val) -> bool:
 
 
 def _matmul_ok(a: _Val, b: _Val, transpose: bool) -> bool:
-    """Whether ``a @ b`` (or ``a @ b^T``) is well-shaped (mm or bmm) and stays bounded."""
+    """Whether ``a @ b`` (``a @ b.mT`` if ``transpose``) is a bounded mm or bmm."""
     if len(a.shape) != len(b.shape) or a.shape[:-2] != b.shape[:-2]:
         return False
-    k = a.shape[-1]
     inner = b.shape[-1] if transpose else b.shape[-2]
-    return inner == k and k * a.bound * b.bound <= _MAX_BOUND
+    return inner == a.shape[-1] and inner * a.bound * b.bound <= _MAX_BOUND
 
 
 def _eligible(kind: str, vals: Sequence[_Val], i: int) -> bool:
-    """Whether ``kind`` can be generated with ``vals[i]`` as its first operand."""
+    """Whether a ``kind`` step can be generated with ``vals[i]`` as its first operand."""
     v = vals[i]
-    rank, bound = len(v.shape), v.bound
+    rank, bound, numel = len(v.shape), v.bound, math.prod(v.shape)
     if kind in _UNARY:
-        return _UNARY[kind][2](bound) <= _MAX_BOUND
+        return _UNARY[kind][0](bound) <= _MAX_BOUND
     if kind in ("maximum", "minimum"):
         return any(_independent(v, w) and _bcast(v.shape, w.shape) for w in vals)
-    if kind in _BINARY:
-        return _BINARY[kind][2](bound, max(_CONSTANTS)) <= _MAX_BOUND
+    if kind in _BINARY:  # a constant operand is always possible
+        return _BINARY[kind](bound, max(_CONSTANTS)) <= _MAX_BOUND
     match kind:
         case "where" | "reshape":
             return True
@@ -312,104 +267,96 @@ def _eligible(kind: str, vals: Sequence[_Val], i: int) -> bool:
         case "squeeze":
             return 1 in v.shape
         case "expand":
-            return 1 in v.shape and 2 * math.prod(v.shape) <= _MAX_NUMEL
+            return 1 in v.shape and 2 * numel <= _MAX_NUMEL
         case "transpose" | "permute" | "flatten":
             return rank >= 2
         case "narrow":
             return any(s > 1 for s in v.shape)
         case "sum":
             return rank >= 1 and max(v.shape) * bound <= _MAX_BOUND
+        case "sum_all":
+            return numel * bound <= _MAX_BOUND
         case "mean" | "softmax":
             return rank >= 1
+        case "log_softmax":
+            return rank >= 1 and 2 * bound + math.log(numel) <= _MAX_BOUND
         case "amax":
             return rank >= 1 and v.generic
-        case "sum_all":
-            return math.prod(v.shape) * bound <= _MAX_BOUND
-        case "log_softmax":
-            return rank >= 1 and 2 * bound + math.log(max(v.shape)) <= _MAX_BOUND
         case "layer_norm":
             return rank >= 1 and v.shape[-1] >= 2 and v.generic
         case "cat":
-            return rank >= 1 and 2 * math.prod(v.shape) <= _MAX_NUMEL
-        case "mm":
-            return rank == 2 and _matmul_ok(v, v, True)
-        case "bmm":
-            return rank == 3 and _matmul_ok(v, v, True)
+            return rank >= 1 and 2 * numel <= _MAX_NUMEL
+        case "mm" | "bmm":
+            return rank == (2 if kind == "mm" else 3) and _matmul_ok(v, v, True)
     raise ValueError(f"unknown op {kind!r}")
 
 
 def _pick_recent(draw: st.DrawFn, items: Sequence[Any]) -> Any:
-    """Choose one of ``items``, shrinking towards the last (most recently computed) one."""
+    """One of ``items``, shrinking towards the last (most recently computed) one."""
     return items[len(items) - 1 - draw(st.integers(0, len(items) - 1))]
 
 
-def _operand_or_const(draw: st.DrawFn, cands: Sequence[int]) -> int | float:
-    """A value index from ``cands`` (most recent first) or, as a last resort, a constant."""
+def _operand(
+    draw: st.DrawFn, vals: Sequence[_Val], cands: Sequence[int]
+) -> tuple[int | float, _Val]:
+    """A value from ``cands`` (shrinking to the most recent) or, last, a scalar constant."""
     k = draw(st.integers(0, len(cands)))
-    return cands[len(cands) - 1 - k] if k < len(cands) else draw(st.sampled_from(_CONSTANTS))
+    if k < len(cands):
+        return cands[len(cands) - 1 - k], vals[cands[len(cands) - 1 - k]]
+    c = draw(st.sampled_from(_CONSTANTS))
+    return c, _Val((), abs(c), True, frozenset())
 
 
 def _gen_step(draw: st.DrawFn, kind: str, vals: Sequence[_Val]) -> tuple[Step, _Val]:
-    """Generate one ``kind`` step over ``vals``; ``kind`` must be eligible for some value."""
+    """Draw one ``kind`` step over ``vals``; ``kind`` must be eligible for some value."""
     i: int = _pick_recent(draw, [j for j in range(len(vals)) if _eligible(kind, vals, j)])
     v = vals[i]
     shape, bound, generic, roots = v.shape, v.bound, v.generic, v.roots
     args: tuple[int | float, ...] = (i,)
     params: tuple[int, ...] = ()
     dims = range(len(shape))
+    perm: tuple[int, ...]
     if kind in _UNARY:
-        bound, generic = _UNARY[kind][2](bound), generic and _UNARY[kind][3](bound)
+        bound, generic = _UNARY[kind][0](bound), generic and bound <= _UNARY[kind][1]
     elif kind in _BINARY:
-        bound_fn = _BINARY[kind][2]
+        clamp = kind in ("maximum", "minimum")
         cands = [
             j
             for j, w in enumerate(vals)
-            if _bcast(shape, w.shape) and bound_fn(bound, w.bound) <= _MAX_BOUND
-            and (kind != "sub" or j != i)
-            and (kind not in ("maximum", "minimum") or _independent(v, w))
+            if _bcast(shape, w.shape) and _BINARY[kind](bound, w.bound) <= _MAX_BOUND
+            and (kind != "sub" or j != i) and (not clamp or _independent(v, w))
         ]  # fmt: skip
-        b = draw(st.sampled_from(cands)) if kind in ("maximum", "minimum") else None
-        b = _operand_or_const(draw, cands) if b is None else b
-        w = vals[b] if isinstance(b, int) else _Val((), abs(b), True, frozenset())
-        shape, bound = _bcast(shape, w.shape) or (), bound_fn(bound, w.bound)
-        generic, roots = kind not in ("maximum", "minimum") and _independent(v, w), roots | w.roots
-        args = (i, b)
+        b, w = (draw(st.sampled_from(cands)), None) if clamp else _operand(draw, vals, cands)
+        w = vals[int(b)] if w is None else w
+        shape, bound = _bcast(shape, w.shape) or (), _BINARY[kind](bound, w.bound)
+        generic, args, roots = not clamp and _independent(v, w), (i, b), roots | w.roots
     elif kind == "where":
-        b = _operand_or_const(
-            draw, [j for j, w in enumerate(vals) if j != i and _bcast(shape, w.shape)]
-        )
-        if isinstance(b, int):
-            shape = _bcast(shape, vals[b].shape) or ()
-        c = _operand_or_const(draw, [j for j, w in enumerate(vals) if _bcast(shape, w.shape)])
-        if isinstance(c, int):
-            shape, bound = _bcast(shape, vals[c].shape) or (), max(bound, vals[c].bound)
-        else:
-            bound = max(bound, abs(c))
-        roots = roots.union(*(vals[j].roots for j in (b, c) if isinstance(j, int)))
-        args, generic = (i, b, c), False
+        b, w = _operand(draw, vals, [j for j, u in enumerate(vals) if _bcast(shape, u.shape)
+                                     and j != i])  # fmt: skip
+        shape = _bcast(shape, w.shape) or ()
+        c, u = _operand(draw, vals, [j for j, u in enumerate(vals) if _bcast(shape, u.shape)])
+        shape, bound, generic = _bcast(shape, u.shape) or (), max(bound, u.bound), False
+        args, roots = (i, b, c), roots | w.roots | u.roots
     elif kind in ("unsqueeze", "squeeze", "expand"):
-        d = draw(st.sampled_from([d for d in range(len(shape) + 1) if kind == "unsqueeze"
-                                  or shape[d:d + 1] == (1,)]))  # fmt: skip
-        if kind == "unsqueeze":
-            shape, params = (*shape[:d], 1, *shape[d:]), (d,)
-        elif kind == "squeeze":
-            shape, params = shape[:d] + shape[d + 1 :], (d,)
+        d = draw(st.sampled_from([d for d in range(len(shape) + 1)
+                                  if kind == "unsqueeze" or shape[d:d + 1] == (1,)]))  # fmt: skip
+        params, new = (d,), () if kind == "squeeze" else (1,)
+        if kind == "expand":
+            sizes = [n for n in (2, 3, 4) if n * math.prod(shape) <= _MAX_NUMEL]
+            params, generic, new = (), False, (draw(st.sampled_from(sizes)),)
+        shape = (*shape[:d], *new, *shape[d + (kind != "unsqueeze") :])
+    elif kind in ("transpose", "permute"):
+        if kind == "transpose":
+            params = draw(st.sampled_from(list(itertools.combinations(dims, 2))))
+            perm = tuple(params[1] if d == params[0] else params[0] if d == params[1] else d
+                         for d in dims)  # fmt: skip
         else:
-            n = math.prod(shape)
-            size = draw(st.sampled_from([s for s in (2, 3, 4) if n * s <= _MAX_NUMEL]))
-            shape, generic = (*shape[:d], size, *shape[d + 1 :]), False
-    elif kind == "transpose":
-        params = draw(st.sampled_from(list(itertools.combinations(dims, 2))))
-        perm = list(dims)
-        perm[params[0]], perm[params[1]] = perm[params[1]], perm[params[0]]
+            perm = params = tuple(draw(st.permutations(dims)))
         shape = tuple(shape[d] for d in perm)
-    elif kind == "permute":
-        params = tuple(draw(st.permutations(dims)))
-        shape = tuple(shape[d] for d in params)
-    elif kind == "reshape":
-        shape = draw(st.sampled_from(_reshape_targets(math.prod(shape))))
-    elif kind == "flatten":
-        shape = (math.prod(shape),)
+    elif kind in ("reshape", "flatten", "sum_all"):
+        numel = math.prod(shape)
+        shape = draw(st.sampled_from(_reshape_targets(numel))) if kind == "reshape" else (numel,)
+        shape, bound = ((), bound * numel) if kind == "sum_all" else (shape, bound)
     elif kind == "narrow":
         d = draw(st.sampled_from([d for d in dims if shape[d] > 1]))
         length = draw(st.integers(1, shape[d] - 1))
@@ -418,16 +365,12 @@ def _gen_step(draw: st.DrawFn, kind: str, vals: Sequence[_Val]) -> tuple[Step, _
     elif kind in ("sum", "mean", "amax"):
         d, keep = draw(st.sampled_from(dims)), draw(st.booleans())
         bound *= shape[d] if kind == "sum" else 1
-        shape = (*shape[:d], 1, *shape[d + 1 :]) if keep else shape[:d] + shape[d + 1 :]
-        params = (d, int(keep))
-    elif kind == "sum_all":
-        shape, bound = (), bound * math.prod(shape)
+        shape, params = (*shape[:d], *((1,) if keep else ()), *shape[d + 1 :]), (d, int(keep))
     elif kind in ("softmax", "log_softmax"):
         d = draw(st.sampled_from(dims))
-        generic = generic and shape[d] >= 2
+        generic, params = generic and shape[d] >= 2, (d,)
         bound = 1.0 if kind == "softmax" else 2 * bound + math.log(shape[d])
-        params = (d,)
-    elif kind == "layer_norm":
+    elif kind == "layer_norm":  # constant along the normalized dim if it has size 1 or 2
         bound, generic = math.sqrt(shape[-1]), shape[-1] >= 3
     elif kind == "cat":
         pairs = [(j, d) for j, w in enumerate(vals) for d in dims if len(w.shape) == len(shape)
@@ -439,18 +382,14 @@ def _gen_step(draw: st.DrawFn, kind: str, vals: Sequence[_Val]) -> tuple[Step, _
         shape = (*shape[:d], shape[d] + w.shape[d], *shape[d + 1 :])
         bound, generic = max(bound, w.bound), _independent(v, w)
         args, params, roots = (i, j), (d,), roots | w.roots
-    else:  # mm, bmm
-        j, t = _pick_recent(
-            draw, [(j, t) for j, w in enumerate(vals) for t in (0, 1) if _matmul_ok(v, w, bool(t))]
-        )
+    else:  # mm, bmm; the right operand may be the transposed left one
+        pairs = [(j, t) for j, w in enumerate(vals) for t in (0, 1) if _matmul_ok(v, w, bool(t))]
+        j, t = _pick_recent(draw, pairs)
         w = vals[j]
-        shape = (*shape[:-1], w.shape[-2] if t else w.shape[-1])
         bound, generic = shape[-1] * bound * w.bound, _independent(v, w)
+        shape = (*shape[:-1], w.shape[-2] if t else w.shape[-1])
         args, params, roots = (i, j), (t,), roots | w.roots
     return Step(kind, args, params, shape), _Val(shape, bound, generic, roots)
-
-
-_DIM_SIZES = (1, 2, 3, 4, 1)  # size-1 dims are common, for broadcasting edge cases
 
 
 def programs(

@@ -1,0 +1,131 @@
+"""Tests of the random-program generator ``functrans.testing._programs``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from functrans.testing._programs import STEP_KINDS, InputSpec, Program, Step, programs
+
+SETTINGS = settings(max_examples=200, deadline=None)
+
+
+def _all_values(prog: Program) -> Program:
+    """The same program, returning every value (inputs and step results)."""
+    return Program(prog.inputs, prog.steps, tuple(range(len(prog.value_shapes()))))
+
+
+@SETTINGS
+@given(programs())
+def test_programs_run_with_predicted_shapes_and_dtypes(prog: Program) -> None:
+    assert 1 <= len(prog.inputs) <= 3 and 1 <= len(prog.steps) <= 8
+    assert 1 <= len(prog.outputs) <= 3
+    assert all(i.dtype == prog.dtype for i in prog.inputs)
+    assert prog.dtype in (torch.float32, torch.float64)
+    assert all(len(i.shape) <= 3 and all(1 <= d <= 4 for d in i.shape) for i in prog.inputs)
+    assert all(s.op in STEP_KINDS for s in prog.steps)
+    xs = prog.example_inputs()
+    values = _all_values(prog)(*xs)
+    assert [tuple(v.shape) for v in values] == list(prog.value_shapes())
+    for v in values:
+        assert v.dtype == prog.dtype
+        assert torch.isfinite(v).all()
+    outs = prog(*xs)
+    assert [tuple(o.shape) for o in outs] == list(prog.output_shapes())
+    # Deterministic: same inputs for the same seed, same outputs for the same inputs.
+    for a, b in zip(outs, prog(*prog.example_inputs()), strict=True):
+        assert torch.equal(a, b)
+
+
+@SETTINGS
+@given(programs(), st.integers(0, 2**16))
+def test_eager_grads_are_finite(prog: Program, seed: int) -> None:
+    xs = tuple(x.requires_grad_() for x in prog.example_inputs(seed))
+    gen = torch.Generator().manual_seed(seed)
+    outs = prog(*xs)
+    loss = sum(
+        (o * torch.randn(o.shape, generator=gen, dtype=o.dtype)).sum()
+        for o in outs
+        if o.requires_grad
+    )
+    assert isinstance(loss, torch.Tensor), "every output depends differentiably on the inputs"
+    grads = torch.autograd.grad(loss, xs, allow_unused=True)
+    for x, g in zip(xs, grads, strict=True):
+        assert g is None or (g.shape == x.shape and torch.isfinite(g).all())
+
+
+@SETTINGS
+@given(programs())
+def test_source_executes_and_matches_call(prog: Program) -> None:
+    src = prog.source()
+    assert repr(prog) == src
+    namespace: dict[str, Any] = {}
+    exec(compile(src, "<program>", "exec"), namespace)
+    xs = prog.example_inputs(seed=1)
+    got, expected = namespace["program"](*xs), prog(*xs)
+    assert isinstance(got, tuple) and len(got) == len(expected)
+    for a, b in zip(got, expected, strict=True):
+        assert a.shape == b.shape and torch.equal(a, b)
+
+
+@SETTINGS
+@given(programs(), st.integers(0, 2**16))
+def test_tie_sensitive_ops_see_no_ties(prog: Program, seed: int) -> None:
+    """amax has a unique maximum and maximum/minimum never compare equal entries."""
+    values = _all_values(prog)(*prog.example_inputs(seed))
+    for step in prog.steps:
+        x = values[int(step.args[0])]
+        if step.op == "amax":
+            top = torch.topk(x, min(2, x.shape[step.params[0]]), dim=step.params[0]).values
+            assert top.shape[step.params[0]] == 1 or (top.narrow(step.params[0], 0, 1)
+                                                      > top.narrow(step.params[0], 1, 1)).all()  # fmt: skip
+        elif step.op in ("maximum", "minimum"):
+            assert not (x == values[int(step.args[1])]).any()
+
+
+def test_options_are_respected() -> None:
+    @settings(max_examples=50, deadline=None, database=None)
+    @given(programs(max_steps=2, max_inputs=1, dtypes=(torch.float64,)))
+    def check(prog: Program) -> None:
+        assert len(prog.inputs) == 1 and 1 <= len(prog.steps) <= 2
+        assert prog.dtype == torch.float64
+
+    check()
+    with pytest.raises(ValueError):
+        programs(max_steps=0)
+    with pytest.raises(ValueError):
+        programs(dtypes=(torch.int64,))
+
+
+def test_every_step_kind_is_generated() -> None:
+    seen: set[str] = set()
+
+    @settings(max_examples=500, deadline=None, database=None)
+    @given(programs())
+    def collect(prog: Program) -> None:
+        seen.update(step.op for step in prog.steps)
+
+    collect()
+    assert set(STEP_KINDS) - seen == set()
+
+
+def test_hand_built_program() -> None:
+    prog = Program(
+        inputs=(InputSpec((2, 1), torch.float32), InputSpec((3,), torch.float32)),
+        steps=(
+            Step("add", (0, 1), (), (2, 3)),
+            Step("where", (2, 0.5, 1), (), (2, 3)),
+            Step("mm", (3, 3), (1,), (2, 2)),
+        ),
+        outputs=(4, 0),
+    )
+    a, b = prog.example_inputs()
+    out, same = prog(a, b)
+    torch.testing.assert_close(out, torch.mm(torch.where(a + b > 0.5, a + b, b), (a + b).T))
+    assert same is a
+    assert "v3 = torch.where(v2 > 0.5, v2, a1)" in prog.source()
+    assert "return (v4, a0)" in prog.source()
