@@ -34,23 +34,26 @@ def normalize_argnums(argnums: int | Sequence[int] | None, nargs: int) -> tuple[
                 f"argnums={argnums!r} names argument {i!r}, but the function was called with "
                 f"{nargs} positional arguments"
             )
-    return tuple(i % nargs for i in picked)
+    normalized = tuple(i % nargs for i in picked)
+    if len(set(normalized)) != len(normalized):
+        raise TraceError(f"argnums={argnums!r} names an argument twice")
+    return normalized
 
 
 def _is_float(t: torch.Tensor) -> bool:
     return t.is_floating_point()
 
 
-def _diff_mask(
-    args: tuple[Any, ...], kwargs: dict[str, Any], argnums: tuple[int, ...]
-) -> list[bool]:
-    """For each tensor leaf of ``(args, kwargs)``: is it a differentiated float leaf?"""
-    mask: list[bool] = []
-    for i, a in enumerate(args):
+def _diff_leaves(args: tuple[Any, ...], argnums: tuple[int, ...]) -> list[int]:
+    """Flat indices (into the tensor leaves of ``(args, kwargs)``) of the differentiated float
+    leaves, in ``argnums`` order: the order the grads come out in.
+    """
+    offsets, start = [], 0
+    for a in args:
         leaves, _ = flatten(a)
-        mask += [i in argnums and _is_float(t) for t in leaves]
-    mask += [False] * len(flatten(kwargs)[0])
-    return mask
+        offsets.append([start + j for j, t in enumerate(leaves) if _is_float(t)])
+        start += len(leaves)
+    return [i for n in argnums for i in offsets[n]]
 
 
 def _grads_structure(args: tuple[Any, ...], argnums: tuple[int, ...], is_int: bool) -> Any:
@@ -95,7 +98,8 @@ def joint(
     def build(*args: Any, **kwargs: Any) -> JointGraph:
         nums = normalize_argnums(argnums, len(args))
         tensors, fn_in = flatten((args, kwargs))
-        mask = _diff_mask(args, kwargs, nums)
+        wrt = _diff_leaves(args, nums)
+        mask = [i in wrt for i in range(len(tensors))]
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         fakes = [mode.from_tensor(t.detach()) for t in tensors]
         out_tree = _eval_shape(f, fn_in, fakes, mask, mode)
@@ -107,7 +111,7 @@ def joint(
                 for o, w in zip(out_vals, wants_tangent, strict=True)
                 if w
             ]
-        joint_fn = _joint_function(f, fn_in, mask, wants_tangent)
+        joint_fn = _joint_function(f, fn_in, wrt, wants_tangent)
         paths = arg_names(f, fn_in)
         inputs = [t.requires_grad_(m) for t, m in zip(fakes, mask, strict=True)] + tangents
         gm = trace_module(joint_fn, inputs, user_fn=f, table=table, input_paths=paths)
@@ -137,17 +141,17 @@ def joint(
 
 
 def _joint_function(
-    f: Callable[..., Any], fn_in: Flat, mask: list[bool], wants_tangent: list[bool]
+    f: Callable[..., Any], fn_in: Flat, wrt_index: list[int], wants_tangent: list[bool]
 ) -> Callable[..., list[torch.Tensor]]:
     """The flat function ``(*primals, *tangents) -> [*outputs, *grads]`` that gets traced."""
-    n_primals = len(mask)
+    n_primals = fn_in.num_tensors
 
     def joint_fn(*leaves: torch.Tensor) -> list[torch.Tensor]:
         primals, cots = list(leaves[:n_primals]), list(leaves[n_primals:])
         with torch.enable_grad():
             a, kw = unflatten(fn_in, primals)
             outs, _ = flatten(f(*a, **kw))
-            wrt = [p for p, m in zip(primals, mask, strict=True) if m]
+            wrt = [primals[i] for i in wrt_index]
             diff_outs = [o for o, w in zip(outs, wants_tangent, strict=True) if w]
             pairs = [(o, t) for o, t in zip(diff_outs, cots, strict=True) if o.requires_grad]
             grads: Sequence[torch.Tensor | None] = [None] * len(wrt)

@@ -48,13 +48,6 @@ class Flat:
         return [p for p, t in zip(self.paths, self.is_tensor, strict=True) if t]
 
 
-def _path_str(path: Sequence[Any]) -> str:
-    out = ""
-    for key in path:
-        out += f".{key}" if isinstance(key, str) and key.isidentifier() else f"[{key!r}]"
-    return out
-
-
 def flatten(
     tree: Any, root: str = "", *, static_argnums: tuple[int, ...] = ()
 ) -> tuple[list[torch.Tensor], Flat]:
@@ -65,11 +58,11 @@ def flatten(
     """
     if static_argnums:
         tree = (wrap_static(tree[0], static_argnums), tree[1])
-    paths, leaves, spec = optree.tree_flatten_with_path(tree, namespace=NAMESPACE)
+    accessors, leaves, spec = optree.tree_flatten_with_accessor(tree, namespace=NAMESPACE)
     is_tensor = tuple(isinstance(x, torch.Tensor) for x in leaves)
     static = tuple(None if t else x for x, t in zip(leaves, is_tensor, strict=True))
     tensors = [x for x, t in zip(leaves, is_tensor, strict=True) if t]
-    names = tuple(root + _path_str(p) for p in paths)
+    names = tuple(root + a.codify("") for a in accessors)
     return tensors, Flat(spec, is_tensor, static, names, static_argnums)
 
 

@@ -8,6 +8,7 @@ the saved set; this function does all graph surgery, so one property test covers
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -91,7 +92,7 @@ def split(joint: JointGraph, saved: Iterable[str | fx.Node]) -> Split:
     >>> [n.name for n in s.saved], [n.name for n in s.recomputed]
     (['primals_1'], [])
     """
-    chosen = resolve_nodes(joint, saved)
+    chosen = _unpack_tuples(resolve_nodes(joint, saved))
     tangents = set(joint.tangents())
     bwd = ancestors(joint.grad_outputs(), chosen | tangents)
     chosen |= {n for n in bwd if n.op == "placeholder" and n.meta.get(ROLE) is Role.PRIMAL}
@@ -103,6 +104,17 @@ def split(joint: JointGraph, saved: Iterable[str | fx.Node]) -> Split:
     forward = _forward_graph(joint, fwd, bwd_inputs)
     backward = _backward_graph(joint, bwd, bwd_inputs, set(recomputed))
     return Split(forward, backward, tuple(bwd_inputs), tuple(recomputed))
+
+
+def _unpack_tuples(nodes: set[fx.Node]) -> set[fx.Node]:
+    """Saving a multi-output op (e.g. ``native_layer_norm``) means saving its tensor parts."""
+    out: set[fx.Node] = set()
+    for n in nodes:
+        if isinstance(n.meta.get("val"), (tuple, list)):
+            out |= {u for u in n.users if u.target is operator.getitem}
+        else:
+            out.add(n)
+    return out
 
 
 def _check_random(recomputed: Sequence[fx.Node]) -> None:

@@ -156,6 +156,19 @@ def check_no_input_mutation(gm: fx.GraphModule, paths: Sequence[str]) -> None:
                 )
 
 
+def check_static_shapes(gm: fx.GraphModule) -> None:
+    """Raise TraceError if an op produced a shape that depends on tensor values."""
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and not all(isinstance(s, int) for s in val.shape):
+            src = node.meta.get(SOURCE) or _src(node)
+            raise TraceError(
+                f"`{op_name(node.target)}` returns a tensor whose shape depends on tensor values"
+                f"{f' at {src}' if src else ''}. functrans graphs have static shapes: use a "
+                "fixed-size formulation (masks with torch.where instead of boolean indexing)."
+            )
+
+
 def _src(node: fx.Node) -> str | None:
     from ._passes import source_of
 
@@ -217,6 +230,7 @@ def trace_module(
     )
     gm: fx.GraphModule = run_traced(lambda: traced(*inputs), user_fn)
     check_no_input_mutation(gm, input_paths)
+    check_static_shapes(gm)
     return functionalize(gm, table)
 
 

@@ -1,0 +1,98 @@
+"""joint(): roles and phases by data flow, argnums, unused and non-float inputs, has_aux."""
+
+import pytest
+import torch
+
+import functrans as ft
+from functrans.testing import assert_close, eager_vjp
+
+
+def roles(jg):
+    return [(p.name, p.meta["functrans.role"]) for p in jg.placeholders()]
+
+
+def test_roles_and_phases_follow_data_flow():
+    jg = ft.joint(lambda x, w: torch.tanh(x @ w).sum())(torch.ones(2, 2), torch.ones(2, 2))
+    assert roles(jg) == [
+        ("primals_1", ft.Role.PRIMAL),
+        ("primals_2", ft.Role.PRIMAL),
+        ("tangents_1", ft.Role.TANGENT),
+    ]
+    phases = {n.name: n.meta["functrans.phase"] for n in jg.fx_graph.nodes if n.op != "output"}
+    assert phases["mm"] is ft.Phase.FORWARD and phases["tanh"] is ft.Phase.FORWARD
+    # 1 - tanh^2 needs no tangent: by data flow it is a forward value (it could be saved)
+    assert phases["sub"] is ft.Phase.FORWARD
+    assert phases["mul_1"] is ft.Phase.BACKWARD and phases["mm_1"] is ft.Phase.BACKWARD
+    jg.verify()
+
+
+def test_verify_rejects_a_wrong_phase():
+    jg = ft.joint(lambda x: x.sin().sum())(torch.ones(2))
+    next(jg.ops()).meta["functrans.phase"] = ft.Phase.BACKWARD
+    with pytest.raises(ft.GraphError, match="phase"):
+        jg.verify()
+
+
+def test_argnums_selects_differentiated_args():
+    f = lambda x, y: (x * y).sum()  # noqa: E731
+    x, y = torch.randn(3), torch.randn(3)
+    jg = ft.joint(f, argnums=1)(x, y)
+    _, grads = jg((x, y), (torch.tensor(1.0),))
+    torch.testing.assert_close(grads, x)
+    _, grads = ft.joint(f, argnums=(1, 0))(x, y)((x, y), (torch.tensor(1.0),))
+    torch.testing.assert_close(grads, (x, y))
+    with pytest.raises(ft.TraceError, match="argnums=5"):
+        ft.joint(f, argnums=5)(x, y)
+
+
+def test_unused_and_non_float_inputs():
+    def f(x, unused, idx, n):
+        return x[idx].sum() * n
+
+    args = (torch.randn(4), torch.randn(2), torch.tensor([0, 2]), 3.0)
+    jg = ft.joint(f)(*args)
+    outs, grads = jg(args, (torch.tensor(1.0),))
+    assert grads[2] is None and grads[3] is None
+    torch.testing.assert_close(grads[1], torch.zeros(2))
+    torch.testing.assert_close(grads[0], torch.tensor([3.0, 0.0, 3.0, 0.0]))
+
+
+def test_one_tangent_per_float_output_leaf():
+    def f(x):
+        return {"a": x.sin(), "i": x.argmax(), "b": [x.cos().sum()]}
+
+    x = torch.randn(3)
+    jg = ft.joint(f)(x)
+    assert [t.meta["functrans.path"] for t in jg.tangents()] == [
+        "tangent of output['a']",
+        "tangent of output['b'][0]",
+    ]
+    tangents = (torch.randn(3), torch.tensor(2.0))
+    outs, grads = jg((x,), tangents)
+    e_outs, e_grads = eager_vjp(f, (x,), tangents)
+    assert_close(outs, e_outs, "outs")
+    assert_close(grads, e_grads, "grads")
+
+
+def test_has_aux_output_gets_no_tangent():
+    def f(x):
+        return (x * x).sum(), {"stat": x.mean()}
+
+    jg = ft.joint(f, has_aux=True)(torch.ones(2))
+    assert len(jg.tangents()) == 1
+    with pytest.raises(ft.TraceError, match="has_aux=True"):
+        ft.joint(lambda x: x, has_aux=True)(torch.ones(2))
+
+
+def test_output_that_is_an_input():
+    x = torch.randn(2)
+    outs, grads = ft.joint(lambda x: x)(x)((x,), (torch.ones(2) * 5,))
+    torch.testing.assert_close(outs, x)
+    torch.testing.assert_close(grads[0], torch.full((2,), 5.0))
+
+
+def test_joint_graph_is_callable_with_its_pytree_convention():
+    jg = ft.joint(lambda x: (x * x).sum())(torch.ones(3))
+    assert repr(jg).startswith("<JointGraph with 2 inputs")
+    with pytest.raises(ft.TraceError, match="structure"):
+        jg((torch.ones(3),), ())

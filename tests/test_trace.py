@@ -1,0 +1,156 @@
+"""trace(): pytrees, static leaves, functionalization, errors that name the op/argument."""
+
+import dataclasses
+from typing import NamedTuple
+
+import optree
+import pytest
+import torch
+
+import functrans as ft
+
+
+class Pair(NamedTuple):
+    a: torch.Tensor
+    b: torch.Tensor
+
+
+@optree.dataclasses.dataclass(namespace="functrans")
+class Params:
+    w: torch.Tensor
+    scale: float
+
+
+def ops(graph):
+    return [str(n.target) for n in graph.ops()]
+
+
+def test_pytree_inputs_and_outputs_roundtrip():
+    def f(pair, d, params, n, nothing=None):
+        y = (pair.a * params.w + d["k"][0]) * params.scale * n
+        return {"y": y, "parts": [pair.b.sum(), None], "n": n}
+
+    args = (Pair(torch.randn(3), torch.randn(3)), {"k": [torch.randn(3)]},
+            Params(torch.randn(3), 2.0), 4)
+    g = ft.trace(f)(*args)
+    g.verify()
+    out = g(*args)
+    expected = f(*args)
+    torch.testing.assert_close(out["y"], expected["y"])
+    torch.testing.assert_close(out["parts"][0], expected["parts"][0])
+    assert out["parts"][1] is None and out["n"] == 4
+    assert [p.name for p in g.placeholders()] == ["pair_a", "pair_b", "d_k_0", "params_w"]
+
+
+def test_kwargs_are_traced_too():
+    g = ft.trace(lambda x, *, bias: x + bias)(torch.ones(2), bias=torch.ones(2))
+    assert [p.name for p in g.placeholders()] == ["x", "bias"]
+    torch.testing.assert_close(g(torch.ones(2), bias=torch.full((2,), 2.0)), torch.full((2,), 3.0))
+
+
+def test_static_value_is_baked_in_and_checked():
+    g = ft.trace(lambda x, k: x * k)(torch.ones(2), 3)
+    assert "3" in str(g)
+    with pytest.raises(ft.TraceError, match="static argument .*was 3 .* is 4"):
+        g(torch.ones(2), 4)
+
+
+def test_shape_and_structure_changes_are_rejected():
+    g = ft.trace(lambda x: x * 2)(torch.ones(2))
+    with pytest.raises(ft.FunctransError, match=r"input x was traced as torch.float32 \[2\]"):
+        g(torch.ones(3))
+    with pytest.raises(ft.TraceError, match="structure changed"):
+        g([torch.ones(2)])
+
+
+def test_static_argnums_bakes_a_tensor_as_constant():
+    g = ft.trace(lambda x, k: x * k.sum(), static_argnums=(1,))(torch.ones(2), torch.ones(2))
+    assert [p.name for p in g.placeholders()] == ["x"]
+    torch.testing.assert_close(g(torch.ones(2), torch.ones(2)), torch.full((2,), 2.0))
+    with pytest.raises(ft.TraceError, match="static argument"):
+        g(torch.ones(2), torch.zeros(2))
+
+
+def test_core_decompositions_by_default_and_opt_out():
+    f = lambda x: torch.nn.functional.silu(x)  # noqa: E731
+    assert "aten.silu.default" not in ops(ft.trace(f)(torch.ones(2)))
+    assert ops(ft.trace(f, decompositions=None)(torch.ones(2))) == ["aten.silu.default"]
+
+
+def test_inplace_on_intermediates_is_functionalized():
+    def f(x):
+        y = x * 2
+        y.add_(1)
+        y[0] = 5.0
+        return y
+
+    g = ft.trace(f)(torch.ones(3))
+    assert not any(n.target._schema.is_mutable for n in g.ops() if hasattr(n.target, "_schema"))
+    torch.testing.assert_close(g(torch.ones(3)), torch.tensor([5.0, 3.0, 3.0]))
+
+
+def test_input_mutation_names_op_and_argument():
+    def f(x, params):
+        params["w"].mul_(2)
+        return x
+
+    with pytest.raises(ft.TraceError, match=r"`aten.mul_.Tensor` mutates input params\['w'\]"):
+        ft.trace(f)(torch.ones(2), {"w": torch.ones(2)})
+    with pytest.raises(ft.TraceError, match=r"mutates input params\['w'\] .*test_trace.py"):
+        ft.joint(f)(torch.ones(2), {"w": torch.ones(2)})
+
+
+def test_mutation_through_a_view_of_an_input_is_caught():
+    def f(x):
+        x[0] = 1.0
+        return x * 2
+
+    with pytest.raises(ft.TraceError, match=r"`aten.copy_.default` mutates input x.*x\[0\] = 1.0"):
+        ft.trace(f)(torch.ones(2))
+
+
+def test_data_dependent_branch_names_the_line():
+    def f(x):
+        if x.sum() > 0:
+            return x
+        return -x
+
+    with pytest.raises(ft.TraceError) as info:
+        ft.trace(f)(torch.ones(2))
+    msg = str(info.value)
+    assert "if x.sum() > 0:" in msg and "test_trace.py" in msg
+    assert "torch.where" in msg and "static_argnums" in msg
+
+
+def test_data_dependent_shape_is_a_trace_error():
+    with pytest.raises(ft.TraceError, match="nonzero"):
+        ft.trace(lambda x: x.nonzero())(torch.ones(2))
+
+
+def test_source_lines_are_recorded():
+    def f(x):
+        return x.sin()
+
+    g = ft.trace(f)(torch.ones(2))
+    (sin,) = g.ops()
+    assert sin.meta["functrans.source"].endswith("return x.sin()")
+
+
+def test_printing_is_stable_and_uses_argument_names():
+    g = ft.trace(lambda inp, w: (inp @ w).relu())(torch.ones(2, 3), torch.ones(3, 4))
+    assert str(g) == (
+        'def forward(inp: "f32[2, 3]", w: "f32[3, 4]"):\n'
+        '    mm: "f32[2, 4]" = aten.mm.default(inp, w)\n'
+        '    relu: "f32[2, 4]" = aten.relu.default(mm)\n'
+        "    return (relu,)"
+    )
+    assert isinstance(g.graph_module, torch.fx.GraphModule)
+
+
+def test_plain_dataclass_without_registration_is_a_static_leaf():
+    @dataclasses.dataclass(frozen=True)
+    class Cfg:
+        k: int
+
+    g = ft.trace(lambda x, cfg: x * cfg.k)(torch.ones(2), Cfg(3))
+    torch.testing.assert_close(g(torch.ones(2), Cfg(3)), torch.full((2,), 3.0))
