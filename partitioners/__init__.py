@@ -35,9 +35,9 @@ def get(name: str) -> Strategy:
     return _STRATEGIES.get(name)
 
 
-def names() -> list[str]:
-    """Names (and aliases) of every registered strategy."""
-    return _STRATEGIES.names()
+def names(*, aliases: bool = False) -> list[str]:
+    """Names of every registered strategy (and their aliases with ``aliases=True``)."""
+    return _STRATEGIES.names(aliases=aliases)
 
 
 from . import default as default  # noqa: E402  (registers itself)

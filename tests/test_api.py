@@ -40,13 +40,15 @@ def test_value_and_grad_with_aux_and_argnums(strategy):
         return value, {"x_mean": x.mean()}
 
     (value, aux), grads = ft.value_and_grad(f, argnums=(0, 1), has_aux=True, partition=strategy)(
-        params, x)
+        params, x
+    )
     want_grads, want_aux = torch.func.grad(f, argnums=(0, 1), has_aux=True)(params, x)
     torch.testing.assert_close(value, loss(params, x))
     torch.testing.assert_close(aux, want_aux)
     torch.testing.assert_close(grads, want_grads)
     got_grads, got_aux = ft.grad(f, argnums=(0, 1), has_aux=True, partition=strategy)(params, x)
     torch.testing.assert_close(got_grads, want_grads)
+    torch.testing.assert_close(got_aux, want_aux)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

@@ -51,7 +51,7 @@ def test_unused_and_non_float_inputs():
 
     args = (torch.randn(4), torch.randn(2), torch.tensor([0, 2]), 3.0)
     jg = ft.joint(f)(*args)
-    outs, grads = jg(args, (torch.tensor(1.0),))
+    _, grads = jg(args, (torch.tensor(1.0),))
     assert grads[2] is None and grads[3] is None
     torch.testing.assert_close(grads[1], torch.zeros(2))
     torch.testing.assert_close(grads[0], torch.tensor([3.0, 0.0, 3.0, 0.0]))

@@ -19,7 +19,9 @@ class TestSeedExample(expecttest.TestCase):
     def test_joint_graph(self):
         jg = ft.joint(f)(*seed_args())
         # tanh_backward decomposes to mul/sub/mul, as the article shows
-        self.assertExpectedInline(str(jg), """\
+        self.assertExpectedInline(
+            str(jg),
+            """\
 def forward(primals_1: "f32[64, 64]", primals_2: "f32[64, 64]", tangents_1: "f32[]"):
     mm: "f32[64, 64]" = aten.mm.default(primals_1, primals_2)
     tanh: "f32[64, 64]" = aten.tanh.default(mm)
@@ -32,17 +34,23 @@ def forward(primals_1: "f32[64, 64]", primals_2: "f32[64, 64]", tangents_1: "f32
     mm_1: "f32[64, 64]" = aten.mm.default(permute, mul_1)
     permute_1: "f32[64, 64]" = aten.permute.default(primals_2, [1, 0])
     mm_2: "f32[64, 64]" = aten.mm.default(mul_1, permute_1)
-    return (sum_1, mm_2, mm_1)""")
+    return (sum_1, mm_2, mm_1)""",
+        )
 
     def test_default_partition_saves_tanh_like_eager(self):
         p = ft.partition(ft.joint(f)(*seed_args()), "default")
-        self.assertExpectedInline(str(p.forward), """\
+        self.assertExpectedInline(
+            str(p.forward),
+            """\
 def forward(primals_1: "f32[64, 64]", primals_2: "f32[64, 64]"):
     mm: "f32[64, 64]" = aten.mm.default(primals_1, primals_2)
     tanh: "f32[64, 64]" = aten.tanh.default(mm)
     sum_1: "f32[]" = aten.sum.dim_IntList(tanh, [])
-    return (sum_1, primals_1, primals_2, tanh)""")
-        self.assertExpectedInline(str(p.backward), """\
+    return (sum_1, primals_1, primals_2, tanh)""",
+        )
+        self.assertExpectedInline(
+            str(p.backward),
+            """\
 def forward(primals_1: "f32[64, 64]", primals_2: "f32[64, 64]", tanh: "f32[64, 64]", tangents_1: "f32[]"):
     expand: "f32[64, 64]" = aten.expand.default(tangents_1, [64, 64])
     mul: "f32[64, 64]" = aten.mul.Tensor(tanh, tanh)
@@ -52,19 +60,25 @@ def forward(primals_1: "f32[64, 64]", primals_2: "f32[64, 64]", tanh: "f32[64, 6
     mm_1: "f32[64, 64]" = aten.mm.default(permute, mul_1)
     permute_1: "f32[64, 64]" = aten.permute.default(primals_2, [1, 0])
     mm_2: "f32[64, 64]" = aten.mm.default(mul_1, permute_1)
-    return (mm_2, mm_1)""")
+    return (mm_2, mm_1)""",
+        )
         self.assertEqual(p.activation_bytes, 64 * 64 * 4)
         self.assertEqual(p.recomputed, ())
 
     def test_full_remat_saves_only_inputs(self):
         p = ft.partition(ft.joint(f)(*seed_args()), "full_remat")
-        self.assertExpectedInline(str(p.forward), """\
+        self.assertExpectedInline(
+            str(p.forward),
+            """\
 def forward(primals_1: "f32[64, 64]", primals_2: "f32[64, 64]"):
     mm: "f32[64, 64]" = aten.mm.default(primals_1, primals_2)
     tanh: "f32[64, 64]" = aten.tanh.default(mm)
     sum_1: "f32[]" = aten.sum.dim_IntList(tanh, [])
-    return (sum_1, primals_1, primals_2)""")
-        self.assertExpectedInline(str(p.backward), """\
+    return (sum_1, primals_1, primals_2)""",
+        )
+        self.assertExpectedInline(
+            str(p.backward),
+            """\
 def forward(primals_1: "f32[64, 64]", primals_2: "f32[64, 64]", tangents_1: "f32[]"):
     mm: "f32[64, 64]" = aten.mm.default(primals_1, primals_2)  # recomputed
     tanh: "f32[64, 64]" = aten.tanh.default(mm)  # recomputed
@@ -76,7 +90,8 @@ def forward(primals_1: "f32[64, 64]", primals_2: "f32[64, 64]", tangents_1: "f32
     mm_1: "f32[64, 64]" = aten.mm.default(permute, mul_1)
     permute_1: "f32[64, 64]" = aten.permute.default(primals_2, [1, 0])
     mm_2: "f32[64, 64]" = aten.mm.default(mul_1, permute_1)
-    return (mm_2, mm_1)""")
+    return (mm_2, mm_1)""",
+        )
         self.assertEqual([s.name for s in p.saved], ["primals_1", "primals_2"])
         self.assertEqual(p.activation_bytes, 0)
         self.assertEqual(p.recomputed, ("mm", "tanh"))
@@ -84,19 +99,24 @@ def forward(primals_1: "f32[64, 64]", primals_2: "f32[64, 64]", tangents_1: "f32
 
     def test_checkpoint_is_an_alias_of_full_remat(self):
         jg = ft.joint(f)(*seed_args())
-        self.assertEqual(str(ft.partition(jg, "checkpoint").backward),
-                         str(ft.partition(jg, "full_remat").backward))
+        self.assertEqual(
+            str(ft.partition(jg, "checkpoint").backward),
+            str(ft.partition(jg, "full_remat").backward),
+        )
 
     def test_report_table(self):
         p = ft.partition(ft.joint(f, argnums=1)(*seed_args()), "default")
         report = p.report().replace(__file__.rsplit("/", 1)[-1], "test_seed.py")
-        self.assertExpectedInline(report, """\
+        self.assertExpectedInline(
+            report,
+            """\
 partition 'default': 2 saved values, 16.0 KiB of activations, 0 ops recomputed (0 FLOPs)
   saved      op                 shape        dtype    bytes  input  source
   primals_1  input              f32[64, 64]  float32  16384  yes
   tanh       aten.tanh.default  f32[64, 64]  float32  16384  no     test_seed.py:10: return torch.tanh(x @ w).sum()
   activation bytes: 16384
-  recomputed in backward: -""")
+  recomputed in backward: -""",
+        )
 
     def test_gradients_match_eager(self):
         x, w = seed_args()

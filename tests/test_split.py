@@ -69,7 +69,7 @@ def test_random_ops_are_never_silently_recomputed():
     with pytest.raises(ft.InvalidPartitionError, match="random op bernoulli"):
         ft.split(jg, [])
     s = ft.split(jg, ["bernoulli"])
-    outs, saved = s.forward(torch.ones(4))
+    _, saved = s.forward(torch.ones(4))
     (grad,) = s.backward(saved, (torch.tensor(1.0),))
     mask = saved[-1]
     torch.testing.assert_close(grad, mask / 0.5)

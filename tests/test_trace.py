@@ -30,8 +30,12 @@ def test_pytree_inputs_and_outputs_roundtrip():
         y = (pair.a * params.w + d["k"][0]) * params.scale * n
         return {"y": y, "parts": [pair.b.sum(), None], "n": n}
 
-    args = (Pair(torch.randn(3), torch.randn(3)), {"k": [torch.randn(3)]},
-            Params(torch.randn(3), 2.0), 4)
+    args = (
+        Pair(torch.randn(3), torch.randn(3)),
+        {"k": [torch.randn(3)]},
+        Params(torch.randn(3), 2.0),
+        4,
+    )
     g = ft.trace(f)(*args)
     g.verify()
     out = g(*args)
@@ -51,7 +55,7 @@ def test_kwargs_are_traced_too():
 def test_static_value_is_baked_in_and_checked():
     g = ft.trace(lambda x, k: x * k)(torch.ones(2), 3)
     assert "3" in str(g)
-    with pytest.raises(ft.TraceError, match="static argument .*was 3 .* is 4"):
+    with pytest.raises(ft.TraceError, match=r"static argument .*was 3 .* is 4"):
         g(torch.ones(2), 4)
 
 

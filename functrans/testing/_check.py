@@ -65,7 +65,7 @@ def eager_vjp(f: Callable[..., Any], args: Sequence[Any], tangents: Sequence[tor
             return x.detach().clone().requires_grad_(True)
         return x
 
-    leaves = optree.tree_map(prep, tuple(args), namespace=NAMESPACE)
+    leaves: Any = optree.tree_map(prep, tuple(args), namespace=NAMESPACE)  # type: ignore[arg-type]
     outs = f(*leaves)
     out_leaves, _ = flatten(outs)
     pairs = [
@@ -97,21 +97,22 @@ def _tangents(jg: JointGraph, seed: int) -> tuple[torch.Tensor, ...]:
     return tuple(_random_like(t.meta["val"], gen) for t in jg.tangents())
 
 
-def _run_split(s: Split | Partition, args: Sequence[Any], tangents: tuple[torch.Tensor, ...]) -> Any:
+def _run_split(
+    s: Split | Partition, args: Sequence[Any], tangents: tuple[torch.Tensor, ...]
+) -> Any:
     outs, saved = s.forward(*args)
     return outs, s.backward(saved, tangents)
 
 
-def check_split(f: Callable[..., Any], args: Sequence[Any], jg: JointGraph, s: Split | Partition,
-                label: str) -> None:
+def check_split(
+    f: Callable[..., Any], args: Sequence[Any], jg: JointGraph, s: Split | Partition, label: str
+) -> None:
     """Run forward then backward of ``s`` and compare outputs and grads with eager autograd."""
     tangents = _tangents(jg, seed=1)
     outs, grads = _run_split(s, args, tangents)
     e_outs, e_grads = eager_vjp(f, args, tangents)
     saved = [x.name for x in s.saved]
-    context = (
-        f"\n  program: {getattr(f, '__qualname__', f)!r}\n{f!r}\n  {label}\n  saved: {saved}"
-    )
+    context = f"\n  program: {getattr(f, '__qualname__', f)!r}\n{f!r}\n  {label}\n  saved: {saved}"
     assert_close(outs, e_outs, "output", context)
     assert_close(grads, e_grads, "grad", context)
     s.forward.verify()
@@ -144,16 +145,18 @@ def saved_sets(draw: st.DrawFn, jg: JointGraph) -> list[str]:
     from .._cost import OpClass, op_class
 
     candidates = [
-        n for n in jg.fx_graph.nodes if n.op == "call_function" and n.meta.get("functrans.phase")
-        is Phase.FORWARD
+        n
+        for n in jg.fx_graph.nodes
+        if n.op == "call_function" and n.meta.get("functrans.phase") is Phase.FORWARD
     ]
     must = [n.name for n in candidates if op_class(n) is OpClass.RANDOM]
     chosen = draw(st.lists(st.sampled_from(candidates), unique=True) if candidates else st.just([]))
     return sorted({n.name for n in chosen} | set(must))
 
 
-def split_and_check(f: Callable[..., Any], args: Sequence[Any], jg: JointGraph,
-                    saved: Sequence[str]) -> Split:
+def split_and_check(
+    f: Callable[..., Any], args: Sequence[Any], jg: JointGraph, saved: Sequence[str]
+) -> Split:
     """``split(jg, saved)`` and compare with eager autograd."""
     s = split(jg, saved)
     check_split(f, args, jg, s, f"saved set: {list(saved)}")

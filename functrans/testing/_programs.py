@@ -121,6 +121,7 @@ _UNARY: dict[str, tuple[Callable[[float], float], float]] = {
     "silu": (lambda b: b, math.inf),
     "log1p_square": (lambda b: math.log1p(b * b), math.inf),
 }
+_KINKED = ("relu", "abs")
 # binary op -> result bound from operand bounds
 _BINARY: dict[str, Callable[[float, float], float]] = {
     "add": operator.add,
@@ -253,14 +254,14 @@ def _eligible(kind: str, vals: Sequence[_Val], i: int) -> bool:
     """Whether a ``kind`` step can be generated with ``vals[i]`` as its first operand."""
     v = vals[i]
     rank, bound, numel = len(v.shape), v.bound, math.prod(v.shape)
-    if kind in _UNARY:
-        return _UNARY[kind][0](bound) <= _MAX_BOUND
+    if kind in _UNARY:  # no relu/abs of exact zeros, where they have a kink
+        return _UNARY[kind][0](bound) <= _MAX_BOUND and (v.generic or kind not in _KINKED)
     if kind in ("maximum", "minimum"):
         return any(_independent(v, w) and _bcast(v.shape, w.shape) for w in vals)
     if kind in _BINARY:  # a constant operand is always possible
         return _BINARY[kind](bound, max(_CONSTANTS)) <= _MAX_BOUND
     match kind:
-        case "where" | "reshape":
+        case "reshape":
             return True
         case "unsqueeze":
             return rank <= 2
@@ -282,6 +283,8 @@ def _eligible(kind: str, vals: Sequence[_Val], i: int) -> bool:
             return rank >= 1 and 2 * bound + math.log(numel) <= _MAX_BOUND
         case "amax":
             return rank >= 1 and v.generic
+        case "where":  # compares it to a constant or an independent value
+            return v.generic
         case "layer_norm":
             return rank >= 1 and v.shape[-1] >= 2 and v.generic
         case "cat":
@@ -331,8 +334,8 @@ def _gen_step(draw: st.DrawFn, kind: str, vals: Sequence[_Val]) -> tuple[Step, _
         shape, bound = _bcast(shape, w.shape) or (), _BINARY[kind](bound, w.bound)
         generic, args, roots = not clamp and _independent(v, w), (i, b), roots | w.roots
     elif kind == "where":
-        b, w = _operand(draw, vals, [j for j, u in enumerate(vals) if _bcast(shape, u.shape)
-                                     and j != i])  # fmt: skip
+        cands = [j for j, u in enumerate(vals) if _bcast(shape, u.shape) and _independent(v, u)]
+        b, w = _operand(draw, vals, cands)
         shape = _bcast(shape, w.shape) or ()
         c, u = _operand(draw, vals, [j for j, u in enumerate(vals) if _bcast(shape, u.shape)])
         shape, bound, generic = _bcast(shape, u.shape) or (), max(bound, u.bound), False
