@@ -18,6 +18,7 @@ import torch.fx as fx
 from ._cost import flops, is_input_alias, nbytes
 from ._format import format_value_type, op_name
 from ._graph import SOURCE, Graph, JointGraph
+from ._memory import MemoryProfile, simulate
 from ._split import split
 
 __all__ = ["Partition", "SavedValue", "Strategy", "format_bytes", "get_strategy", "partition"]
@@ -80,6 +81,16 @@ class Partition:
         return sum(s.activation_bytes for s in self.saved)
 
     @property
+    def memory(self) -> MemoryProfile:
+        """Liveness simulation of forward then backward (see :mod:`functrans._memory`)."""
+        return simulate(self.forward.fx_graph, self.backward.fx_graph)
+
+    @property
+    def peak_bytes(self) -> int:
+        """Peak live bytes over forward then backward, inputs included."""
+        return self.memory.peak_bytes
+
+    @property
     def saved_bytes(self) -> int:
         """All saved bytes, inputs included."""
         return sum(s.nbytes for s in self.saved)
@@ -110,6 +121,7 @@ class Partition:
         for r in [head, *rows]:
             lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)))
         lines.append(f"  activation bytes: {self.activation_bytes}")
+        lines.append(f"  peak bytes (forward then backward): {self.peak_bytes}")
         lines.append(f"  recomputed in backward: {', '.join(self.recomputed) or '-'}")
         return "\n".join(line.rstrip() for line in lines)
 

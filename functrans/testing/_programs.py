@@ -8,9 +8,10 @@ differentiable almost everywhere with finite gradients at :meth:`Program.example
 * every op is total (``log1p(x * x)`` rather than ``log``, ``a / (1 + b * b)`` rather than
   ``a / b``, ``exp(tanh(x))`` rather than ``exp``) and the generator tracks a bound on every
   value's magnitude, refusing ops that would push it past ``_MAX_BOUND``;
-* ``amax``, ``maximum``/``minimum`` and ``layer_norm`` only see "generic" operands: values that
-  (almost surely) have no exact ties and no constant rows, e.g. never the output of ``relu``,
-  ``where``, ``expand``, a clamp-like op, or a combination of two values sharing an input.
+* ``amax``, ``maximum``/``minimum``, ``layer_norm``, ``relu``/``abs`` (kinks) and the comparison
+  in ``where`` only see "generic" operands: values that (almost surely) have no exact ties, zeros
+  or constant rows; e.g. never the output of ``relu``, ``where``, ``expand`` or a clamp, nor a
+  combination of two values that share an input (``a - a`` is zero).
 """
 
 from __future__ import annotations
@@ -32,9 +33,8 @@ __all__ = ["INPUT_BOUND", "STEP_KINDS", "InputSpec", "Program", "Step", "program
 INPUT_BOUND = 2.0  # example inputs are uniform in [-INPUT_BOUND, INPUT_BOUND)
 _MAX_BOUND = 1000.0  # bound on the magnitude of every value
 _MAX_NUMEL = 256
-_SATURATE = 4.0  # tanh/sigmoid of larger values may round to exact ties in float32
+_SATURATE = 4.0  # tanh, sigmoid, gelu, softmax... of larger values may round to exact ties
 _CONSTANTS = (0.5, 2.0, -1.5)
-_DIM_SIZES = (1, 2, 3, 4, 1)  # size-1 dims are common, for broadcasting edge cases
 
 
 @dataclass(frozen=True)
@@ -117,8 +117,8 @@ _UNARY: dict[str, tuple[Callable[[float], float], float]] = {
     "square": (lambda b: b * b, math.inf),
     "relu": (lambda b: b, -1.0),  # many exact zeros
     "abs": (lambda b: b, math.inf),
-    "gelu": (lambda b: b, math.inf),
-    "silu": (lambda b: b, math.inf),
+    "gelu": (lambda b: b, _SATURATE),  # exactly 0 below about -5.5 in float32
+    "silu": (lambda b: b, 50.0),
     "log1p_square": (lambda b: math.log1p(b * b), math.inf),
 }
 _KINKED = ("relu", "abs")
@@ -250,48 +250,40 @@ def _matmul_ok(a: _Val, b: _Val, transpose: bool) -> bool:
     return inner == a.shape[-1] and inner * a.bound * b.bound <= _MAX_BOUND
 
 
+# op -> whether a value can be its first operand (for ops other than unary and binary ones)
+_ACCEPTS: dict[str, Callable[[_Val], bool]] = {
+    "where": lambda v: v.generic,  # compared with a constant or an independent value
+    "unsqueeze": lambda v: len(v.shape) <= 2,
+    "squeeze": lambda v: 1 in v.shape,
+    "transpose": lambda v: len(v.shape) >= 2,
+    "permute": lambda v: len(v.shape) >= 2,
+    "reshape": lambda v: True,
+    "flatten": lambda v: len(v.shape) >= 2,
+    "expand": lambda v: 1 in v.shape and 2 * math.prod(v.shape) <= _MAX_NUMEL,
+    "narrow": lambda v: any(s > 1 for s in v.shape),
+    "sum": lambda v: v.shape != () and max(v.shape) * v.bound <= _MAX_BOUND,
+    "mean": lambda v: v.shape != (),
+    "amax": lambda v: v.shape != () and v.generic,
+    "sum_all": lambda v: math.prod(v.shape) * v.bound <= _MAX_BOUND,
+    "softmax": lambda v: v.shape != (),
+    "log_softmax": lambda v: v.shape != () and 2 * v.bound + max(v.shape) <= _MAX_BOUND,
+    "layer_norm": lambda v: v.shape != () and v.shape[-1] >= 2 and v.generic,
+    "cat": lambda v: v.shape != () and 2 * math.prod(v.shape) <= _MAX_NUMEL,
+    "mm": lambda v: len(v.shape) == 2 and _matmul_ok(v, v, True),
+    "bmm": lambda v: len(v.shape) == 3 and _matmul_ok(v, v, True),
+}
+
+
 def _eligible(kind: str, vals: Sequence[_Val], i: int) -> bool:
     """Whether a ``kind`` step can be generated with ``vals[i]`` as its first operand."""
     v = vals[i]
-    rank, bound, numel = len(v.shape), v.bound, math.prod(v.shape)
     if kind in _UNARY:  # no relu/abs of exact zeros, where they have a kink
-        return _UNARY[kind][0](bound) <= _MAX_BOUND and (v.generic or kind not in _KINKED)
+        return _UNARY[kind][0](v.bound) <= _MAX_BOUND and (v.generic or kind not in _KINKED)
     if kind in ("maximum", "minimum"):
         return any(_independent(v, w) and _bcast(v.shape, w.shape) for w in vals)
     if kind in _BINARY:  # a constant operand is always possible
-        return _BINARY[kind](bound, max(_CONSTANTS)) <= _MAX_BOUND
-    match kind:
-        case "reshape":
-            return True
-        case "unsqueeze":
-            return rank <= 2
-        case "squeeze":
-            return 1 in v.shape
-        case "expand":
-            return 1 in v.shape and 2 * numel <= _MAX_NUMEL
-        case "transpose" | "permute" | "flatten":
-            return rank >= 2
-        case "narrow":
-            return any(s > 1 for s in v.shape)
-        case "sum":
-            return rank >= 1 and max(v.shape) * bound <= _MAX_BOUND
-        case "sum_all":
-            return numel * bound <= _MAX_BOUND
-        case "mean" | "softmax":
-            return rank >= 1
-        case "log_softmax":
-            return rank >= 1 and 2 * bound + math.log(numel) <= _MAX_BOUND
-        case "amax":
-            return rank >= 1 and v.generic
-        case "where":  # compares it to a constant or an independent value
-            return v.generic
-        case "layer_norm":
-            return rank >= 1 and v.shape[-1] >= 2 and v.generic
-        case "cat":
-            return rank >= 1 and 2 * numel <= _MAX_NUMEL
-        case "mm" | "bmm":
-            return rank == (2 if kind == "mm" else 3) and _matmul_ok(v, v, True)
-    raise ValueError(f"unknown op {kind!r}")
+        return _BINARY[kind](v.bound, max(_CONSTANTS)) <= _MAX_BOUND
+    return _ACCEPTS[kind](v)
 
 
 def _pick_recent(draw: st.DrawFn, items: Sequence[Any]) -> Any:
@@ -329,8 +321,11 @@ def _gen_step(draw: st.DrawFn, kind: str, vals: Sequence[_Val]) -> tuple[Step, _
             if _bcast(shape, w.shape) and _BINARY[kind](bound, w.bound) <= _MAX_BOUND
             and (kind != "sub" or j != i) and (not clamp or _independent(v, w))
         ]  # fmt: skip
-        b, w = (draw(st.sampled_from(cands)), None) if clamp else _operand(draw, vals, cands)
-        w = vals[int(b)] if w is None else w
+        if clamp:
+            b = _pick_recent(draw, cands)
+            w = vals[b]
+        else:
+            b, w = _operand(draw, vals, cands)
         shape, bound = _bcast(shape, w.shape) or (), _BINARY[kind](bound, w.bound)
         generic, args, roots = not clamp and _independent(v, w), (i, b), roots | w.roots
     elif kind == "where":
@@ -371,7 +366,7 @@ def _gen_step(draw: st.DrawFn, kind: str, vals: Sequence[_Val]) -> tuple[Step, _
         shape, params = (*shape[:d], *((1,) if keep else ()), *shape[d + 1 :]), (d, int(keep))
     elif kind in ("softmax", "log_softmax"):
         d = draw(st.sampled_from(dims))
-        generic, params = generic and shape[d] >= 2, (d,)
+        generic, params = generic and shape[d] >= 2 and bound <= _SATURATE, (d,)
         bound = 1.0 if kind == "softmax" else 2 * bound + math.log(shape[d])
     elif kind == "layer_norm":  # constant along the normalized dim if it has size 1 or 2
         bound, generic = math.sqrt(shape[-1]), shape[-1] >= 3
@@ -393,6 +388,21 @@ def _gen_step(draw: st.DrawFn, kind: str, vals: Sequence[_Val]) -> tuple[Step, _
         shape = (*shape[:-1], w.shape[-2] if t else w.shape[-1])
         args, params, roots = (i, j), (t,), roots | w.roots
     return Step(kind, args, params, shape), _Val(shape, bound, generic, roots)
+
+
+_SHAPES = st.lists(st.sampled_from((1, 2, 3, 4, 1)), max_size=3).map(tuple)  # 1s are common
+
+
+@st.composite
+def _next_step(draw: st.DrawFn, vals: Sequence[_Val], first: bool) -> tuple[Step, _Val] | None:
+    """The next step over ``vals``, or None to end the program (never before the first step).
+
+    Each step is one span of choices, so hypothesis can delete steps while shrinking.
+    """
+    if not (first or draw(st.booleans()) or draw(st.booleans()) or draw(st.booleans())):
+        return None  # probability 1/8; shrinks towards fewer steps
+    kinds = [k for k in STEP_KINDS if any(_eligible(k, vals, j) for j in range(len(vals)))]
+    return _gen_step(draw, draw(st.sampled_from(kinds)), vals)
 
 
 def programs(
@@ -439,25 +449,17 @@ def programs(
     @st.composite
     def draw_program(draw: st.DrawFn) -> Program:
         dtype = draw(st.sampled_from(dtype_list))
-        n_inputs = draw(st.integers(1, max_inputs))
-        shapes = [
-            tuple(draw(st.sampled_from(_DIM_SIZES)) for _ in range(draw(st.integers(0, 3))))
-            for _ in range(n_inputs)
-        ]
-        n_steps = draw(st.integers(1, max_steps))
-        n_values = n_inputs + n_steps
-        offsets = draw(st.lists(st.integers(0, n_values - 1), min_size=1, max_size=3, unique=True))
+        shapes = draw(st.lists(_SHAPES, min_size=1, max_size=max_inputs))
         vals = [_Val(s, INPUT_BOUND, True, frozenset([k])) for k, s in enumerate(shapes)]
-        steps = []
-        for _ in range(n_steps):
-            kinds = [k for k in STEP_KINDS if any(_eligible(k, vals, j) for j in range(len(vals)))]
-            step, val = _gen_step(draw, draw(st.sampled_from(kinds)), vals)
-            steps.append(step)
-            vals.append(val)
+        steps: list[Step] = []
+        while len(steps) < max_steps and (step := draw(_next_step(vals, not steps))):
+            steps.append(step[0])
+            vals.append(step[1])
+        offsets = draw(st.lists(st.integers(0, len(vals) - 1), min_size=1, max_size=3, unique=True))
         return Program(
             inputs=tuple(InputSpec(s, dtype) for s in shapes),
             steps=tuple(steps),
-            outputs=tuple(n_values - 1 - k for k in offsets),
+            outputs=tuple(len(vals) - 1 - k for k in offsets),
         )
 
     return draw_program()

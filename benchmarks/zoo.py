@@ -1,0 +1,387 @@
+"""A model zoo for benchmarks and tests: pure ``fn(params, x) -> scalar loss`` functions.
+
+Every entry is a :class:`Model`: a name, a pure loss function over a dict pytree of parameters
+(plain ``torch.nn.functional`` ops, no module state) and a ``make(size, dtype, seed)`` builder
+that returns ``(params, x)``. ``size="small"`` is for fast tests, ``size="bench"`` for benchmarks.
+
+``ZOO`` maps names to zero-argument factories. The Hugging Face models (``hf_llama``,
+``hf_gpt2``) are listed only when ``transformers`` can be imported; it is imported lazily, when
+one of them is built, so this module works without it.
+
+>>> from benchmarks.zoo import ZOO
+>>> model = ZOO["gpt_block"]()
+>>> params, x = model.make("small")
+>>> model.fn(params, x).shape
+torch.Size([])
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import functrans as ft
+from functrans.extend import flops
+
+__all__ = [
+    "HF_MODELS",
+    "SDPA_NOTE",
+    "ZOO",
+    "Model",
+    "conv_block",
+    "forward_flops",
+    "gpt_block",
+    "hf_gpt2",
+    "hf_llama",
+    "llama_block",
+    "mlp_stack",
+]
+
+Params = dict[str, Any]
+LossFn = Callable[[Params, Any], torch.Tensor]
+Builder = Callable[..., tuple[Params, Any]]
+
+#: Names of the models that need ``transformers``.
+HF_MODELS = ("hf_llama", "hf_gpt2")
+
+#: Why the HF models default to ``attn_implementation="eager"``.
+SDPA_NOTE = (
+    "with attn_implementation='sdpa', ft.joint traces but gives wrong gradients: core ATen "
+    "decompositions rewrite aten._scaled_dot_product_flash_attention_for_cpu into math whose "
+    "second output is the attention matrix, while the autograd node recorded for the original "
+    "op feeds that to _scaled_dot_product_flash_attention_for_cpu_backward as its logsumexp"
+)
+
+
+@dataclass(frozen=True)
+class Model:
+    """One zoo entry: ``make(size, dtype, seed) -> (params, x)`` and ``fn(params, x) -> loss``."""
+
+    name: str
+    fn: LossFn
+    make: Builder
+    supports_float64: bool = True  # False where the model computes in float32 internally
+
+
+def _randn(gen: torch.Generator, *shape: int, dtype: torch.dtype, scale: float = 1.0) -> Any:
+    return torch.randn(*shape, generator=gen, dtype=torch.float64).mul_(scale).to(dtype)
+
+
+def _linear(gen: torch.Generator, n_in: int, n_out: int, dtype: torch.dtype) -> Params:
+    return {
+        "w": _randn(gen, n_out, n_in, dtype=dtype, scale=1 / math.sqrt(n_in)),
+        "b": _randn(gen, n_out, dtype=dtype, scale=0.02),
+    }
+
+
+def _norm(gen: torch.Generator, d: int, dtype: torch.dtype, bias: bool = True) -> Params:
+    p = {"w": 1 + _randn(gen, d, dtype=dtype, scale=0.1)}
+    if bias:
+        p["b"] = _randn(gen, d, dtype=dtype, scale=0.1)
+    return p
+
+
+def _pick(size: str, small: Any, bench: Any) -> Any:
+    if size not in ("small", "bench"):
+        raise ValueError(f"size must be 'small' or 'bench', got {size!r}")
+    return small if size == "small" else bench
+
+
+# ---------------------------------------------------------------------------------------------
+# MLP stack: blocks of Linear-GELU-Linear-LayerNorm with a residual
+
+
+def mlp_stack(n_blocks: int = 4) -> Model:
+    """``n_blocks`` blocks ``x = LayerNorm(x + W2 GELU(W1 x))``; loss ``mean(x²)``."""
+
+    def fn(params: Params, x: torch.Tensor) -> torch.Tensor:
+        for blk in params["blocks"]:
+            h = F.linear(F.gelu(F.linear(x, blk["fc1"]["w"], blk["fc1"]["b"])), **_wb(blk["fc2"]))
+            x = F.layer_norm(x + h, (x.shape[-1],), blk["ln"]["w"], blk["ln"]["b"])
+        return (x * x).mean()
+
+    def make(
+        size: str = "small", dtype: torch.dtype = torch.float32, seed: int = 0
+    ) -> tuple[Params, torch.Tensor]:
+        tokens, d, ffn = _pick(size, (8, 16, 32), (64, 64, 256))
+        gen = torch.Generator().manual_seed(seed)
+        blocks = [
+            {
+                "fc1": _linear(gen, d, ffn, dtype),
+                "fc2": _linear(gen, ffn, d, dtype),
+                "ln": _norm(gen, d, dtype),
+            }
+            for _ in range(n_blocks)
+        ]
+        return {"blocks": blocks}, _randn(gen, tokens, d, dtype=dtype)
+
+    return Model(f"mlp_stack_{n_blocks}", fn, make)
+
+
+def _wb(p: Params) -> dict[str, torch.Tensor]:
+    return {"weight": p["w"], "bias": p["b"]}
+
+
+# ---------------------------------------------------------------------------------------------
+# Transformer blocks with hand-written causal attention (matmul + masked softmax)
+
+
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``softmax(q kᵀ / √d + causal mask) v`` on ``(batch, heads, seq, head_dim)`` tensors."""
+    t = q.shape[-2]
+    scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
+    mask = torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1)
+    scores = scores.masked_fill(mask, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
+def _heads(x: torch.Tensor, n_heads: int) -> torch.Tensor:
+    b, t, d = x.shape
+    return x.reshape(b, t, n_heads, d // n_heads).transpose(1, 2)
+
+
+def _merge(x: torch.Tensor) -> torch.Tensor:
+    b, h, t, dh = x.shape
+    return x.transpose(1, 2).reshape(b, t, h * dh)
+
+
+#: Head size of the hand-written attention blocks: heads = d_model // HEAD_DIM.
+HEAD_DIM = 16
+
+
+def _block_sizes(size: str) -> tuple[int, int, int]:
+    """``(batch, seq, d_model)``: 2 heads at "small", 4 at "bench"."""
+    return _pick(size, (1, 8, 32), (2, 32, 64))  # type: ignore[no-any-return]
+
+
+def gpt_block() -> Model:
+    """Pre-LayerNorm GPT block: causal self-attention and a GELU MLP, both residual."""
+
+    def fn(params: Params, x: torch.Tensor) -> torch.Tensor:
+        d = x.shape[-1]
+        n_heads = d // HEAD_DIM
+        h = F.layer_norm(x, (d,), params["ln1"]["w"], params["ln1"]["b"])
+        q, k, v = (_heads(F.linear(h, params[n]), n_heads) for n in ("wq", "wk", "wv"))
+        x = x + F.linear(_merge(_causal_attention(q, k, v)), **_wb(params["proj"]))
+        h = F.layer_norm(x, (d,), params["ln2"]["w"], params["ln2"]["b"])
+        x = x + F.linear(F.gelu(F.linear(h, **_wb(params["fc1"]))), **_wb(params["fc2"]))
+        return (x * x).mean()
+
+    def make(
+        size: str = "small", dtype: torch.dtype = torch.float32, seed: int = 0
+    ) -> tuple[Params, torch.Tensor]:
+        b, t, d = _block_sizes(size)
+        gen = torch.Generator().manual_seed(seed)
+        params: Params = {n: _randn(gen, d, d, dtype=dtype, scale=d**-0.5) for n in ("wq", "wk")}
+        params["wv"] = _randn(gen, d, d, dtype=dtype, scale=d**-0.5)
+        params["proj"] = _linear(gen, d, d, dtype)
+        params["fc1"] = _linear(gen, d, 4 * d, dtype)
+        params["fc2"] = _linear(gen, 4 * d, d, dtype)
+        params["ln1"], params["ln2"] = _norm(gen, d, dtype), _norm(gen, d, dtype)
+        return params, _randn(gen, b, t, d, dtype=dtype)
+
+    return Model("gpt_block", fn, make)
+
+
+def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the two halves of the last dimension (the "rotate_half" rotary embedding)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def llama_block() -> Model:
+    """Llama block: RMSNorm, rotary causal self-attention, SiLU-gated MLP, residuals.
+
+    The rotary ``cos``/``sin`` tables are computed inside from positions (no inputs, no grads).
+    """
+
+    def fn(params: Params, x: torch.Tensor) -> torch.Tensor:
+        _, t, d = x.shape
+        n_heads, dh = d // HEAD_DIM, HEAD_DIM
+        inv_freq = 1.0 / (10000.0 ** (torch.arange(0, dh, 2, dtype=x.dtype) / dh))
+        angles = torch.arange(t, dtype=x.dtype)[:, None] * inv_freq[None, :]
+        emb = torch.cat((angles, angles), dim=-1)
+        cos, sin = emb.cos(), emb.sin()
+        h = _rms_norm(x, params["norm1"])
+        q, k, v = (_heads(F.linear(h, params[n]), n_heads) for n in ("wq", "wk", "wv"))
+        q, k = _rotary(q, cos, sin), _rotary(k, cos, sin)
+        x = x + F.linear(_merge(_causal_attention(q, k, v)), params["wo"])
+        h = _rms_norm(x, params["norm2"])
+        gated = F.silu(F.linear(h, params["w_gate"])) * F.linear(h, params["w_up"])
+        x = x + F.linear(gated, params["w_down"])
+        return (x * x).mean()
+
+    def make(
+        size: str = "small", dtype: torch.dtype = torch.float32, seed: int = 0
+    ) -> tuple[Params, torch.Tensor]:
+        b, t, d = _block_sizes(size)
+        ffn = _pick(size, 32, 172)
+        gen = torch.Generator().manual_seed(seed)
+        params: Params = {
+            n: _randn(gen, d, d, dtype=dtype, scale=d**-0.5) for n in ("wq", "wk", "wv", "wo")
+        }
+        params["w_gate"] = _randn(gen, ffn, d, dtype=dtype, scale=d**-0.5)
+        params["w_up"] = _randn(gen, ffn, d, dtype=dtype, scale=d**-0.5)
+        params["w_down"] = _randn(gen, d, ffn, dtype=dtype, scale=ffn**-0.5)
+        params["norm1"] = _norm(gen, d, dtype, bias=False)["w"]
+        params["norm2"] = _norm(gen, d, dtype, bias=False)["w"]
+        return params, _randn(gen, b, t, d, dtype=dtype)
+
+    return Model("llama_block", fn, make)
+
+
+# ---------------------------------------------------------------------------------------------
+# Conv block with eval-mode batch norm
+
+
+def conv_block() -> Model:
+    """``x + ReLU(BN(conv(ReLU(BN(conv(x))))))`` with eval-mode batch norm.
+
+    ``x`` is a dict: the image and each batch norm's running stats, so the stats are inputs that
+    get no gradient (as in a module's buffers).
+    """
+
+    def fn(params: Params, x: dict[str, Any]) -> torch.Tensor:
+        h = x["image"]
+        for i, (conv, bn) in enumerate(zip(params["conv"], params["bn"], strict=True)):
+            h = F.conv2d(h, conv["w"], conv["b"], padding=1)
+            stats = x["stats"][i]
+            h = F.batch_norm(h, stats["mean"], stats["var"], bn["w"], bn["b"], training=False)
+            h = F.relu(h)
+        out = x["image"] + h
+        return (out * out).mean()
+
+    def make(
+        size: str = "small", dtype: torch.dtype = torch.float32, seed: int = 0
+    ) -> tuple[Params, dict[str, Any]]:
+        b, c, hw = _pick(size, (1, 4, 6), (2, 16, 16))
+        gen = torch.Generator().manual_seed(seed)
+        params: Params = {"conv": [], "bn": []}
+        stats = []
+        for _ in range(2):
+            w = _randn(gen, c, c, 3, 3, dtype=dtype, scale=1 / math.sqrt(9 * c))
+            params["conv"].append({"w": w, "b": _randn(gen, c, dtype=dtype, scale=0.02)})
+            params["bn"].append(_norm(gen, c, dtype))
+            var = 0.5 + torch.rand(c, generator=gen, dtype=torch.float64).to(dtype)
+            stats.append({"mean": _randn(gen, c, dtype=dtype, scale=0.1), "var": var})
+        image = _randn(gen, b, c, hw, hw, dtype=dtype)
+        return params, {"image": image, "stats": stats}
+
+    return Model("conv_block", fn, make)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tiny Hugging Face models (need transformers; no weight download)
+
+
+def _hf_model(name: str, build: Callable[[Any], torch.nn.Module]) -> Model:
+    """Wrap a randomly initialized transformers causal LM as ``fn(params, input_ids) -> loss``."""
+    transformers = importlib.import_module("transformers")
+    transformers.logging.set_verbosity_error()  # config notes about unused defaults
+    module = build(transformers).eval()
+
+    def fn(params: Params, input_ids: torch.Tensor) -> torch.Tensor:
+        out = torch.func.functional_call(module, params, (input_ids,), {"labels": input_ids})
+        return out.loss  # type: ignore[no-any-return]
+
+    def make(
+        size: str = "small", dtype: torch.dtype = torch.float32, seed: int = 0
+    ) -> tuple[Params, torch.Tensor]:
+        b, t = _pick(size, (1, 8), (2, 32))
+        with torch.random.fork_rng():  # the model's own initialization, seeded
+            torch.manual_seed(seed)
+            fresh = build(transformers)
+        params = {k: v.detach().to(dtype) for k, v in fresh.named_parameters()}
+        gen = torch.Generator().manual_seed(seed)
+        input_ids = torch.randint(0, 128, (b, t), generator=gen)
+        return params, input_ids
+
+    # RMSNorm/rotary in transformers compute in float32 whatever the parameters' dtype
+    return Model(name, fn, make, supports_float64=False)
+
+
+def hf_llama(attn: str = "eager") -> Model:
+    """A 2-layer Llama (hidden 64, 4 heads, vocab 128) from ``LlamaConfig``, random weights.
+
+    ``attn`` is the config's ``attn_implementation``. ``"eager"`` (matmul + softmax) is the
+    default because with ``"sdpa"`` the joint graph traces but its gradients are wrong: see
+    :data:`SDPA_NOTE`.
+    """
+
+    def build(tf: Any) -> torch.nn.Module:
+        cfg = tf.LlamaConfig(
+            vocab_size=128,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            max_position_embeddings=64,
+            attn_implementation=attn,
+        )
+        return tf.LlamaForCausalLM(cfg)  # type: ignore[no-any-return]
+
+    return _hf_model("hf_llama" if attn == "eager" else f"hf_llama_{attn}", build)
+
+
+def hf_gpt2(attn: str = "eager") -> Model:
+    """A 2-layer GPT-2 (hidden 64, 4 heads, vocab 128) from ``GPT2Config``, random weights.
+
+    ``attn`` is the config's ``attn_implementation``. ``"eager"`` (matmul + softmax) is the
+    default because with ``"sdpa"`` the joint graph traces but its gradients are wrong: see
+    :data:`SDPA_NOTE`.
+    """
+
+    def build(tf: Any) -> torch.nn.Module:
+        cfg = tf.GPT2Config(
+            vocab_size=128,
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            n_positions=64,
+            bos_token_id=0,
+            eos_token_id=0,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            attn_implementation=attn,
+        )
+        return tf.GPT2LMHeadModel(cfg)  # type: ignore[no-any-return]
+
+    return _hf_model("hf_gpt2" if attn == "eager" else f"hf_gpt2_{attn}", build)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _has_transformers() -> bool:
+    return importlib.util.find_spec("transformers") is not None
+
+
+ZOO: dict[str, Callable[[], Model]] = {
+    "mlp_stack": lambda: mlp_stack(4),
+    "gpt_block": gpt_block,
+    "llama_block": llama_block,
+    "conv_block": conv_block,
+}
+if _has_transformers():
+    ZOO["hf_llama"] = hf_llama
+    ZOO["hf_gpt2"] = hf_gpt2
+
+
+def forward_flops(model: Model, size: str = "bench", dtype: torch.dtype = torch.float32) -> int:
+    """FLOPs of one forward pass: ``functrans.extend.flops`` summed over the traced graph."""
+    params, x = model.make(size, dtype)
+    graph = ft.trace(model.fn)(params, x)
+    return sum(flops(n) for n in graph.ops())
