@@ -28,3 +28,6 @@ from ._partition import Strategy as Strategy
 from ._registry import Registry as Registry
 from ._split import ancestors as ancestors
 from ._split import split as split
+from ._tags import REMAT as REMAT
+from ._tags import Policy as Policy
+from ._tags import policy_of as policy_of

@@ -42,3 +42,4 @@ def names(*, aliases: bool = False) -> list[str]:
 
 from . import default as default  # noqa: E402  (registers itself)
 from . import full_remat as full_remat  # noqa: E402
+from . import min_cut as min_cut  # noqa: E402

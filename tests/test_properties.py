@@ -56,3 +56,15 @@ def test_checker_catches_a_wrong_gradient():
 
     with pytest.raises(AssertionError, match=r"grad\[0\] differs from eager"):
         check_split(f, args, jg, s, "sabotaged")
+
+
+@given(PROGRAMS)
+def test_property_min_cut_saves_no_more_than_default_and_respects_bans(prog):
+    from functrans.partitioners.min_cut import MinCutOptions, banned
+
+    jg = ft.joint(prog)(*prog.example_inputs())
+    mc = ft.partition(jg, "min_cut")
+    assert mc.activation_bytes <= ft.partition(jg, "default").activation_bytes, mc.report()
+    by_name = {n.name: n for n in jg.fx_graph.nodes}
+    broken = [name for name in mc.recomputed if banned(by_name[name], MinCutOptions())]
+    assert not broken, f"min_cut recomputed banned ops {broken}\n{mc.report()}"

@@ -1,0 +1,194 @@
+"""``"min_cut"``: save the fewest bytes that let backward recompute everything else it needs.
+
+Which forward values cross to backward is a minimum s-t cut (the joint-graph article's
+max-flow formulation). Every FORWARD-phase node ``v`` becomes an edge ``v_in -> v_out`` whose
+capacity is what saving ``v`` costs; data edges are uncuttable; the source feeds the primal
+inputs and every node that must not be recomputed; every value a BACKWARD node reads drains into
+the sink. A cut edge ``v_in -> v_out`` is a saved value; forward nodes on the sink side are
+recomputed in backward.
+
+Capacities are lexicographic: first activation bytes (so the saved set has the fewest bytes
+among cuts that recompute only allowed ops), then one unit per saved pointwise value: saving a
+value that a fused forward kernel would never have written to memory is worse than saving the
+matmul output it came from and recomputing the cheap chain in backward, where it fuses into the
+backward kernels. Among cuts that still tie, the one closest to backward is taken (so a view of
+an input is saved as the view). The rules are the small predicates below.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from functrans.extend import (
+    PHASE,
+    ROLE,
+    InvalidPartitionError,
+    JointGraph,
+    OpClass,
+    Phase,
+    Policy,
+    Role,
+    activation_bytes,
+    nbytes,
+    op_class,
+    policy_of,
+)
+
+from . import register
+from ._maxflow import INF
+from ._maxflow import min_cut as solve_min_cut
+from .default import forward_core
+
+__all__ = ["MinCutOptions", "min_cut"]
+
+
+@dataclass(frozen=True)
+class MinCutOptions:
+    """Options of ``min_cut`` (pass them as keywords to ``partition``)."""
+
+    recompute_views: bool = True  # views may be recomputed in backward (they are free)
+    ban_reductions: bool = True  # never recompute a reduction that shrinks its input a lot
+    reduction_ratio: float = 4.0  # ... "a lot": input bytes > ratio * output bytes
+    prefer_weight: int = (
+        4  # PREFER_SAVE divides a value's save cost by this, PREFER_RECOMPUTE multiplies
+    )
+
+
+def is_compute_intensive(node: fx.Node) -> bool:
+    """Matmul, conv, attention: redoing them costs real FLOPs, so they are never recomputed."""
+    return op_class(node) is OpClass.COMPUTE
+
+
+def is_random(node: fx.Node) -> bool:
+    """A random op: re-running it draws new numbers, so recomputing it would change gradients."""
+    return op_class(node) is OpClass.RANDOM
+
+
+def is_effectful(node: fx.Node) -> bool:
+    """An op with side effects: running it twice is not the same as running it once."""
+    return op_class(node) is OpClass.EFFECTFUL
+
+
+def is_shrinking_reduction(node: fx.Node, ratio: float) -> bool:
+    """A reduction whose output is much smaller than its input: saving the small result is
+    cheaper than keeping the big input alive to redo it (e.g. softmax's row max and sum)."""
+    if op_class(node) is not OpClass.REDUCTION:
+        return False
+    inputs = sum(nbytes(a.meta.get("val")) for a in node.all_input_nodes)
+    return inputs > ratio * nbytes(node.meta.get("val"))
+
+
+def is_free_view(node: fx.Node) -> bool:
+    """A view of a primal input: it aliases memory the caller keeps alive, so saving it costs
+    0 bytes, and recomputing it is free too."""
+    return (
+        node.op != "placeholder" and activation_bytes(node) == 0 and op_class(node) is OpClass.VIEW
+    )
+
+
+def materializes(node: fx.Node) -> bool:
+    """Saving this value forces a fused forward kernel to write it out: pointwise results."""
+    return op_class(node) is OpClass.POINTWISE
+
+
+def banned(node: fx.Node, opts: MinCutOptions) -> bool:
+    """May ``node`` NOT be recomputed in backward? (Policy tags override the op rules; a
+    MUST_SAVE value that backward depends on is moreover always saved itself.)"""
+    policy = policy_of(node)
+    if is_random(node) or is_effectful(node) or policy is Policy.MUST_SAVE:
+        return True
+    if policy is Policy.MUST_RECOMPUTE:
+        return False
+    if not opts.recompute_views and op_class(node) is OpClass.VIEW:
+        return True
+    return is_compute_intensive(node) or (
+        opts.ban_reductions and is_shrinking_reduction(node, opts.reduction_ratio)
+    )
+
+
+def save_cost(node: fx.Node, opts: MinCutOptions, penalty_scale: int, weighted: bool) -> int:
+    """Capacity of ``node``'s in->out edge: bytes first, then the materialization unit."""
+    policy = policy_of(node)
+    if policy is Policy.MUST_RECOMPUTE or not isinstance(node.meta.get("val"), torch.Tensor):
+        return INF
+    cost = activation_bytes(node)
+    if weighted:  # PREFER_* tags scale the byte cost around a neutral weight
+        w = opts.prefer_weight
+        cost *= {Policy.PREFER_SAVE: 1, Policy.PREFER_RECOMPUTE: w * w}.get(policy, w)  # type: ignore[arg-type]
+    return cost * penalty_scale + (1 if penalty_scale > 1 and materializes(node) else 0)
+
+
+def _network(
+    joint: JointGraph, opts: MinCutOptions, penalty_scale: int
+) -> tuple[list[fx.Node], list[int], list[int], list[int]]:
+    core = forward_core(joint)
+    nodes = [
+        n for n in joint.fx_graph.nodes if n.meta.get(PHASE) is Phase.FORWARD and n.op != "output"
+    ]
+    index = {n: i for i, n in enumerate(nodes)}
+    source, sink = 2 * len(nodes), 2 * len(nodes) + 1
+    weighted = any(policy_of(n) in (Policy.PREFER_SAVE, Policy.PREFER_RECOMPUTE) for n in nodes)
+    edges: dict[tuple[int, int], int] = {}
+    drains = {n for n in joint.grad_outputs() if isinstance(n, fx.Node) and n in index}
+    for n, i in index.items():
+        edges[(2 * i, 2 * i + 1)] = save_cost(n, opts, penalty_scale, weighted)
+        if n.meta.get(ROLE) is Role.PRIMAL or (n in core and banned(n, opts)):
+            edges[(source, 2 * i)] = INF
+        for user in n.users:
+            if user in index:
+                edges[(2 * i + 1, 2 * index[user])] = INF
+            elif user.meta.get(PHASE) is Phase.BACKWARD:
+                drains.add(n)
+    drains |= {n for n in core if policy_of(n) is Policy.MUST_SAVE and _feeds_backward(n)}
+    for n in drains:
+        edges[(2 * index[n] + 1, sink)] = INF
+    src, dst = zip(*edges, strict=True) if edges else ((), ())
+    return nodes, list(src), list(dst), list(edges.values())
+
+
+def _feeds_backward(node: fx.Node) -> bool:
+    """Does any BACKWARD node depend on ``node``?"""
+    todo, seen = [node], set()
+    while todo:
+        n = todo.pop()
+        for u in n.users:
+            if u.meta.get(PHASE) is Phase.BACKWARD:
+                return True
+            if u not in seen:
+                seen.add(u)
+                todo.append(u)
+    return False
+
+
+def min_cut(joint: JointGraph, **options: object) -> list[fx.Node]:
+    """Save a minimum-byte set of forward values (see the module docstring for the rules).
+
+    >>> import torch, functrans as ft
+    >>> jg = ft.joint(lambda x, w: torch.tanh(x @ w).sum())(torch.ones(8, 8), torch.ones(8, 8))
+    >>> sorted(n.name for n in min_cut(jg))
+    ['mm', 'permute', 'permute_1']
+    """
+    opts = MinCutOptions(**options)  # type: ignore[arg-type]
+    nodes = [n for n in joint.fx_graph.nodes if n.meta.get(PHASE) is Phase.FORWARD]
+    penalty_scale = sum(1 for n in nodes if materializes(n)) + 1
+    for scale in (penalty_scale, 1):
+        order, src, dst, caps = _network(joint, opts, scale)
+        cut = solve_min_cut(2 * len(order) + 2, src, dst, caps, 2 * len(order), 2 * len(order) + 1)
+        if cut.exact:
+            break
+    if cut.value >= _infinite_value(caps):
+        raise InvalidPartitionError(
+            "min_cut: no valid cut: a MUST_RECOMPUTE value depends on a random op"
+        )
+    side = cut.sink_side
+    return [n for i, n in enumerate(order) if not side[2 * i] and side[2 * i + 1]]
+
+
+def _infinite_value(caps: list[int]) -> int:
+    return sum(c for c in caps if c != INF) + 1
+
+
+register("min_cut", min_cut)

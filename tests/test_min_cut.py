@@ -1,0 +1,172 @@
+"""min_cut: the article's worked examples (golden), one test per rule, policy tags."""
+
+import expecttest
+import networkx as nx
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import functrans as ft
+from functrans.extend import REMAT, OpClass, Policy, op_class
+from functrans.partitioners._maxflow import INF, min_cut
+
+aten = torch.ops.aten
+
+
+def seed(x, w):
+    return torch.tanh(x @ w).sum()
+
+
+def args64():
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(64, 64, generator=g), torch.randn(64, 64, generator=g)
+
+
+def saved(p):
+    return sorted(s.name for s in p.saved)
+
+
+def tag(jg, target, policy):
+    for n in jg.ops():
+        if n.target is target:
+            n.meta[REMAT] = policy
+    return jg
+
+
+class TestArticleExamples(expecttest.TestCase):
+    def test_tanh_saves_mm_and_transposed_x_and_recomputes_tanh(self):
+        # as in the article, only w needs a gradient
+        p = ft.partition(ft.joint(seed, argnums=1)(*args64()), "min_cut")
+        self.assertEqual(saved(p), ["mm", "permute"])
+        self.assertEqual(p.activation_bytes, 16384)  # mm; permute is a view of x: 0 B
+        self.assertEqual(p.recomputed, ("tanh",))
+        self.assertExpectedInline(
+            str(p.forward),
+            """\
+def forward(primals_1: "f32[64, 64]", primals_2: "f32[64, 64]"):
+    mm: "f32[64, 64]" = aten.mm.default(primals_1, primals_2)
+    tanh: "f32[64, 64]" = aten.tanh.default(mm)
+    sum_1: "f32[]" = aten.sum.dim_IntList(tanh, [])
+    permute: "f32[64, 64]" = aten.permute.default(primals_1, [1, 0])
+    return (sum_1, mm, permute)""",
+        )
+        self.assertExpectedInline(
+            str(p.backward),
+            """\
+def forward(mm: "f32[64, 64]", permute: "f32[64, 64]", tangents_1: "f32[]"):
+    tanh: "f32[64, 64]" = aten.tanh.default(mm)  # recomputed
+    expand: "f32[64, 64]" = aten.expand.default(tangents_1, [64, 64])
+    mul: "f32[64, 64]" = aten.mul.Tensor(tanh, tanh)
+    sub: "f32[64, 64]" = aten.sub.Tensor(1, mul)
+    mul_1: "f32[64, 64]" = aten.mul.Tensor(expand, sub)
+    mm_1: "f32[64, 64]" = aten.mm.default(permute, mul_1)
+    return (mm_1,)""",
+        )
+
+    def test_relu_saves_the_boolean_mask(self):
+        f = lambda x, w: torch.relu(x @ w).sum()  # noqa: E731
+        p = ft.partition(ft.joint(f, argnums=1)(*args64()), "min_cut")
+        self.assertEqual(saved(p), ["le", "permute"])
+        (mask,) = [s for s in p.saved if s.name == "le"]
+        self.assertEqual((mask.dtype, mask.nbytes), (torch.bool, 64 * 64))
+
+
+def test_rule_compute_intensive_ops_are_never_recomputed():
+    # saving only the inputs would cost 0 activation bytes; the ban makes mm be saved instead
+    jg = ft.joint(seed)(*args64())
+    assert "mm" in saved(ft.partition(jg, "min_cut"))
+    tag(jg, aten.mm.default, Policy.MUST_RECOMPUTE)  # an explicit policy lifts the ban
+    p = ft.partition(jg, "min_cut")
+    assert p.activation_bytes == 0 and "mm" in p.recomputed
+
+
+def test_rule_random_ops_are_saved_not_recomputed():
+    f = lambda x: (torch.nn.functional.dropout(x, 0.5) * x).sum()  # noqa: E731
+    p = ft.partition(ft.joint(f)(torch.ones(32)), "min_cut")
+    assert not any(n.startswith("bernoulli") for n in p.recomputed)
+    _, res = p.forward(torch.ones(32))
+    (grad,) = p.backward(res, (torch.tensor(1.0),))
+    assert set(grad.unique().tolist()) <= {0.0, 4.0}  # mask/0.5 * x + mask/0.5 * x at x=1
+
+
+def test_rule_views_of_inputs_are_free():
+    p = ft.partition(ft.joint(seed, argnums=1)(*args64()), "min_cut")
+    (perm,) = [s for s in p.saved if s.name == "permute"]
+    assert perm.is_input and perm.activation_bytes == 0
+
+
+def test_rule_recompute_views_option():
+    f = lambda x: (x.sin().t() * x.t()).sum()  # noqa: E731
+    jg = ft.joint(f)(torch.randn(8, 4))
+    views = {n.name for n in jg.ops() if op_class(n) is OpClass.VIEW}
+    p = ft.partition(jg, "min_cut", recompute_views=False)
+    assert not views & set(p.recomputed)
+
+
+def test_rule_pointwise_chains_are_recomputed_rather_than_saved():
+    # mm and tanh cost the same bytes; saving mm (written anyway) and recomputing tanh wins
+    p = ft.partition(ft.joint(seed, argnums=1)(*args64()), "min_cut")
+    assert "tanh" not in saved(p) and p.recomputed == ("tanh",)
+
+
+def test_rule_shrinking_reductions_are_saved_not_redone():
+    def f(x):  # softmax by hand: core ATen keeps torch.softmax as one op
+        e = (x - x.amax(1, keepdim=True)).exp()
+        return (e / e.sum(1, keepdim=True)).pow(3).sum()
+
+    jg = ft.joint(f)(torch.randn(4, 64))
+    banned = ft.partition(jg, "min_cut")
+    assert {"amax", "sum_1"} <= set(saved(banned))
+    free = ft.partition(jg, "min_cut", ban_reductions=False)
+    assert free.activation_bytes == 0 and "amax" in free.recomputed
+
+
+def test_policy_must_save_and_prefer_tags():
+    jg = tag(ft.joint(seed, argnums=1)(*args64()), aten.tanh.default, Policy.MUST_SAVE)
+    assert "tanh" in saved(ft.partition(jg, "min_cut"))
+    jg = tag(ft.joint(seed, argnums=1)(*args64()), aten.tanh.default, Policy.PREFER_SAVE)
+    assert "tanh" in saved(ft.partition(jg, "min_cut"))
+    jg = tag(ft.joint(seed, argnums=1)(*args64()), aten.mm.default, Policy.PREFER_RECOMPUTE)
+    assert "mm" not in saved(ft.partition(jg, "min_cut"))
+
+
+def test_unknown_option_is_an_error():
+    with pytest.raises(TypeError, match="ban_reduction"):
+        ft.partition(ft.joint(seed)(*args64()), "min_cut", ban_reduction=False)
+
+
+@st.composite
+def networks(draw):
+    n = draw(st.integers(3, 8))
+    edges = draw(
+        st.dictionaries(
+            st.tuples(st.integers(0, n - 1), st.integers(0, n - 1)).filter(lambda e: e[0] != e[1]),
+            st.one_of(st.just(INF), st.integers(0, 1 << 40)),
+            max_size=20,
+        )
+    )
+    return n, edges
+
+
+@given(networks())
+def test_property_max_flow_matches_networkx_even_with_huge_capacities(net):
+    n, edges = net
+    g = nx.DiGraph()
+    g.add_nodes_from(range(n))
+    for (u, v), c in edges.items():
+        g.add_edge(u, v, **({} if c == INF else {"capacity": c}))
+    try:
+        want, _ = nx.minimum_cut(g, 0, n - 1)
+    except nx.NetworkXUnbounded:
+        return
+    src, dst = zip(*edges, strict=True) if edges else ((), ())
+    cut = min_cut(n, src, dst, list(edges.values()), 0, n - 1)
+    if cut.exact:
+        assert cut.value == want
+    # the cut it reports is a real cut of no INF edge whose capacity is the optimum (or close)
+    side = cut.sink_side
+    assert not side[0] and side[n - 1]
+    crossing = [c for (u, v), c in edges.items() if not side[u] and side[v]]
+    assert INF not in crossing
+    assert sum(crossing) == want if cut.exact else sum(crossing) <= want * 1.01 + 1
