@@ -37,6 +37,7 @@ __all__ = [
     "conv_block",
     "forward_flops",
     "gpt_block",
+    "has_transformers",
     "hf_gpt2",
     "hf_llama",
     "llama_block",
@@ -365,8 +366,12 @@ def hf_gpt2(attn: str = "eager") -> Model:
 # ---------------------------------------------------------------------------------------------
 
 
-def _has_transformers() -> bool:
-    return importlib.util.find_spec("transformers") is not None
+def has_transformers() -> bool:
+    """Whether ``transformers`` can be imported (checked without importing it)."""
+    try:
+        return importlib.util.find_spec("transformers") is not None
+    except (ImportError, ValueError):  # ValueError: sys.modules["transformers"] is None
+        return False
 
 
 ZOO: dict[str, Callable[[], Model]] = {
@@ -375,7 +380,7 @@ ZOO: dict[str, Callable[[], Model]] = {
     "llama_block": llama_block,
     "conv_block": conv_block,
 }
-if _has_transformers():
+if has_transformers():
     ZOO["hf_llama"] = hf_llama
     ZOO["hf_gpt2"] = hf_gpt2
 

@@ -27,11 +27,12 @@ _LIMIT = (1 << 31) - 1  # scipy's int32 ceiling for capacities and flows
 
 @dataclass(frozen=True)
 class Cut:
-    """The sink side of a minimum cut, closest to the sink (the largest source side)."""
+    """The source side of a minimum cut, the one closest to the source (the smallest one)."""
 
-    sink_side: np.ndarray  # bool per network node
+    source_side: np.ndarray  # bool per network node
     value: int  # cut capacity in the caller's units (exact only if ``exact``)
-    exact: bool
+    exact: bool  # False if capacities had to be rounded to fit int32
+    finite: bool  # False if every cut crosses an INF edge
 
 
 def _scale(caps: Sequence[int]) -> tuple[np.ndarray, int, int, bool]:
@@ -58,18 +59,19 @@ def min_cut(
     (``INF`` for uncuttable). Parallel edges must already be merged by the caller.
 
     >>> cut = min_cut(4, [0, 1, 2, 0], [1, 2, 3, 2], [INF, 5, INF, 3], 0, 3)
-    >>> cut.value, cut.sink_side.tolist()
-    (8, [False, False, True, True])
+    >>> cut.value, cut.source_side.tolist()
+    (8, [True, True, False, False])
     """
-    cap, _inf, unit, exact = _scale(caps)
+    cap, inf, unit, exact = _scale(caps)
     graph = csr_matrix((cap, (np.asarray(src), np.asarray(dst))), shape=(num_nodes, num_nodes))
     graph.sum_duplicates()
     result = maximum_flow(graph, s, t, method="dinic")
     residual = (graph - result.flow).tocsr()
     residual.data[residual.data < 0] = 0
     residual.eliminate_zeros()
-    # nodes that can still reach the sink through residual capacity form the sink side
-    reach = breadth_first_order(residual.T.tocsr(), t, directed=True, return_predecessors=False)
-    sink_side = np.zeros(num_nodes, dtype=bool)
-    sink_side[reach] = True
-    return Cut(sink_side, int(result.flow_value) * unit, exact)
+    # nodes the source still reaches through residual capacity form the smallest source side
+    reach = breadth_first_order(residual, s, directed=True, return_predecessors=False)
+    source_side = np.zeros(num_nodes, dtype=bool)
+    source_side[reach] = True
+    flow = int(result.flow_value)
+    return Cut(source_side, flow * unit, exact, flow < inf)

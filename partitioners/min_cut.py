@@ -7,12 +7,12 @@ inputs and every node that must not be recomputed; every value a BACKWARD node r
 the sink. A cut edge ``v_in -> v_out`` is a saved value; forward nodes on the sink side are
 recomputed in backward.
 
-Capacities are lexicographic: first activation bytes (so the saved set has the fewest bytes
-among cuts that recompute only allowed ops), then one unit per saved pointwise value: saving a
-value that a fused forward kernel would never have written to memory is worse than saving the
-matmul output it came from and recomputing the cheap chain in backward, where it fuses into the
-backward kernels. Among cuts that still tie, the one closest to backward is taken (so a view of
-an input is saved as the view). The rules are the small predicates below.
+Capacities are activation bytes, so the saved set has the fewest bytes among cuts that recompute
+only allowed ops. Among minimum cuts the one closest to the inputs is taken: of equal-sized
+values it saves the earliest (a matmul output, which is written to memory anyway) and recomputes
+the cheap chain after it in backward, where it fuses into the backward kernels, instead of
+saving a pointwise value that a fused forward kernel would never have materialized. Views of
+inputs are then saved as the views (free either way). The rules are the small predicates below.
 """
 
 from __future__ import annotations
@@ -89,11 +89,6 @@ def is_free_view(node: fx.Node) -> bool:
     )
 
 
-def materializes(node: fx.Node) -> bool:
-    """Saving this value forces a fused forward kernel to write it out: pointwise results."""
-    return op_class(node) is OpClass.POINTWISE
-
-
 def banned(node: fx.Node, opts: MinCutOptions) -> bool:
     """May ``node`` NOT be recomputed in backward? (Policy tags override the op rules; a
     MUST_SAVE value that backward depends on is moreover always saved itself.)"""
@@ -109,8 +104,8 @@ def banned(node: fx.Node, opts: MinCutOptions) -> bool:
     )
 
 
-def save_cost(node: fx.Node, opts: MinCutOptions, penalty_scale: int, weighted: bool) -> int:
-    """Capacity of ``node``'s in->out edge: bytes first, then the materialization unit."""
+def save_cost(node: fx.Node, opts: MinCutOptions, weighted: bool) -> int:
+    """Capacity of ``node``'s in->out edge: the activation bytes saving it costs."""
     policy = policy_of(node)
     if policy is Policy.MUST_RECOMPUTE or not isinstance(node.meta.get("val"), torch.Tensor):
         return INF
@@ -118,11 +113,11 @@ def save_cost(node: fx.Node, opts: MinCutOptions, penalty_scale: int, weighted: 
     if weighted:  # PREFER_* tags scale the byte cost around a neutral weight
         w = opts.prefer_weight
         cost *= {Policy.PREFER_SAVE: 1, Policy.PREFER_RECOMPUTE: w * w}.get(policy, w)  # type: ignore[arg-type]
-    return cost * penalty_scale + (1 if penalty_scale > 1 and materializes(node) else 0)
+    return cost
 
 
 def _network(
-    joint: JointGraph, opts: MinCutOptions, penalty_scale: int
+    joint: JointGraph, opts: MinCutOptions
 ) -> tuple[list[fx.Node], list[int], list[int], list[int]]:
     core = forward_core(joint)
     nodes = [
@@ -134,7 +129,7 @@ def _network(
     edges: dict[tuple[int, int], int] = {}
     drains = {n for n in joint.grad_outputs() if isinstance(n, fx.Node) and n in index}
     for n, i in index.items():
-        edges[(2 * i, 2 * i + 1)] = save_cost(n, opts, penalty_scale, weighted)
+        edges[(2 * i, 2 * i + 1)] = save_cost(n, opts, weighted)
         if n.meta.get(ROLE) is Role.PRIMAL or (n in core and banned(n, opts)):
             edges[(source, 2 * i)] = INF
         for user in n.users:
@@ -168,27 +163,23 @@ def min_cut(joint: JointGraph, **options: object) -> list[fx.Node]:
 
     >>> import torch, functrans as ft
     >>> jg = ft.joint(lambda x, w: torch.tanh(x @ w).sum())(torch.ones(8, 8), torch.ones(8, 8))
-    >>> sorted(n.name for n in min_cut(jg))
+    >>> [s.name for s in ft.partition(jg, "min_cut").saved]  # split drops unneeded inputs
     ['mm', 'permute', 'permute_1']
     """
     opts = MinCutOptions(**options)  # type: ignore[arg-type]
-    nodes = [n for n in joint.fx_graph.nodes if n.meta.get(PHASE) is Phase.FORWARD]
-    penalty_scale = sum(1 for n in nodes if materializes(n)) + 1
-    for scale in (penalty_scale, 1):
-        order, src, dst, caps = _network(joint, opts, scale)
-        cut = solve_min_cut(2 * len(order) + 2, src, dst, caps, 2 * len(order), 2 * len(order) + 1)
-        if cut.exact:
-            break
-    if cut.value >= _infinite_value(caps):
+    order, src, dst, caps = _network(joint, opts)
+    n = 2 * len(order)
+    cut = solve_min_cut(n + 2, src, dst, caps, n, n + 1)
+    if not cut.finite:
         raise InvalidPartitionError(
-            "min_cut: no valid cut: a MUST_RECOMPUTE value depends on a random op"
+            "min_cut: every cut crosses a value that may be neither saved nor recomputed "
+            "(a MUST_RECOMPUTE value that depends on a random op?)"
         )
-    side = cut.sink_side
-    return [n for i, n in enumerate(order) if not side[2 * i] and side[2 * i + 1]]
-
-
-def _infinite_value(caps: list[int]) -> int:
-    return sum(c for c in caps if c != INF) + 1
+    side = cut.source_side
+    saved = [v for i, v in enumerate(order) if side[2 * i] and not side[2 * i + 1]]
+    # views of inputs cost nothing either way: hand them over rather than redo them
+    saved += [v for i, v in enumerate(order) if not side[2 * i] and is_free_view(v)]
+    return saved
 
 
 register("min_cut", min_cut)

@@ -4,12 +4,12 @@ import expecttest
 import networkx as nx
 import pytest
 import torch
+from functrans.partitioners._maxflow import INF, min_cut
 from hypothesis import given
 from hypothesis import strategies as st
 
 import functrans as ft
 from functrans.extend import REMAT, OpClass, Policy, op_class
-from functrans.partitioners._maxflow import INF, min_cut
 
 aten = torch.ops.aten
 
@@ -165,8 +165,8 @@ def test_property_max_flow_matches_networkx_even_with_huge_capacities(net):
     if cut.exact:
         assert cut.value == want
     # the cut it reports is a real cut of no INF edge whose capacity is the optimum (or close)
-    side = cut.sink_side
-    assert not side[0] and side[n - 1]
-    crossing = [c for (u, v), c in edges.items() if not side[u] and side[v]]
+    side = cut.source_side
+    assert side[0] and not side[n - 1]
+    crossing = [c for (u, v), c in edges.items() if side[u] and not side[v]]
     assert INF not in crossing
     assert sum(crossing) == want if cut.exact else sum(crossing) <= want * 1.01 + 1

@@ -7,7 +7,6 @@ Models run at their "small" size, in float64 where the model supports it.
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 from typing import Any
@@ -45,7 +44,7 @@ def _setup(name: str) -> tuple[zoo.Model, Any, Any]:
 
 def test_zoo_lists_core_models() -> None:
     assert set(CORE) <= set(zoo.ZOO)
-    has_hf = importlib.util.find_spec("transformers") is not None
+    has_hf = zoo.has_transformers()
     assert all((n in zoo.ZOO) == has_hf for n in zoo.HF_MODELS)
 
 

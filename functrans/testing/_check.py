@@ -33,7 +33,9 @@ def tolerances(dtype: torch.dtype) -> tuple[float, float]:
     """``(rtol, atol)`` for comparing values of ``dtype`` computed in different op orders."""
     return {
         torch.float64: (1e-7, 1e-9),
-        torch.float32: (1.3e-5, 1e-5),
+        # float32 grads legitimately differ ~1e-5 between op orders on ill-conditioned ops
+        # (layer_norm over 2 elements); float64 stays tight and is the real oracle
+        torch.float32: (1e-4, 1e-4),
         torch.bfloat16: (1.6e-2, 1e-2),
         torch.float16: (1e-3, 1e-3),
     }.get(dtype, (0.0, 0.0))
