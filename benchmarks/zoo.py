@@ -254,13 +254,13 @@ def conv_block() -> Model:
     """
 
     def fn(params: Params, x: dict[str, Any]) -> torch.Tensor:
-        h = x["image"]
+        h: torch.Tensor = x["image"]
         for i, (conv, bn) in enumerate(zip(params["conv"], params["bn"], strict=True)):
             h = F.conv2d(h, conv["w"], conv["b"], padding=1)
             stats = x["stats"][i]
             h = F.batch_norm(h, stats["mean"], stats["var"], bn["w"], bn["b"], training=False)
             h = F.relu(h)
-        out = x["image"] + h
+        out: torch.Tensor = h + x["image"]
         return (out * out).mean()
 
     def make(

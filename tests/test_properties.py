@@ -77,10 +77,10 @@ def test_regression_layer_norm_over_two_elements_float32():
     from functrans.testing._programs import InputSpec, Program, Step
 
     for dtype in (torch.float32, torch.float64):
-        prog = Program(
-            inputs=(InputSpec((2,), dtype),),
-            steps=(Step("tanh", (0,), (), (2,)), Step("layer_norm", (1,), (), (2,))),
-            outputs=(2,),
+        prog = Program(  # exactly the shrunk case (unused inputs keep the example values)
+            inputs=(InputSpec((), dtype), InputSpec((1,), dtype), InputSpec((2,), dtype)),
+            steps=(Step("tanh", (2,), (), (2,)), Step("layer_norm", (3,), (), (2,))),
+            outputs=(4,),
         )
         for name in partitioners.names():
             check_partition(prog, prog.example_inputs(), name)
