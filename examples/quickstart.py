@@ -27,10 +27,12 @@ def main() -> None:
     f(xr, wr).backward()
 
     for name in partitioners.names():
-        p = ft.partition(jg, name)
-        print(f"\n===== {name}: forward graph =====")
+        options = partitioners.examples(name)[0]  # e.g. memory_budget needs a budget
+        p = ft.partition(jg, name, **options)
+        label = f"{name} {options}" if options else name
+        print(f"\n===== {label}: forward graph =====")
         print(p.forward)
-        print(f"===== {name}: backward graph =====")
+        print(f"===== {label}: backward graph =====")
         print(p.backward)
         print(p.report())
         _outs, saved = p.forward(x, w)

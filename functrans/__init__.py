@@ -26,3 +26,6 @@ from ._partition import Partition as Partition
 from ._partition import SavedValue as SavedValue
 from ._partition import partition as partition
 from ._split import split as split
+from ._pareto import ParetoPoint as ParetoPoint
+from ._pareto import pareto as pareto
+from . import viz as viz

@@ -14,20 +14,39 @@ True
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 from functrans.extend import Registry, Strategy
 
-__all__ = ["get", "names", "register"]
+__all__ = ["examples", "get", "names", "register"]
 
 _STRATEGIES: Registry[Strategy] = Registry("partition strategy")
+_EXAMPLES: dict[str, tuple[dict[str, Any], ...]] = {}
 
 
 def register(
-    name: str, strategy: Strategy, *, aliases: Iterable[str] = (), replace: bool = False
+    name: str,
+    strategy: Strategy,
+    *,
+    aliases: Iterable[str] = (),
+    replace: bool = False,
+    examples: Sequence[dict[str, Any]] = ({},),
 ) -> Strategy:
-    """Register ``strategy`` under ``name`` (and ``aliases``); returns it."""
-    return _STRATEGIES.register(name, strategy, aliases=aliases, replace=replace)
+    """Register ``strategy`` under ``name`` (and ``aliases``); returns it.
+
+    ``examples`` are option sets the property suite runs the strategy with (strategies with a
+    required option, like ``memory_budget``'s budget, list a few).
+    """
+    _STRATEGIES.register(name, strategy, aliases=aliases, replace=replace)
+    _EXAMPLES[name] = tuple(dict(e) for e in examples)
+    return strategy
+
+
+def examples(name: str) -> tuple[dict[str, Any], ...]:
+    """Option sets to exercise the strategy ``name`` with (``({},)`` unless registered)."""
+    _STRATEGIES.get(name)
+    return _EXAMPLES.get(name, ({},))
 
 
 def get(name: str) -> Strategy:
@@ -43,3 +62,4 @@ def names(*, aliases: bool = False) -> list[str]:
 from . import default as default  # noqa: E402  (registers itself)
 from . import full_remat as full_remat  # noqa: E402
 from . import min_cut as min_cut  # noqa: E402
+from . import memory_budget as memory_budget  # noqa: E402

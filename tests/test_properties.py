@@ -16,7 +16,8 @@ PROGRAMS = programs(dtypes=(torch.float64, torch.float32))
 def test_property_every_registered_strategy_preserves_gradients(prog):
     args = prog.example_inputs()
     for name in partitioners.names():
-        check_partition(prog, args, name)
+        for options in partitioners.examples(name):
+            check_partition(prog, args, name, **options)
 
 
 @given(PROGRAMS, st.data())
@@ -83,4 +84,5 @@ def test_regression_layer_norm_over_two_elements_float32():
             outputs=(4,),
         )
         for name in partitioners.names():
-            check_partition(prog, prog.example_inputs(), name)
+            for options in partitioners.examples(name):
+                check_partition(prog, prog.example_inputs(), name, **options)

@@ -1,0 +1,41 @@
+"""The memory / recompute trade-off of one joint graph: partitions across activation budgets."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ._graph import JointGraph
+from ._partition import Partition, partition
+
+__all__ = ["ParetoPoint", "pareto"]
+
+
+@dataclass(frozen=True)
+class ParetoPoint:
+    """One budget's partition and its figures."""
+
+    budget: float
+    activation_bytes: int
+    recompute_flops: int
+    peak_bytes: int
+    partition: Partition
+
+
+def pareto(joint: JointGraph, points: int = 21, **options: Any) -> list[ParetoPoint]:
+    """Partition ``joint`` with ``memory_budget`` at ``points`` budgets from 0 to 1.
+
+    ``options`` go to the strategy (``solver``, ``cost``, ``time_limit``).
+
+    >>> import torch, functrans as ft
+    >>> jg = ft.joint(lambda x, w: torch.tanh(x @ w).sum())(torch.ones(8, 8), torch.ones(8, 8))
+    >>> [(p.budget, p.activation_bytes) for p in ft.pareto(jg, points=3)]
+    [(0.0, 0), (0.5, 0), (1.0, 256)]
+    """
+    out = []
+    for b in np.linspace(0.0, 1.0, points):
+        p = partition(joint, "memory_budget", budget=float(b), **options)
+        out.append(ParetoPoint(float(b), p.activation_bytes, p.recompute_flops, p.peak_bytes, p))
+    return out
