@@ -8,7 +8,7 @@ STAMP   := $(VENV)/.installed
 TORCH   := torch==2.13.0
 export HYPOTHESIS_PROFILE ?= ci
 
-.PHONY: demo test lint typecheck unit fuzz clean
+.PHONY: demo test lint typecheck unit fuzz bench bench-quick clean
 
 $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -37,3 +37,11 @@ fuzz: $(STAMP)
 
 clean:
 	rm -rf $(VENV) *.egg-info .mypy_cache .ruff_cache
+
+bench: $(STAMP)
+	$(VPY) -m benchmarks.partition_quality
+	$(VPY) -m benchmarks.partition_speed
+
+bench-quick: $(STAMP)
+	$(VPY) -m benchmarks.partition_quality --quick
+	$(VPY) -m benchmarks.partition_speed --quick

@@ -39,7 +39,9 @@ __all__ = [
     "PartitionFn",
     "bad_recomputes",
     "peak_bytes_fn",
+    "random_recomputes",
     "recomputed_names",
+    "torch_memory_budget",
     "torch_min_cut",
     "torch_partition",
 ]
@@ -122,6 +124,30 @@ def torch_min_cut(jg: JointGraph, *, repeats: int = 1) -> dict[str, Any]:
     result = _measure(jg, fw, bw)
     result.update(times_s=times, fw=fw, bw=bw)
     return result
+
+
+def torch_memory_budget(jg: JointGraph, budget: float, *, repeats: int = 1) -> dict[str, Any]:
+    """:func:`torch_min_cut` under ``torch._functorch.config.activation_memory_budget=budget``
+    (torch's default knapsack solver and runtime estimator); same result keys.
+
+    Torch's scale: 0.0 saves only the primal inputs (everything else is recomputed, random ops
+    included), 1.0 is its default min-cut; in between, the fraction of the way from the inputs'
+    bytes to the min-cut's bytes (both counting the primal inputs), see
+    ``choose_saved_values_set`` in ``torch/_functorch/partitioners.py``.
+    """
+    with torch._functorch.config.patch(activation_memory_budget=budget):
+        return torch_min_cut(jg, repeats=repeats)
+
+
+def random_recomputes(jg: JointGraph, names: list[str] | tuple[str, ...]) -> list[str]:
+    """The recomputed nodes among ``names`` that are random ops (recomputing one changes the
+    numbers: the backward sees a different sample than the forward did)."""
+    nodes = {n.name: n for n in jg.fx_graph.nodes}
+    return [
+        f"{n} ({nodes[n].target})"
+        for n in names
+        if n in nodes and op_class(nodes[n]) is OpClass.RANDOM
+    ]
 
 
 def bad_recomputes(jg: JointGraph, names: list[str] | tuple[str, ...]) -> list[str]:

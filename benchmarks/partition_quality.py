@@ -45,14 +45,14 @@ def ratio(ours: float | None, ref: float | None) -> float | None:
     return ours / ref
 
 
-def measure_ours(jg: ft.JointGraph, strategy: str, repeats: int) -> dict[str, Any]:
+def measure_ours(jg: ft.JointGraph, strategy: str, repeats: int, **options: Any) -> dict[str, Any]:
     """Partition with one of our strategies ``repeats`` times after a warm-up run; metrics of
     the last run."""
-    ft.partition(jg, strategy)
+    ft.partition(jg, strategy, **options)
     times, p = [], None
     for _ in range(repeats):
         t0 = time.perf_counter()
-        p = ft.partition(jg, strategy)
+        p = ft.partition(jg, strategy, **options)
         times.append(time.perf_counter() - t0)
     assert p is not None
     return {
@@ -89,10 +89,12 @@ def bench_model(name: str, size: str, repeats: int) -> dict[str, Any]:
     joint_s = time.perf_counter() - t0
     results: dict[str, dict[str, Any]] = {}
     for strategy in partitioners.names():
+        options = partitioners.examples(strategy)[0]  # e.g. memory_budget needs a budget
+        label = strategy + "".join(f"({k}={v})" for k, v in options.items())
         try:
-            results[strategy] = measure_ours(jg, strategy, repeats)
+            results[label] = measure_ours(jg, strategy, repeats, **options)
         except Exception as e:  # one broken strategy must not hide the others' numbers
-            print(f"WARNING: {name}: strategy {strategy!r} failed: {type(e).__name__}: {e}")
+            print(f"WARNING: {name}: strategy {label!r} failed: {type(e).__name__}: {e}")
     results[TORCH] = measure_torch(jg, repeats)
     warnings = []
     if OURS in results:
@@ -105,13 +107,25 @@ def bench_model(name: str, size: str, repeats: int) -> dict[str, Any]:
     ratios = None
     if OURS in results:
         ratios = {m: ratio(results[OURS][m], results[TORCH][m]) for m in METRICS}
+    fwd_flops = zoo.forward_flops(model, size)
+    targets = None
+    if OURS in results:
+        ours, ref = results[OURS], results[TORCH]
+        excess = ours["recompute_flops"] - ref["recompute_flops"]
+        targets = {
+            "activation_bytes_le_torch": ours["activation_bytes"] <= ref["activation_bytes"],
+            "recompute_excess_pct_of_forward": 100.0 * excess / max(fwd_flops, 1),
+            "recompute_within_2pct": excess <= 0.02 * fwd_flops,
+            "no_banned_recompute": not warnings,
+        }
     return {
         "model": name,
         "size": size,
+        "targets": targets,
         "joint_nodes": len(jg.fx_graph.nodes),
         "joint_ops": sum(1 for _ in jg.ops()),
         "joint_trace_s": joint_s,
-        "forward_flops": zoo.forward_flops(model, size),
+        "forward_flops": fwd_flops,
         "partitioners": results,
         "ratios_min_cut_over_torch": ratios,
         "warnings": warnings,
@@ -157,6 +171,25 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+def format_targets(rows: list[dict[str, Any]]) -> str:
+    """The issue's targets per model: bytes <= torch's, recompute within torch's + 2% of the
+    forward FLOPs, no compute-intensive or random op recomputed."""
+    out = ["targets (min_cut vs torch):"]
+    for row in rows:
+        t = row["targets"]
+        if t is None:
+            continue
+        ok = t["activation_bytes_le_torch"] and t["recompute_within_2pct"]
+        ok = ok and t["no_banned_recompute"]
+        out.append(
+            f"  {row['model']:<12} {'met' if ok else 'MISSED':<6} bytes<=torch: "
+            f"{t['activation_bytes_le_torch']}, recompute excess "
+            f"{t['recompute_excess_pct_of_forward']:+.3f}% of {row['forward_flops']} fwd FLOPs, "
+            f"no banned recompute: {t['no_banned_recompute']}"
+        )
+    return "\n".join(out)
+
+
 def _json_safe(v: Any) -> Any:
     if isinstance(v, float) and math.isinf(v):
         return "inf"
@@ -191,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:
             print(f"WARNING: skipping {name}: {type(e).__name__}: {e}")
     print(format_table(rows))
+    print(format_targets(rows))
     for row in rows:
         if row["torch_recomputes_compute_or_random"]:
             bad = ", ".join(row["torch_recomputes_compute_or_random"])

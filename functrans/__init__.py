@@ -18,14 +18,15 @@ from ._graph import verify as verify
 from ._joint import joint as joint
 from ._trace import trace as trace
 
-__version__ = "0.1.0"
+from . import viz as viz
 from ._api import grad as grad
 from ._api import value_and_grad as value_and_grad
 from ._api import vjp as vjp
+from ._pareto import ParetoPoint as ParetoPoint
+from ._pareto import pareto as pareto
 from ._partition import Partition as Partition
 from ._partition import SavedValue as SavedValue
 from ._partition import partition as partition
 from ._split import split as split
-from ._pareto import ParetoPoint as ParetoPoint
-from ._pareto import pareto as pareto
-from . import viz as viz
+
+__version__ = "0.1.0"

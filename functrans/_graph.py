@@ -73,18 +73,31 @@ class Graph:
     tensor([0., 0., 0.])
     """
 
-    def __init__(self, graph_module: fx.GraphModule, in_flat: Flat, out_flat: Flat) -> None:
-        self._gm = graph_module
+    def __init__(
+        self,
+        graph: fx.GraphModule | fx.Graph,
+        in_flat: Flat,
+        out_flat: Flat,
+        *,
+        root: torch.nn.Module | None = None,
+    ) -> None:
+        # A bare fx.Graph (plus the module holding its constants) is compiled to Python only
+        # when first run: partitions that are only inspected never pay for code generation.
+        self._gm = graph if isinstance(graph, fx.GraphModule) else None
+        self._graph = graph.graph if isinstance(graph, fx.GraphModule) else graph
+        self._root = root
         self._in = in_flat
         self._out = out_flat
 
     @property
     def graph_module(self) -> fx.GraphModule:
+        if self._gm is None:
+            self._gm = fx.GraphModule(self._root or torch.nn.Module(), self._graph)
         return self._gm
 
     @property
     def fx_graph(self) -> fx.Graph:
-        return self._gm.graph
+        return self._graph
 
     @property
     def in_flat(self) -> Flat:
@@ -105,19 +118,19 @@ class Graph:
         return self._out.spec
 
     def placeholders(self) -> list[fx.Node]:
-        return [n for n in self._gm.graph.nodes if n.op == "placeholder"]
+        return [n for n in self._graph.nodes if n.op == "placeholder"]
 
     def output_nodes(self) -> list[Any]:
         """The flat values the graph returns (nodes, or None)."""
-        out = next(n for n in reversed(self._gm.graph.nodes) if n.op == "output")
+        out = next(n for n in reversed(self._graph.nodes) if n.op == "output")
         return list(out.args[0])
 
     def ops(self) -> Iterator[fx.Node]:
-        return (n for n in self._gm.graph.nodes if n.op == "call_function")
+        return (n for n in self._graph.nodes if n.op == "call_function")
 
     def run_flat(self, *tensors: torch.Tensor) -> list[Any]:
         """Run on flat tensor inputs, return flat outputs (no pytree handling, no checks)."""
-        return list(self._gm(*tensors))
+        return list(self.graph_module(*tensors))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         tensors = check_matches(self._in, (args, kwargs), type(self).__name__)
@@ -125,8 +138,8 @@ class Graph:
         return unflatten(self._out, self.run_flat(*tensors))
 
     def __str__(self) -> str:
-        marks = {n: "recomputed" for n in self._gm.graph.nodes if n.meta.get(RECOMPUTED)}
-        return format_graph(self._gm.graph, marks)
+        marks = {n: "recomputed" for n in self._graph.nodes if n.meta.get(RECOMPUTED)}
+        return format_graph(self._graph, marks)
 
     def __repr__(self) -> str:
         n = sum(1 for _ in self.ops())
@@ -177,10 +190,10 @@ class JointGraph(Graph):
         return self.output_nodes()[self.num_outputs :]
 
     def forward_nodes(self) -> list[fx.Node]:
-        return [n for n in self._gm.graph.nodes if n.meta.get(PHASE) is Phase.FORWARD]
+        return [n for n in self._graph.nodes if n.meta.get(PHASE) is Phase.FORWARD]
 
     def backward_nodes(self) -> list[fx.Node]:
-        return [n for n in self._gm.graph.nodes if n.meta.get(PHASE) is Phase.BACKWARD]
+        return [n for n in self._graph.nodes if n.meta.get(PHASE) is Phase.BACKWARD]
 
 
 def _check_tensors(placeholders: list[fx.Node], tensors: list[torch.Tensor]) -> None:

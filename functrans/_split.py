@@ -18,7 +18,6 @@ import torch.fx as fx
 from ._cost import OpClass, op_class
 from ._errors import InvalidPartitionError
 from ._graph import PHASE, RECOMPUTED, ROLE, Graph, JointGraph, Phase, Role
-from ._passes import copy_module
 from ._pytree import flatten, unflatten
 
 __all__ = ["Split", "ancestors", "resolve_nodes", "split"]
@@ -149,7 +148,7 @@ def _forward_graph(joint: JointGraph, needed: set[fx.Node], saved: list[fx.Node]
     g.output(tuple(env[o] for o in outs) + tuple(env[s] for s in saved))
     out_tree = unflatten(joint.fn_out, [o.meta["val"] for o in outs])
     _, out_flat = flatten((out_tree, tuple(s.meta["val"] for s in saved)))
-    return Graph(copy_module(joint.graph_module, g), joint.fn_in, out_flat)
+    return Graph(g, joint.fn_in, out_flat, root=joint.graph_module)
 
 
 def _backward_graph(
@@ -169,4 +168,4 @@ def _backward_graph(
     g.output(tuple(env[o] for o in joint.grad_outputs()))
     vals = (tuple(s.meta["val"] for s in saved), tuple(t.meta["val"] for t in joint.tangents()))
     _, in_flat = flatten((vals, {}))
-    return Graph(copy_module(joint.graph_module, g), in_flat, joint.grads_flat)
+    return Graph(g, in_flat, joint.grads_flat, root=joint.graph_module)

@@ -55,11 +55,21 @@ _LIBRARY_DIRS = (
 )
 
 
+# Decompositions in torch's core table that are wrong under autograd: the CPU flash-attention
+# one rewrites the op into math whose second output is the attention matrix, which the
+# (undecomposed) backward op then reads as its logsumexp -- silently wrong gradients
+# (it was written for inference export). Attention stays one op, as a compute-intensive node.
+_WRONG_FOR_TRAINING = ("_scaled_dot_product_flash_attention_for_cpu",)
+
+
 @functools.cache
 def _core_table() -> Mapping[Any, Callable[..., Any]]:
     from torch._decomp import core_aten_decompositions
 
-    return dict(core_aten_decompositions())
+    table = dict(core_aten_decompositions())
+    for name in _WRONG_FOR_TRAINING:
+        table.pop(getattr(torch.ops.aten, name).default, None)
+    return table
 
 
 def decomposition_table(decompositions: Decompositions) -> Mapping[Any, Callable[..., Any]]:

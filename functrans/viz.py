@@ -22,9 +22,7 @@ def _pyplot() -> Any:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as e:  # pragma: no cover - depends on the environment
-        raise FunctransError(
-            "functrans.viz needs matplotlib: pip install 'functrans[viz]'"
-        ) from e
+        raise FunctransError("functrans.viz needs matplotlib: pip install 'functrans[viz]'") from e
     return plt
 
 

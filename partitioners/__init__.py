@@ -61,5 +61,5 @@ def names(*, aliases: bool = False) -> list[str]:
 
 from . import default as default  # noqa: E402  (registers itself)
 from . import full_remat as full_remat  # noqa: E402
-from . import min_cut as min_cut  # noqa: E402
 from . import memory_budget as memory_budget  # noqa: E402
+from . import min_cut as min_cut  # noqa: E402

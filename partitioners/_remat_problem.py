@@ -75,7 +75,8 @@ def build_problem(joint: JointGraph, cost: CostFn | None = None) -> RematProblem
         bytes=[activation_bytes(n) for n in nodes],
         cost=[cost_fn(n) if n in core else 0.0 for n in nodes],
         can_save=[
-            isinstance(n.meta.get("val"), torch.Tensor) and policy_of(n) is not Policy.MUST_RECOMPUTE
+            isinstance(n.meta.get("val"), torch.Tensor)
+            and policy_of(n) is not Policy.MUST_RECOMPUTE
             for n in nodes
         ],
         can_recompute=[

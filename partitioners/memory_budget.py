@@ -49,7 +49,9 @@ class MemoryBudget:
 
     def __post_init__(self) -> None:
         if (self.budget is None) == (self.max_bytes is None):
-            raise ValueError("memory_budget needs exactly one of budget= (a fraction) or max_bytes=")
+            raise ValueError(
+                "memory_budget needs exactly one of budget= (a fraction) or max_bytes="
+            )
         if self.budget is not None and self.budget < 0:
             raise ValueError(f"budget must be >= 0, got {self.budget}")
         if self.solver not in ("ilp", "greedy"):
@@ -148,6 +150,11 @@ def optimal(joint: JointGraph, *, budget: float, **options: object) -> list[fx.N
 register(
     "memory_budget",
     memory_budget,
-    examples=({"budget": 0.0}, {"budget": 0.5}, {"budget": 1.0}, {"budget": 0.4, "solver": "greedy"}),
+    examples=(
+        {"budget": 0.0},
+        {"budget": 0.5},
+        {"budget": 1.0},
+        {"budget": 0.4, "solver": "greedy"},
+    ),
 )
 register("optimal", optimal, examples=({"budget": 0.3},))

@@ -78,3 +78,19 @@ def test_partition_options_are_forwarded():
 
     ft.grad(lambda x: x.exp().sum(), partition=strategy, note="hi")(torch.ones(2))
     assert seen == {"note": "hi"}
+
+
+@pytest.mark.parametrize("strategy", [*STRATEGIES, "min_cut"])
+def test_regression_sdpa_gradients_are_right(strategy):
+    """torch's core decomposition of CPU flash attention is wrong under autograd (it feeds the
+    attention matrix to the backward op as its logsumexp): gradients were off by ~1e3."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 8, 16, generator=g, dtype=torch.float64) for _ in range(3))
+
+    def f(q, k, v):
+        return (
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).pow(2).sum()
+        )
+
+    got = ft.grad(f, argnums=(0, 1, 2), partition=strategy)(q, k, v)
+    torch.testing.assert_close(got, torch.func.grad(f, argnums=(0, 1, 2))(q, k, v))

@@ -4,12 +4,12 @@ import itertools
 
 import pytest
 import torch
+from functrans.partitioners.memory_budget import MemoryBudget
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import functrans as ft
 from functrans.extend import OpClass, Phase, activation_bytes, ancestors, flops, op_class
-from functrans.partitioners.memory_budget import MemoryBudget
 from functrans.testing import check_partition, programs
 
 BUDGETS = [0.0, 0.1, 0.3, 0.5, 0.7, 0.9, 1.0]
@@ -61,8 +61,13 @@ def test_configured_object_and_custom_cost_through_grad():
     got = ft.grad(seed, argnums=1, partition=MemoryBudget(budget=0.3))(x, w)
     torch.testing.assert_close(got, want)
     calls = []
-    got = ft.grad(seed, argnums=1, partition="memory_budget", budget=0.3,
-                  cost=lambda n: calls.append(n) or 1.0)(x, w)
+    got = ft.grad(
+        seed,
+        argnums=1,
+        partition="memory_budget",
+        budget=0.3,
+        cost=lambda n: calls.append(n) or 1.0,
+    )(x, w)
     torch.testing.assert_close(got, want)
     assert calls
 
@@ -98,7 +103,9 @@ def test_property_budget_respected_monotone_and_correct(prog):
         for solver in ("ilp", "greedy"):
             p = check_partition(prog, args, "memory_budget", budget=b, solver=solver)
             assert p.activation_bytes <= budget_bytes(jg, b)
-            assert not any(op_class(n) is OpClass.RANDOM for n in jg.ops() if n.name in p.recomputed)
+            assert not any(
+                op_class(n) is OpClass.RANDOM for n in jg.ops() if n.name in p.recomputed
+            )
         ilp = ft.partition(jg, "memory_budget", budget=b)
         if previous is not None:  # a larger budget never saves less nor recomputes more
             assert ilp.activation_bytes >= previous.activation_bytes
@@ -116,7 +123,7 @@ def brute_force(jg, max_bytes):
         for subset in itertools.combinations(fwd, k):
             chosen = set(subset)
             bwd = ancestors(jg.grad_outputs(), chosen | tangents)
-            saved = [n for n in bwd if n in chosen or n.op == "placeholder" and n not in tangents]
+            saved = [n for n in bwd if n in chosen or (n.op == "placeholder" and n not in tangents)]
             core = ancestors(jg.forward_outputs() + saved, set())
             redo = [n for n in bwd if n in core and n not in chosen and n.op != "placeholder"]
             if any(op_class(n) is OpClass.RANDOM for n in redo):
