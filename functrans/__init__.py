@@ -4,6 +4,10 @@ Trace a function to an ATen graph, build its joint forward+backward graph, and p
 forward and backward graphs that save exactly what you choose.
 """
 
+from . import viz as viz
+from ._api import grad as grad
+from ._api import value_and_grad as value_and_grad
+from ._api import vjp as vjp
 from ._errors import FunctransError as FunctransError
 from ._errors import InvalidPartitionError as InvalidPartitionError
 from ._errors import TraceError as TraceError
@@ -16,17 +20,12 @@ from ._graph import Phase as Phase
 from ._graph import Role as Role
 from ._graph import verify as verify
 from ._joint import joint as joint
-from ._trace import trace as trace
-
-from . import viz as viz
-from ._api import grad as grad
-from ._api import value_and_grad as value_and_grad
-from ._api import vjp as vjp
 from ._pareto import ParetoPoint as ParetoPoint
 from ._pareto import pareto as pareto
 from ._partition import Partition as Partition
 from ._partition import SavedValue as SavedValue
 from ._partition import partition as partition
 from ._split import split as split
+from ._trace import trace as trace
 
 __version__ = "0.1.0"
