@@ -29,3 +29,8 @@ from ._split import split as split
 from ._trace import trace as trace
 
 __version__ = "0.1.0"
+from . import policies as policies
+from ._names import checkpoint_name as checkpoint_name
+from ._remat import remat as remat
+from ._residuals import print_saved_residuals as print_saved_residuals
+from ._residuals import saved_residuals as saved_residuals

@@ -9,6 +9,7 @@ op and the argument.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import inspect
 import os
@@ -36,6 +37,7 @@ __all__ = [
     "Decompositions",
     "arg_names",
     "decomposition_table",
+    "is_tracing",
     "run_traced",
     "trace",
     "trace_module",
@@ -92,6 +94,7 @@ def arg_names(f: Callable[..., Any], flat: Flat) -> list[str]:
     except (TypeError, ValueError):
         params = []
     positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    star = next((p.name for p in params if p.kind is p.VAR_POSITIONAL), "args")
     out = []
     for path in flat.tensor_paths():
         # paths look like "[0][1]..." (args) or "[1]['key']..." (kwargs)
@@ -100,7 +103,7 @@ def arg_names(f: Callable[..., Any], flat: Flat) -> list[str]:
         tail = tail if not tail or tail.startswith(("[", ".")) else "." + tail
         if head == "0":
             i = int(index)
-            name = positional[i] if i < len(positional) else f"args[{i}]"
+            name = positional[i] if i < len(positional) else f"{star}[{i - len(positional)}]"
         else:
             name = index.strip("'\"")
         out.append(name + tail)
@@ -130,17 +133,30 @@ def _data_dependent_error(fn: Callable[..., Any], exc: BaseException) -> TraceEr
     )
 
 
+_TRACING: contextvars.ContextVar[bool] = contextvars.ContextVar("functrans_tracing", default=False)
+
+
+def is_tracing() -> bool:
+    """True while functrans traces a function (transforms like ``remat`` switch to graph mode)."""
+    return _TRACING.get()
+
+
 def run_traced(fn: Callable[..., Any], user_fn: Callable[..., Any]) -> Any:
     """Call ``fn`` (which traces ``user_fn``), translating tracing failures into TraceErrors."""
-    code = getattr(user_fn, "__code__", None) or getattr(
-        getattr(user_fn, "forward", None), "__code__", None
-    )
-    if code is not None:
-        torch.fx.proxy._STACK_TRACE_ANCHORS.add((code.co_filename, code.co_name))
+    fn_or_wrapper: Any = user_fn
+    while fn_or_wrapper is not None:  # anchor user frames, through functools.wraps layers
+        target = getattr(fn_or_wrapper, "forward", fn_or_wrapper)
+        code = getattr(target, "__code__", None)
+        if code is not None and not code.co_filename.startswith(_LIBRARY_DIRS):
+            torch.fx.proxy._STACK_TRACE_ANCHORS.add((code.co_filename, code.co_name))
+        fn_or_wrapper = getattr(fn_or_wrapper, "__wrapped__", None)
+    token = _TRACING.set(True)
     try:
         return fn()
     except _DATA_DEPENDENT as e:
         raise _data_dependent_error(user_fn, e) from e
+    finally:
+        _TRACING.reset(token)
 
 
 def check_no_input_mutation(gm: fx.GraphModule, paths: Sequence[str]) -> None:

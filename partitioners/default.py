@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from functrans.extend import JointGraph, ancestors
+from functrans.extend import JointGraph, OpClass, Policy, ancestors, op_class, policy_of
 
 from . import register
 
@@ -21,7 +21,8 @@ def forward_core(joint: JointGraph) -> set[fx.Node]:
 
 
 def default(joint: JointGraph) -> list[fx.Node]:
-    """Save the forward-core values that any op outside the forward core reads.
+    """Save the forward-core values that any op outside the forward core reads. A value a remat
+    policy marked MUST_RECOMPUTE is not saved: its inputs are, and backward recomputes it.
 
     >>> import torch, functrans as ft
     >>> jg = ft.joint(lambda x: torch.tanh(x).sum())(torch.ones(3))
@@ -29,11 +30,24 @@ def default(joint: JointGraph) -> list[fx.Node]:
     ['tanh']
     """
     core = forward_core(joint)
-    return [
-        n
-        for n in joint.fx_graph.nodes
-        if n in core and any(u not in core and u.op != "output" for u in n.users)
-    ]
+    wanted = {n for n in core if any(u not in core and u.op != "output" for u in n.users)}
+    return [n for n in joint.fx_graph.nodes if n in honor_recompute_tags(wanted)]
+
+
+def honor_recompute_tags(saved: set[fx.Node]) -> set[fx.Node]:
+    """Replace every MUST_RECOMPUTE value (random ops excepted: they are never recomputed) by
+    its inputs, transitively, so that backward recomputes it from what is saved."""
+    out: set[fx.Node] = set()
+    todo = list(saved)
+    while todo:
+        n = todo.pop()
+        if n in out:
+            continue
+        if policy_of(n) is Policy.MUST_RECOMPUTE and op_class(n) is not OpClass.RANDOM:
+            todo.extend(n.all_input_nodes)
+        else:
+            out.add(n)
+    return out
 
 
 register("default", default)

@@ -1,15 +1,16 @@
 """``"full_remat"`` (alias ``"checkpoint"``): save only the primal inputs; backward recomputes
 everything else, as ``torch.utils.checkpoint`` does.
 
-Random ops are the one exception: re-running one would draw new numbers, so the outputs of
-random ops that backward needs are saved (torch's checkpoint replays RNG state instead).
+Random ops are one exception: re-running one would draw new numbers, so the outputs of random
+ops that backward needs are saved (torch's checkpoint replays RNG state instead). Values a remat
+policy marked MUST_SAVE are the other: they are saved when backward needs them.
 """
 
 from __future__ import annotations
 
 import torch.fx as fx
 
-from functrans.extend import JointGraph, OpClass, ancestors, op_class
+from functrans.extend import JointGraph, OpClass, Policy, ancestors, op_class, policy_of
 
 from . import register
 from .default import forward_core
@@ -26,9 +27,9 @@ def full_remat(joint: JointGraph) -> list[fx.Node]:
     []
     """
     core = forward_core(joint)
-    random = {n for n in core if op_class(n) is OpClass.RANDOM}
-    needed = ancestors(joint.grad_outputs(), set(joint.tangents()) | random)
-    return [n for n in joint.fx_graph.nodes if n in random and n in needed]
+    keep = {n for n in core if op_class(n) is OpClass.RANDOM or policy_of(n) is Policy.MUST_SAVE}
+    needed = ancestors(joint.grad_outputs(), set(joint.tangents()) | keep)
+    return [n for n in joint.fx_graph.nodes if n in keep and n in needed]
 
 
 register("full_remat", full_remat, aliases=("checkpoint",))

@@ -1,0 +1,181 @@
+"""Remat policies: per-op decisions of what a ``remat`` region saves for backward.
+
+A policy is a callable ``(op, *args, **kwargs) -> Policy | bool`` called for every ATen op in
+the region (``True`` means save: ``Policy.MUST_SAVE``; ``False`` means recompute:
+``Policy.MUST_RECOMPUTE``). torch's ``CheckpointPolicy`` values and plain lists of ops are
+accepted wherever a policy is. The built-ins carry JAX's names and meanings.
+
+>>> import torch
+>>> from functrans import policies
+>>> aten = torch.ops.aten
+>>> policies.dots_saveable(aten.mm.default), policies.dots_saveable(aten.sin.default)
+(True, False)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from ._cost import COMPUTE_INTENSIVE
+from ._errors import FunctransError
+from ._tags import Policy
+
+__all__ = [
+    "NAME_OP",
+    "InvalidPolicyError",
+    "Policy",
+    "PolicyFn",
+    "dots_saveable",
+    "dots_with_no_batch_dims_saveable",
+    "everything_saveable",
+    "normalize",
+    "nothing_saveable",
+    "save_any_names_but_these",
+    "save_from_both_policies",
+    "save_only_these_names",
+    "save_ops",
+]
+
+PolicyFn = Callable[..., "Policy | bool"]
+aten = torch.ops.aten
+
+
+def _name_op() -> Any:
+    from . import _names  # registers the functrans::checkpoint_name op
+
+    return _names.checkpoint_name_op()
+
+
+def NAME_OP() -> Any:
+    """The op ``checkpoint_name`` records: ``functrans.checkpoint_name(x, name)``."""
+    return _name_op()
+
+
+def _packet(op: Any) -> Any:
+    return getattr(op, "overloadpacket", op)
+
+
+def everything_saveable(op: Any, *args: Any, **kwargs: Any) -> bool:
+    """Save every value the region computes (no recomputation)."""
+    return True
+
+
+def nothing_saveable(op: Any, *args: Any, **kwargs: Any) -> bool:
+    """Save nothing inside the region: backward recomputes it from the region's inputs."""
+    return False
+
+
+def dots_saveable(op: Any, *args: Any, **kwargs: Any) -> bool:
+    """Save the outputs of matmuls, convolutions and attention; recompute everything else."""
+    return _packet(op) in COMPUTE_INTENSIVE
+
+
+_NO_BATCH_DOTS = frozenset({aten.mm, aten.addmm, aten.convolution})
+
+
+def dots_with_no_batch_dims_saveable(op: Any, *args: Any, **kwargs: Any) -> bool:
+    """Save matmuls without batch dimensions (mm, addmm) and convolutions; not bmm/attention."""
+    return _packet(op) in _NO_BATCH_DOTS
+
+
+def save_only_these_names(*names: str) -> PolicyFn:
+    """Save exactly the values named with ``checkpoint_name`` in ``names``."""
+    wanted = frozenset(names)
+
+    def policy(op: Any, *args: Any, **kwargs: Any) -> bool:
+        return op is _name_op() and args[1] in wanted
+
+    return policy
+
+
+def save_any_names_but_these(*names: str) -> PolicyFn:
+    """Save every named value except those in ``names``."""
+    unwanted = frozenset(names)
+
+    def policy(op: Any, *args: Any, **kwargs: Any) -> bool:
+        return op is _name_op() and args[1] not in unwanted
+
+    return policy
+
+
+def save_ops(*ops: Any) -> PolicyFn:
+    """Save the outputs of these ops (OpOverloads or OpOverloadPackets)."""
+    wanted = frozenset(ops) | frozenset(_packet(o) for o in ops)
+
+    def policy(op: Any, *args: Any, **kwargs: Any) -> bool:
+        return op in wanted or _packet(op) in wanted
+
+    return policy
+
+
+def save_from_both_policies(a: Any, b: Any) -> PolicyFn:
+    """Save what either policy saves."""
+    fa, fb = normalize(a), normalize(b)
+
+    def policy(op: Any, *args: Any, **kwargs: Any) -> Policy:
+        pa, pb = fa(op, *args, **kwargs), fb(op, *args, **kwargs)
+        return min(pa, pb, key=_SAVE_ORDER.index)
+
+    return policy
+
+
+_SAVE_ORDER = [Policy.MUST_SAVE, Policy.PREFER_SAVE, Policy.PREFER_RECOMPUTE, Policy.MUST_RECOMPUTE]
+
+
+def _from_torch(value: Any) -> Policy | None:
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    if isinstance(value, CheckpointPolicy):
+        return {
+            CheckpointPolicy.MUST_SAVE: Policy.MUST_SAVE,
+            CheckpointPolicy.PREFER_SAVE: Policy.PREFER_SAVE,
+            CheckpointPolicy.MUST_RECOMPUTE: Policy.MUST_RECOMPUTE,
+            CheckpointPolicy.PREFER_RECOMPUTE: Policy.PREFER_RECOMPUTE,
+        }.get(value)
+    return None
+
+
+def decision(value: Any, op: Any) -> Policy:
+    """Turn a policy's answer into a :class:`Policy`, or raise naming the op and the value."""
+    if isinstance(value, Policy):
+        return value
+    if isinstance(value, bool):
+        return Policy.MUST_SAVE if value else Policy.MUST_RECOMPUTE
+    converted = _from_torch(value)
+    if converted is not None:
+        return converted
+    raise InvalidPolicyError(
+        f"remat policy returned {value!r} for op {op}; a policy must return a "
+        "functrans.policies.Policy, a bool (True = save) or a torch CheckpointPolicy"
+    )
+
+
+class InvalidPolicyError(FunctransError, ValueError):
+    """A remat policy answered something that is not a save/recompute decision.
+
+    (Not a TypeError: Python would swallow one raised inside ``x @ w`` and report
+    "unsupported operand types" instead.)
+    """
+
+
+def normalize(policy: Any) -> Callable[..., Policy]:
+    """Accept a policy callable, a ``CheckpointPolicy`` for every op, or a list of ops to save;
+    return a callable that always answers with a :class:`Policy`."""
+    if policy is None:
+        policy = nothing_saveable
+    if _from_torch(policy) is not None or isinstance(policy, Policy):
+        fixed = decision(policy, "*")
+        return lambda op, *a, **k: fixed
+    if isinstance(policy, Iterable) and not callable(policy):
+        policy = save_ops(*policy)
+    if not callable(policy):
+        raise TypeError(f"a remat policy must be callable, got {policy!r}")
+    fn = policy
+
+    def normalized(op: Any, *args: Any, **kwargs: Any) -> Policy:
+        return decision(fn(op, *args, **kwargs), op)
+
+    return normalized
