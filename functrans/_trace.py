@@ -20,6 +20,7 @@ from typing import Any
 import optree
 import torch
 import torch.fx as fx
+import torch.fx.traceback as fx_traceback
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
@@ -222,16 +223,36 @@ def _has_mutation(gm: fx.GraphModule) -> bool:
 
 
 def functionalize(gm: fx.GraphModule, table: Mapping[Any, Callable[..., Any]]) -> fx.GraphModule:
-    """Retrace ``gm`` through functionalization: in-place ops on intermediates become pure."""
+    """Retrace ``gm`` through functionalization: in-place ops on intermediates become pure.
+
+    Our namespaced node meta (remat tags, ...) rides through the retrace in ``meta["custom"]``,
+    which make_fx copies from the node being interpreted to the nodes it produces.
+    """
     if not _has_mutation(gm):
         return gm
     vals = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
+    for n in gm.graph.nodes:
+        ours = {k: v for k, v in n.meta.items() if k.startswith(_OURS)}
+        if ours:
+            n.meta["custom"] = {**n.meta.get("custom", {}), _OURS: ours}
 
     def run(*args: Any) -> Any:
         return fx.Interpreter(gm).run(*args)
 
     pure = torch.func.functionalize(run, remove="mutations")
-    return make_fx(pure, table, tracing_mode="fake", record_stack_traces=True)(*vals)
+    with fx_traceback.preserve_node_meta():
+        out: fx.GraphModule = make_fx(pure, table, tracing_mode="fake", record_stack_traces=True)(
+            *vals
+        )
+    for n in out.graph.nodes:
+        custom = n.meta.get("custom") or {}
+        n.meta.update(custom.pop(_OURS, {}))
+        if not custom:
+            n.meta.pop("custom", None)
+    return out
+
+
+_OURS = "functrans."
 
 
 def fake_inputs(tensors: Sequence[torch.Tensor], mode: Any) -> list[torch.Tensor]:

@@ -220,3 +220,14 @@ def test_saved_residuals_lines():
     module = torch.nn.Linear(4, 4)
     lines = [str(r) for r in ft.saved_residuals(module, torch.ones(2, 4))]
     assert any("from the argument 'inputs[0]'" in line for line in lines), lines
+
+
+def test_tags_survive_functionalization_of_inplace_ops():
+    def f(x, w):
+        h = x @ w
+        h.mul_(2)  # an in-place op makes tracing retrace through functionalization
+        return h.tanh().sum()
+
+    jg = ft.joint(ft.remat(f, policy=policies.dots_saveable))(*mlp_args()[:2])
+    tags = {n.name: n.meta.get(REMAT) for n in jg.forward_nodes()}
+    assert tags["mm"] is Policy.MUST_SAVE and tags["mul"] is Policy.MUST_RECOMPUTE
