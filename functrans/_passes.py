@@ -5,6 +5,7 @@ Each pass returns a new ``GraphModule`` and leaves its input untouched.
 
 from __future__ import annotations
 
+import operator
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ import torch
 import torch.fx as fx
 
 from ._graph import PATH, ROLE, SOURCE, Role
+from ._tags import REMAT
 
 __all__ = ["InputSpec", "canonicalize", "copy_module", "source_of"]
 
@@ -58,7 +60,8 @@ def copy_module(root: torch.nn.Module, graph: fx.Graph) -> fx.GraphModule:
 
 
 def canonicalize(gm: fx.GraphModule, inputs: Sequence[InputSpec]) -> fx.GraphModule:
-    """Rename and tag placeholders, drop identity ops, remove dead code, record source lines."""
+    """Rename and tag placeholders, drop identity ops, merge common subexpressions, remove dead
+    code, record source lines."""
     new = fx.Graph()
     env: dict[fx.Node, Any] = {}
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -70,13 +73,20 @@ def canonicalize(gm: fx.GraphModule, inputs: Sequence[InputSpec]) -> fx.GraphMod
         p.meta[ROLE] = spec.role
         p.meta[PATH] = spec.path
         env[node] = p
+    seen: dict[Any, fx.Node] = {}
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             continue
         if node.op == "call_function" and node.target in _IDENTITY_OPS:
             env[node] = env[node.args[0]]
             continue
+        key = cse_key(node, env)
+        if key is not None and key in seen:
+            env[node] = seen[key]
+            continue
         copied = new.node_copy(node, lambda n: env[n])
+        if key is not None:
+            seen[key] = copied
         src = source_of(node.meta.get("stack_trace"))
         if src is not None:
             copied.meta[SOURCE] = src
@@ -84,6 +94,35 @@ def canonicalize(gm: fx.GraphModule, inputs: Sequence[InputSpec]) -> fx.GraphMod
     eliminate_dead_code(new)
     out = copy_module(gm, new)
     return out
+
+
+def _frozen(value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return tuple(_frozen(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((k, _frozen(v)) for k, v in value.items()))
+    hash(value)  # raises TypeError for anything we cannot key on
+    return (type(value), value)
+
+
+def cse_key(node: fx.Node, env: dict[fx.Node, Any]) -> Any:
+    """Key under which ``node`` is interchangeable with an earlier node (common-subexpression
+    elimination), or None. Random and mutating ops are never merged; neither are ops that a
+    remat policy tagged differently (JAX's prevent_cse across remat boundaries)."""
+    target = node.target
+    if node.op != "call_function" or not (
+        target is operator.getitem or isinstance(target, torch._ops.OpOverload)
+    ):
+        return None
+    if isinstance(target, torch._ops.OpOverload) and (
+        target._schema.is_mutable or torch.Tag.nondeterministic_seeded in target.tags
+    ):
+        return None
+    args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
+    try:
+        return (target, _frozen(args), _frozen(kwargs), node.meta.get(REMAT))
+    except TypeError:
+        return None
 
 
 def eliminate_dead_code(graph: fx.Graph, keep: Callable[[fx.Node], bool] | None = None) -> None:

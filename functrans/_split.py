@@ -126,6 +126,38 @@ def _check_random(recomputed: Sequence[fx.Node]) -> None:
             )
 
 
+def just_in_time(body: list[fx.Node]) -> list[fx.Node]:
+    """Order backward so forward-phase work (recomputation) runs right before its first use.
+
+    Backward-phase nodes keep their joint order (the order autograd produced them); each pulls
+    in, depth-first, the forward-phase values it needs that are not yet computed. Recomputing
+    everything up front instead would keep all of it alive at once and raise peak memory.
+    """
+    members = set(body)
+    done: set[fx.Node] = set()
+    order: list[fx.Node] = []
+
+    def pull(node: fx.Node) -> None:
+        stack = [(node, False)]
+        while stack:
+            n, expanded = stack.pop()
+            if n in done:
+                continue
+            if expanded:
+                done.add(n)
+                order.append(n)
+                continue
+            stack.append((n, True))
+            stack.extend((a, False) for a in reversed(n.all_input_nodes) if a in members)
+
+    for n in body:
+        if n.meta.get(PHASE) is Phase.BACKWARD:
+            pull(n)
+    for n in body:  # forward-phase values the outputs need directly (e.g. zero gradients)
+        pull(n)
+    return order
+
+
 def _emit(
     graph: fx.Graph, nodes: Iterable[fx.Node], env: dict[fx.Node, fx.Node], mark: set[fx.Node]
 ) -> None:
@@ -164,7 +196,7 @@ def _backward_graph(
         env[t] = g.placeholder(t.name)
         env[t].meta.update(t.meta)
     body = [n for n in joint.fx_graph.nodes if n in needed and n not in env and n.op in _VALUE_OPS]
-    _emit(g, body, env, recomputed)
+    _emit(g, just_in_time(body), env, recomputed)
     g.output(tuple(env[o] for o in joint.grad_outputs()))
     vals = (tuple(s.meta["val"] for s in saved), tuple(t.meta["val"] for t in joint.tangents()))
     _, in_flat = flatten((vals, {}))

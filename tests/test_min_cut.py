@@ -55,8 +55,8 @@ def forward(primals_1: "f32[64, 64]", primals_2: "f32[64, 64]"):
             str(p.backward),
             """\
 def forward(mm: "f32[64, 64]", permute: "f32[64, 64]", tangents_1: "f32[]"):
-    tanh: "f32[64, 64]" = aten.tanh.default(mm)  # recomputed
     expand: "f32[64, 64]" = aten.expand.default(tangents_1, [64, 64])
+    tanh: "f32[64, 64]" = aten.tanh.default(mm)  # recomputed
     mul: "f32[64, 64]" = aten.mul.Tensor(tanh, tanh)
     sub: "f32[64, 64]" = aten.sub.Tensor(1, mul)
     mul_1: "f32[64, 64]" = aten.mul.Tensor(expand, sub)

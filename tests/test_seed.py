@@ -80,9 +80,9 @@ def forward(primals_1: "f32[64, 64]", primals_2: "f32[64, 64]"):
             str(p.backward),
             """\
 def forward(primals_1: "f32[64, 64]", primals_2: "f32[64, 64]", tangents_1: "f32[]"):
+    expand: "f32[64, 64]" = aten.expand.default(tangents_1, [64, 64])
     mm: "f32[64, 64]" = aten.mm.default(primals_1, primals_2)  # recomputed
     tanh: "f32[64, 64]" = aten.tanh.default(mm)  # recomputed
-    expand: "f32[64, 64]" = aten.expand.default(tangents_1, [64, 64])
     mul: "f32[64, 64]" = aten.mul.Tensor(tanh, tanh)
     sub: "f32[64, 64]" = aten.sub.Tensor(1, mul)
     mul_1: "f32[64, 64]" = aten.mul.Tensor(expand, sub)

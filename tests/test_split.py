@@ -81,3 +81,17 @@ def test_forward_graph_keeps_all_primal_placeholders():
     assert [p.name for p in s.forward.placeholders()] == ["primals_1", "primals_2"]
     s.forward.verify()
     s.backward.verify()
+
+
+def test_backward_recomputes_just_in_time_to_keep_peak_low():
+    # two independent recomputed chains: recomputing both up front would keep both alive
+    def g(x, y):
+        return x.exp().sum() * 2 + y.exp().sum() * 3
+
+    args = (torch.randn(1024), torch.randn(1024))
+    p = ft.partition(ft.joint(g)(*args), "full_remat")
+    lines = [line.split(":")[0].strip() for line in str(p.backward).splitlines()[1:-1]]
+    # the second exp is recomputed only after the first chain is done with its exp
+    assert lines.index("exp") > lines.index("mul_3"), str(p.backward)
+    # x, y, the first grad, one exp and the product being computed (+ the 4-byte tangent)
+    assert p.memory.backward_peak == 5 * 4096 + 4

@@ -158,3 +158,15 @@ def test_plain_dataclass_without_registration_is_a_static_leaf():
 
     g = ft.trace(lambda x, cfg: x * cfg.k)(torch.ones(2), Cfg(3))
     torch.testing.assert_close(g(torch.ones(2), Cfg(3)), torch.full((2,), 3.0))
+
+
+def test_common_subexpressions_are_merged_but_random_ops_are_not():
+    def f(x):
+        a, b = x.sin(), x.sin()
+        d1, d2 = torch.nn.functional.dropout(x, 0.5), torch.nn.functional.dropout(x, 0.5)
+        return a + b + d1 + d2
+
+    g = ft.trace(f)(torch.ones(4))
+    targets = [str(n.target) for n in g.ops()]
+    assert targets.count("aten.sin.default") == 1
+    assert targets.count("aten.bernoulli.p") == 2
