@@ -41,7 +41,11 @@ clean:
 bench: $(STAMP)
 	$(VPY) -m benchmarks.partition_quality
 	$(VPY) -m benchmarks.partition_speed
+	$(VPY) -m benchmarks.memory_budget
+	$(VPY) -m benchmarks.remat
 
 bench-quick: $(STAMP)
 	$(VPY) -m benchmarks.partition_quality --quick
 	$(VPY) -m benchmarks.partition_speed --quick
+	$(VPY) -m benchmarks.memory_budget --quick
+	$(VPY) -m benchmarks.remat --quick
