@@ -3,21 +3,25 @@
 - Traced (inside ``trace``/``joint``/``grad``/``vjp``): ``f`` runs inline and every ATen op it
   records is tagged with the policy's decision (``node.meta["functrans.remat"]``); partition
   strategies honor the tags. Inner ``remat`` regions keep their own tags.
-- Eager (ordinary autograd): ``f`` runs under torch's non-reentrant checkpoint with a selective
-  policy: forward keeps only the outputs the policy saves (cached by op and call index),
-  backward re-runs the region (RNG state restored, stopping early once everything is
-  produced) and serves the cached outputs. The same policy object decides in both modes.
+- Eager (ordinary autograd): ``f`` runs under torch's non-reentrant checkpoint (saved-tensor
+  hooks at the autograd layer: RNG state restored, recomputation stopped early once everything
+  backward needs is produced) with our dispatch modes at the op layer: forward keeps only the
+  outputs the policy saves, keyed by (op, call index); recomputation serves them back. The
+  same policy object decides in both modes.
 """
 
 from __future__ import annotations
 
 import functools
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
 
 from . import policies
 from ._tags import REMAT, Policy
@@ -26,30 +30,72 @@ from ._trace import is_tracing
 __all__ = ["RematModule", "remat"]
 
 
-def _torch_policy(decide: Callable[..., Policy]) -> Callable[..., Any]:
-    from torch.utils.checkpoint import CheckpointPolicy
+class _Cache:
+    """Outputs the policy saved during forward, keyed by (op, call index)."""
 
-    table = {
-        Policy.MUST_SAVE: CheckpointPolicy.MUST_SAVE,
-        Policy.PREFER_SAVE: CheckpointPolicy.PREFER_SAVE,
-        Policy.MUST_RECOMPUTE: CheckpointPolicy.MUST_RECOMPUTE,
-        Policy.PREFER_RECOMPUTE: CheckpointPolicy.PREFER_RECOMPUTE,
-    }
+    def __init__(self) -> None:
+        self.store: dict[tuple[Any, int], Any] = {}
 
-    def policy_fn(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
-        return table[decide(op, *args, **kwargs)]
 
-    return policy_fn
+class _Record(TorchDispatchMode):
+    """Forward: run every op, ask the policy, keep the outputs it saves."""
+
+    def __init__(self, decide: Callable[..., Policy], cache: _Cache) -> None:
+        super().__init__()
+        self.decide, self.cache = decide, cache
+        self.calls: dict[Any, int] = defaultdict(int)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        key = (func, self.calls[func])
+        self.calls[func] += 1
+        if self.decide(func, *args, **kwargs) in _SAVES:
+            self.cache.store[key] = tree_map(_detach, out)
+        return out
+
+
+class _Replay(TorchDispatchMode):
+    """Recompute: serve saved outputs, run the rest. Entries are kept (not popped), so a
+    second backward with ``retain_graph=True`` recomputes correctly."""
+
+    def __init__(self, cache: _Cache) -> None:
+        super().__init__()
+        self.cache = cache
+        self.calls: dict[Any, int] = defaultdict(int)
+
+    def __enter__(self) -> _Replay:
+        self.calls.clear()  # every recomputation replays the region from its first op
+        return super().__enter__()  # type: ignore[no-any-return]
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        key = (func, self.calls[func])
+        self.calls[func] += 1
+        if key in self.cache.store:
+            return self.cache.store[key]
+        return func(*args, **(kwargs or {}))
+
+
+_SAVES = (Policy.MUST_SAVE, Policy.PREFER_SAVE)
+
+
+def _detach(x: Any) -> Any:
+    return x.detach() if isinstance(x, torch.Tensor) else x
 
 
 def _eager(f: Callable[..., Any], decide: Callable[..., Policy], args: Any, kwargs: Any) -> Any:
+    """torch's non-reentrant checkpoint (saved-tensor hooks, RNG replay, early stop) with our
+    caching modes at the op layer."""
     if not torch.is_grad_enabled():
         return f(*args, **kwargs)
-    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+    from torch.utils.checkpoint import checkpoint
 
-    context_fn = functools.partial(create_selective_checkpoint_contexts, _torch_policy(decide))
+    def contexts() -> tuple[_Record, _Replay]:
+        cache = _Cache()
+        return _Record(decide, cache), _Replay(cache)
+
     return checkpoint(
-        f, *args, use_reentrant=False, context_fn=context_fn, preserve_rng_state=True, **kwargs
+        f, *args, use_reentrant=False, context_fn=contexts, preserve_rng_state=True, **kwargs
     )
 
 

@@ -231,3 +231,18 @@ def test_tags_survive_functionalization_of_inplace_ops():
     jg = ft.joint(ft.remat(f, policy=policies.dots_saveable))(*mlp_args()[:2])
     tags = {n.name: n.meta.get(REMAT) for n in jg.forward_nodes()}
     assert tags["mm"] is Policy.MUST_SAVE and tags["mul"] is Policy.MUST_RECOMPUTE
+
+
+def test_eager_second_backward_needs_retain_graph_and_then_works():
+    f = ft.remat(mlp, policy=policies.dots_saveable)
+    leaves = [a.clone().requires_grad_() for a in mlp_args()]
+    loss = f(*leaves)
+    loss.backward(retain_graph=True)
+    first = [a.grad.clone() for a in leaves]
+    loss.backward()  # recomputes again from the kept cache: gradients accumulate exactly
+    for a, g in zip(leaves, first, strict=True):
+        torch.testing.assert_close(a.grad, 2 * g)
+    loss = f(*leaves)
+    loss.backward()
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        loss.backward()
