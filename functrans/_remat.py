@@ -37,11 +37,11 @@ class _Cache:
         self.store: dict[tuple[Any, int], Any] = {}
 
 
-class _Record(TorchDispatchMode):
+class _Record(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
     """Forward: run every op, ask the policy, keep the outputs it saves."""
 
     def __init__(self, decide: Callable[..., Policy], cache: _Cache) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self.decide, self.cache = decide, cache
         self.calls: dict[Any, int] = defaultdict(int)
 
@@ -55,18 +55,18 @@ class _Record(TorchDispatchMode):
         return out
 
 
-class _Replay(TorchDispatchMode):
+class _Replay(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
     """Recompute: serve saved outputs, run the rest. Entries are kept (not popped), so a
     second backward with ``retain_graph=True`` recomputes correctly."""
 
     def __init__(self, cache: _Cache) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self.cache = cache
         self.calls: dict[Any, int] = defaultdict(int)
 
     def __enter__(self) -> _Replay:
         self.calls.clear()  # every recomputation replays the region from its first op
-        return super().__enter__()  # type: ignore[no-any-return]
+        return super().__enter__()  # type: ignore[no-untyped-call,no-any-return]
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         key = (func, self.calls[func])
