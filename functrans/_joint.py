@@ -16,7 +16,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ._errors import TraceError
 from ._graph import JointGraph, Role, assign_phases
-from ._passes import InputSpec, canonicalize
+from ._passes import InputSpec, canonicalize, no_gc
 from ._pytree import NAMESPACE, Flat, flatten, unflatten
 from ._trace import Decompositions, arg_names, decomposition_table, run_traced, trace, trace_module
 
@@ -89,7 +89,8 @@ def joint(
 
     def traced(*args: Any, **kwargs: Any) -> JointGraph:
         try:
-            return build(*args, **kwargs)
+            with no_gc():
+                return build(*args, **kwargs)
         except RuntimeError as e:
             if "in-place operation" in str(e):  # autograd refused to mutate a leaf: name it
                 trace(f, decompositions=decompositions)(*args, **kwargs)

@@ -19,6 +19,7 @@ from ._cost import flops, is_input_alias, nbytes
 from ._format import format_value_type, op_name
 from ._graph import SOURCE, Graph, JointGraph
 from ._memory import MemoryProfile, simulate
+from ._passes import no_gc
 from ._split import split
 
 __all__ = ["Partition", "SavedValue", "Strategy", "format_bytes", "get_strategy", "partition"]
@@ -171,8 +172,9 @@ def partition(joint: JointGraph, strategy: str | Strategy = "default", **options
     (['primals_1', 'primals_2'], 0, ('mm', 'tanh'))
     """
     name, fn = get_strategy(strategy)
-    chosen = fn(joint, **options)
-    s = split(joint, chosen)
+    with no_gc():
+        chosen = fn(joint, **options)
+        s = split(joint, chosen)
     return Partition(
         joint=joint,
         strategy=name,

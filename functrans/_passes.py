@@ -5,9 +5,11 @@ Each pass returns a new ``GraphModule`` and leaves its input untouched.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import operator
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +19,25 @@ import torch.fx as fx
 from ._graph import PATH, ROLE, SOURCE, Role
 from ._tags import REMAT
 
-__all__ = ["InputSpec", "canonicalize", "copy_module", "source_of"]
+__all__ = ["InputSpec", "canonicalize", "copy_module", "no_gc", "source_of"]
+
+
+@contextlib.contextmanager
+def no_gc() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector while building big graphs.
+
+    FX nodes form reference cycles by design, so every collection pass walks the whole graph:
+    with tens of thousands of nodes being created, the collector's passes make graph building
+    quadratic (2.2 s instead of 0.9 s to partition a 30k-node joint graph). Nothing built here
+    becomes garbage, so pausing it is free; it is re-enabled on exit.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 aten = torch.ops.aten
 
