@@ -19,7 +19,7 @@ excluded. The bytes packed by ``saved_tensors_hooks`` around the forward are rec
 (``hook_bytes``); they miss the selective-checkpoint caches, which autograd never sees.
 Step time is the median of fwd+bwd runs, all variants interleaved round by round.
 
-    python -m benchmarks.remat [--quick] [--repeats N]
+    python -m benchmarks.remat [--quick] [--repeats N] [--limit S] [--threads N]
 
 Writes ``benchmarks/results/remat.json``.
 """
@@ -27,14 +27,16 @@ Writes ``benchmarks/results/remat.json``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import gc
 import json
+import signal
 import statistics
 import sys
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -117,21 +119,21 @@ def torch_sac(block: Block, policy: Any) -> Block:
     """``block`` under torch's non-reentrant checkpoint: plain for ``None``, else selective with
     the same decisions as the functrans ``policy``."""
     if policy is None:
-        return lambda p, x: checkpoint(block, p, x, use_reentrant=False)  # type: ignore[no-any-return]
+        return lambda p, x: checkpoint(block, p, x, use_reentrant=False)
 
     def policy_fn(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         save = policy(op, *args, **kwargs)
         return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
 
     context_fn = functools.partial(create_selective_checkpoint_contexts, policy_fn)
-    return lambda p, x: checkpoint(block, p, x, use_reentrant=False, context_fn=context_fn)  # type: ignore[no-any-return]
+    return lambda p, x: checkpoint(block, p, x, use_reentrant=False, context_fn=context_fn)
 
 
-class _StorageRecorder(TorchDispatchMode):
+class _StorageRecorder(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
     """Weak references to the storage of every tensor an op returns while active."""
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self.refs: list[weakref.ref[torch.UntypedStorage]] = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -168,7 +170,7 @@ def measure_bytes(fn: Stack, params: list[Params], x: torch.Tensor) -> dict[str,
             alive[s.data_ptr()] = s.nbytes()
     exclude.add(_ptr(loss))
     live = sum(n for ptr, n in alive.items() if ptr not in exclude)
-    loss.backward()
+    loss.backward()  # type: ignore[no-untyped-call]
     return {"live_bytes": live, "hook_bytes": sum(packed.values())}
 
 
@@ -180,7 +182,7 @@ def _zero(params: list[Params]) -> None:
 def grads(fn: Stack, params: list[Params], x: torch.Tensor) -> list[torch.Tensor]:
     """The parameter gradients of one fwd+bwd step."""
     _zero(params)
-    fn(params, x).backward()
+    fn(params, x).backward()  # type: ignore[no-untyped-call]
     return [t.grad.clone() for t in tree_leaves(params) if t.grad is not None]
 
 
@@ -191,31 +193,59 @@ def time_steps(
     order rotated round by round, so machine load spreads evenly over the variants."""
     names = list(variants)
     times: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(-2, repeats):  # two warm-up rounds
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            _zero(params)
-            t0 = time.perf_counter()
-            variants[name](params, x).backward()
-            if r >= 0:
-                times[name].append(time.perf_counter() - t0)
+    gc.collect()
+    gc.disable()  # as timeit does: no collector pauses inside the timed steps
+    try:
+        for r in range(-2, repeats):  # two warm-up rounds
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                _zero(params)
+                t0 = time.perf_counter()
+                variants[name](params, x).backward()  # type: ignore[no-untyped-call]
+                if r >= 0:
+                    times[name].append(time.perf_counter() - t0)
+    finally:
+        gc.enable()
     return times
 
 
-def traced_bytes(fn: Stack, params: list[Params], x: torch.Tensor) -> dict[str, int]:
-    """Activation bytes of the traced joint graph under ``default`` and ``min_cut``."""
+def traced_bytes(
+    fn: Stack, params: list[Params], x: torch.Tensor, limit_s: float
+) -> dict[str, int | str]:
+    """Activation bytes of the traced joint graph under ``default`` and ``min_cut`` (the error,
+    as a string, where a strategy fails or runs past ``limit_s``)."""
     detached = [
         {k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in p.items()}
         for p in params
     ]
     jg = ft.joint(fn, argnums=0)(detached, x)
-    return {s: ft.partition(jg, s).activation_bytes for s in ("default", "min_cut")}
+    out: dict[str, int | str] = {}
+    for strategy in ("default", "min_cut"):
+        try:
+            with _time_limit(limit_s):
+                out[strategy] = ft.partition(jg, strategy).activation_bytes
+        except (ft.FunctransError, TimeoutError) as e:
+            out[strategy] = f"{type(e).__name__}: {e}"
+    return out
 
 
-def _ratio(a: float, b: float) -> float | None:
-    return None if b == 0 else a / b
+@contextlib.contextmanager
+def _time_limit(seconds: float) -> Iterator[None]:
+    """Raise ``TimeoutError`` in the main thread after ``seconds`` (a strategy that hangs must
+    not hide the other numbers)."""
+
+    def expire(signum: int, frame: Any) -> None:
+        raise TimeoutError(f"gave up after {seconds:g} s")
+
+    old = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
 
 
-def bench_model(name: str, size: str, repeats: int) -> dict[str, Any]:
+def bench_model(name: str, size: str, repeats: int, limit_s: float) -> dict[str, Any]:
     """Every policy on one model: bytes, traced bytes, step times and targets."""
     model = zoo.ZOO[name]()
     block = BLOCKS[name]
@@ -246,7 +276,7 @@ def bench_model(name: str, size: str, repeats: int) -> dict[str, Any]:
             "policy": BASELINE,
             "eager_bytes": nbytes[BASELINE]["live_bytes"],
             "hook_bytes": nbytes[BASELINE]["hook_bytes"],
-            "traced_bytes": traced_bytes(stack(block), params, x),
+            "traced_bytes": traced_bytes(stack(block), params, x, limit_s),
             "step_ms": ms[BASELINE],
         }
     ]
@@ -260,8 +290,10 @@ def bench_model(name: str, size: str, repeats: int) -> dict[str, Any]:
                 "hook_bytes": ours["hook_bytes"],
                 "torch_bytes": ref_["live_bytes"],
                 "torch_hook_bytes": ref_["hook_bytes"],
-                "bytes_ratio": _ratio(ours["live_bytes"], ref_["live_bytes"]),
-                "traced_bytes": traced_bytes(stack(ft.remat(block, policy=pol)), params, x),
+                "bytes_ratio": ours["live_bytes"] / max(ref_["live_bytes"], 1),
+                "traced_bytes": traced_bytes(
+                    stack(ft.remat(block, policy=pol)), params, x, limit_s
+                ),
                 "step_ms": ours_ms,
                 "torch_step_ms": torch_ms,
                 "time_ratio": ours_ms / torch_ms,
@@ -277,54 +309,55 @@ def bench_model(name: str, size: str, repeats: int) -> dict[str, Any]:
 def _fmt(v: Any, spec: str = "") -> str:
     if v is None:
         return "-"
+    if isinstance(v, str) and ":" in v:  # a strategy's error: its class name only
+        return "timeout" if v.startswith("TimeoutError") else f"error ({v.split(':')[0]})"
     return format(v, spec)
 
 
+def _targets(r: dict[str, Any]) -> str | None:
+    """ "met", or "MISSED" and which targets; None for the baseline row."""
+    if "bytes_le_torch" not in r:
+        return None
+    checks = (("bytes", r["bytes_le_torch"]), ("time", r["time_within_1_1x"]))
+    missed = [name for name, ok in checks if not ok]
+    return f"MISSED ({', '.join(missed)})" if missed else "met"
+
+
 def format_table(result: dict[str, Any]) -> str:
-    """One line per policy, then whether the row met the targets."""
-    head = (
-        "policy",
-        "ours eager B",
-        "torch SAC B",
-        "ratio",
-        "traced default B",
-        "traced min_cut B",
-        "ours ms",
-        "torch ms",
-        "ratio",
-        "targets",
-    )
+    """One line per policy, ending with whether the row met the targets; then the traced
+    strategies' errors in full."""
+    head: tuple[str, ...] = ("policy", "ours eager B", "torch SAC B", "ratio", "traced default B")
+    head += ("traced min_cut B", "ours ms", "torch ms", "ratio", "targets")
     lines = [head]
+    errors: list[str] = []
     for r in result["rows"]:
-        met = None
-        if "bytes_le_torch" in r:
-            met = "met" if r["bytes_le_torch"] and r["time_within_1_1x"] else "MISSED"
-            if not r["bytes_le_torch"]:
-                met += " (bytes)"
-            if not r["time_within_1_1x"]:
-                met += " (time)"
+        traced = r["traced_bytes"]
+        errors += [f"  {r['policy']} / {k}: {v}" for k, v in traced.items() if isinstance(v, str)]
         lines.append(
             (
                 r["policy"],
                 _fmt(r["eager_bytes"]),
                 _fmt(r.get("torch_bytes")),
                 _fmt(r.get("bytes_ratio"), ".2f"),
-                _fmt(r["traced_bytes"]["default"]),
-                _fmt(r["traced_bytes"]["min_cut"]),
+                _fmt(traced["default"]),
+                _fmt(traced["min_cut"]),
                 _fmt(r["step_ms"], ".2f"),
                 _fmt(r.get("torch_step_ms"), ".2f"),
                 _fmt(r.get("time_ratio"), ".2f"),
-                _fmt(met),
+                _fmt(_targets(r)),
             )
         )
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     out = [f"{result['model']} (stack of {result['n_blocks']}, {result['size']}, float32)"]
     for i, line in enumerate(lines):
-        cells = [c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(line, widths))]
+        cells = [
+            c.ljust(w) if j == 0 else c.rjust(w)
+            for j, (c, w) in enumerate(zip(line, widths, strict=True))
+        ]
         out.append("  ".join(cells).rstrip())
         if i == 0:
             out.append("  ".join("-" * w for w in widths))
-    return "\n".join(out)
+    return "\n".join(out + (["traced strategies that failed:", *errors] if errors else []))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -332,12 +365,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small models, 5 timed rounds")
     parser.add_argument("--repeats", type=int, default=None, help="timed rounds (default 50)")
+    parser.add_argument("--limit", type=float, default=30.0, help="s per traced partition")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
+    # one thread: these matmuls are too small to gain from more, and spinning OpenMP workers on
+    # a loaded machine turn millisecond steps into second-long ones
+    torch.set_num_threads(args.threads)
     size = "small" if args.quick else "bench"
     repeats = args.repeats or (5 if args.quick else 50)
     t0 = time.perf_counter()
-    results = [bench_model(name, size, repeats) for name in BLOCKS]
+    results = [bench_model(name, size, repeats, args.limit) for name in BLOCKS]
     for res in results:
         print(format_table(res))
         print()
