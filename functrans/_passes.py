@@ -39,6 +39,7 @@ def no_gc() -> Iterator[None]:
         if was_enabled:
             gc.enable()
 
+
 aten = torch.ops.aten
 
 # Ops that return their input's value unchanged; in a functional graph they are plain renames.

@@ -13,17 +13,20 @@
 from __future__ import annotations
 
 import functools
+import operator
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import optree
 import torch
 import torch.fx as fx
-from torch.fx.experimental.proxy_tensor import get_proxy_mode
+from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 from . import policies
+from ._pytree import NAMESPACE
 from ._tags import REMAT, Policy
 from ._trace import is_tracing
 
@@ -77,6 +80,7 @@ class _Replay(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
 
 
 _SAVES = (Policy.MUST_SAVE, Policy.PREFER_SAVE)
+_SAVE_NOTHING = policies.normalize(policies.nothing_saveable)
 
 
 def _detach(x: Any) -> Any:
@@ -89,6 +93,9 @@ def _eager(f: Callable[..., Any], decide: Callable[..., Policy], args: Any, kwar
     if not torch.is_grad_enabled():
         return f(*args, **kwargs)
     from torch.utils.checkpoint import checkpoint
+
+    if decide is _SAVE_NOTHING:  # no op-layer modes needed: plain checkpointing
+        return checkpoint(f, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
 
     def contexts() -> tuple[_Record, _Replay]:
         cache = _Cache()
@@ -106,18 +113,38 @@ def _traced(f: Callable[..., Any], decide: Callable[..., Policy], args: Any, kwa
     graph: fx.Graph = mode.tracer.graph
     last = graph._root.prev  # the node before the region (the root sentinel if none)
     out = f(*args, **kwargs)
+    # the region's outputs belong to the code around it (as in JAX and torch's checkpoint):
+    # whether they are saved is decided outside, so they stay untagged
+    outputs = {_node_of(t, mode) for t in optree.tree_leaves(out, namespace=NAMESPACE)}
     node = last.next
     while node is not graph._root:
-        target = node.target
-        if (
-            node.op == "call_function"
-            and isinstance(target, torch._ops.OpOverload)
-            and REMAT not in node.meta
-        ):
-            a, k = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
-            node.meta[REMAT] = decide(target, *a, **k)
+        if REMAT not in node.meta and node not in outputs:
+            tag = _decision(node, decide)
+            if tag is not None:
+                node.meta[REMAT] = tag
         node = node.next
     return out
+
+
+def _node_of(t: Any, mode: Any) -> fx.Node | None:
+    if not isinstance(t, torch.Tensor):
+        return None
+    slot = get_proxy_slot(t, mode.tracer, None)
+    proxy = getattr(slot, "proxy", None)
+    return proxy.node if proxy is not None else None
+
+
+def _decision(node: fx.Node, decide: Callable[..., Policy]) -> Policy | None:
+    """The policy's answer for an op node; a getitem takes its multi-output op's answer."""
+    target = node.target
+    if node.op != "call_function":
+        return None
+    if target is operator.getitem and isinstance(node.args[0], fx.Node):
+        return node.args[0].meta.get(REMAT)  # type: ignore[no-any-return]
+    if not isinstance(target, torch._ops.OpOverload):
+        return None
+    a, k = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
+    return decide(target, *a, **k)
 
 
 def remat(
@@ -147,7 +174,9 @@ def remat(
         )
     if isinstance(f, torch.nn.Module):
         return RematModule(f, policy=policy)
-    decide = policies.normalize(policy)
+    decide = (
+        _SAVE_NOTHING if policy in (None, policies.nothing_saveable) else policies.normalize(policy)
+    )
 
     @functools.wraps(f)
     def wrapped(*args: Any, **kwargs: Any) -> Any:

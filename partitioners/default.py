@@ -31,18 +31,21 @@ def default(joint: JointGraph) -> list[fx.Node]:
     """
     core = forward_core(joint)
     wanted = {n for n in core if any(u not in core and u.op != "output" for u in n.users)}
-    return [n for n in joint.fx_graph.nodes if n in honor_recompute_tags(wanted)]
+    keep = honor_recompute_tags(wanted)
+    return [n for n in joint.fx_graph.nodes if n in keep]
 
 
 def honor_recompute_tags(saved: set[fx.Node]) -> set[fx.Node]:
     """Replace every MUST_RECOMPUTE value (random ops excepted: they are never recomputed) by
     its inputs, transitively, so that backward recomputes it from what is saved."""
     out: set[fx.Node] = set()
+    seen: set[fx.Node] = set()
     todo = list(saved)
     while todo:
         n = todo.pop()
-        if n in out:
+        if n in seen:  # residual connections: many paths reach the same node
             continue
+        seen.add(n)
         if policy_of(n) is Policy.MUST_RECOMPUTE and op_class(n) is not OpClass.RANDOM:
             todo.extend(n.all_input_nodes)
         else:

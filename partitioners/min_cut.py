@@ -137,7 +137,13 @@ def _network(
                 edges[(2 * i + 1, 2 * index[user])] = INF
             elif user.meta.get(PHASE) is Phase.BACKWARD:
                 drains.add(n)
-    drains |= {n for n in core if policy_of(n) is Policy.MUST_SAVE and _feeds_backward(n)}
+    drains |= {
+        n
+        for n in core
+        if policy_of(n) is Policy.MUST_SAVE
+        and isinstance(n.meta.get("val"), torch.Tensor)  # a tuple is saved as its getitems
+        and _feeds_backward(n)
+    }
     for n in drains:
         edges[(2 * index[n] + 1, sink)] = INF
     src, dst = zip(*edges, strict=True) if edges else ((), ())
@@ -172,8 +178,9 @@ def min_cut(joint: JointGraph, **options: object) -> list[fx.Node]:
     cut = solve_min_cut(n + 2, src, dst, caps, n, n + 1)
     if not cut.finite:
         raise InvalidPartitionError(
-            "min_cut: every cut crosses a value that may be neither saved nor recomputed "
-            "(a MUST_RECOMPUTE value that depends on a random op?)"
+            "min_cut: every cut crosses a value that may be neither saved nor recomputed: a "
+            "value tagged MUST_RECOMPUTE that needs a random op, or a MUST_SAVE/random value "
+            "that cannot be saved"
         )
     side = cut.source_side
     saved = [v for i, v in enumerate(order) if side[2 * i] and not side[2 * i + 1]]
