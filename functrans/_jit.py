@@ -1,0 +1,235 @@
+"""``jit(f)``: trace on first call, partition, compile, and run as one autograd node.
+
+Each call looks up a compiled entry by everything the trace depends on (pytree structure, static
+values, shapes, dtypes, devices, which inputs require grad, grad mode). Training calls run the
+forward graph inside a ``torch.autograd.Function`` that saves exactly the partition's saved
+values; inference calls (nothing requires grad, or grad mode off) run a forward-only graph that
+saves nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ._joint import joint
+from ._partition import Partition, Strategy, partition
+from ._pytree import Flat, flatten, unflatten
+from ._trace import Decompositions, trace
+
+__all__ = ["CacheInfo", "jit"]
+
+
+@dataclass
+class CacheInfo:
+    """Cache statistics and cumulative stage times (seconds) of a jitted function."""
+
+    hits: int = 0
+    misses: int = 0
+    entries: int = 0
+    trace_s: float = 0.0
+    partition_s: float = 0.0
+    compile_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One compiled specialization: flat-tensor callables plus how to rebuild the outputs."""
+
+    forward: Callable[..., list[Any]]
+    backward: Callable[..., list[Any]] | None
+    out_flat: Flat
+    out_meta: tuple[tuple[torch.Size, torch.dtype, torch.device, bool], ...]  # ..., tangent?
+    num_diff: int
+    num_inputs: int
+    partition: Partition | None
+
+
+class _Apply(torch.autograd.Function):
+    """Runs a compiled forward graph; its backward runs the compiled backward graph."""
+
+    @staticmethod
+    def forward(ctx: Any, entry: _Entry, *tensors: torch.Tensor) -> Any:  # type: ignore[override]
+        n = len(entry.out_meta)
+        flat = entry.forward(*tensors)
+        outs, saved = flat[:n], flat[n:]
+        ctx.entry = entry
+        ctx.save_for_backward(*saved)
+        frozen = [o for o, m in zip(outs, entry.out_meta, strict=True) if not m[3]]
+        ctx.mark_non_differentiable(*frozen)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:  # type: ignore[override]
+        entry: _Entry = ctx.entry
+        assert entry.backward is not None
+        tangents = [
+            g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
+            for g, (shape, dtype, device, wants) in zip(grads, entry.out_meta, strict=True)
+            if wants
+        ]
+        flat_grads = entry.backward(*ctx.saved_tensors, *tangents)
+        return (None, *flat_grads, *([None] * (entry.num_inputs - entry.num_diff)))
+
+
+def _key(flat: Flat, tensors: Sequence[torch.Tensor]) -> Any:
+    statics: Any = tuple(s for s, t in zip(flat.static, flat.is_tensor, strict=True) if not t)
+    try:
+        hash(statics)
+    except TypeError:
+        statics = tuple(repr(s) for s in statics)
+    meta = tuple((t.shape, t.dtype, t.device, t.requires_grad) for t in tensors)
+    return (flat.spec, statics, meta, torch.is_grad_enabled())
+
+
+class _Jitted:
+    """The callable ``jit`` returns (see :func:`jit`)."""
+
+    def __init__(
+        self,
+        f: Callable[..., Any],
+        strategy: str | Strategy,
+        backend: str,
+        static_argnums: Sequence[int],
+        decompositions: Decompositions,
+        options: dict[str, Any],
+    ) -> None:
+        self._f, self._strategy, self._backend = f, strategy, backend
+        self._static_argnums = tuple(static_argnums)
+        self._decompositions, self._options = decompositions, options
+        self._cache: dict[Any, tuple[_Entry, list[int]]] = {}
+        self._lock = threading.Lock()
+        self._info = CacheInfo()
+        functools.update_wrapper(self, f)
+
+    def cache_info(self) -> CacheInfo:
+        """Hits, misses, entries and time spent tracing, partitioning and compiling."""
+        return CacheInfo(**{**self._info.__dict__, "entries": len(self._cache)})
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        tensors, flat = flatten((args, kwargs), static_argnums=self._static_argnums)
+        key = _key(flat, tensors)
+        hit = self._cache.get(key)
+        if hit is None:
+            with self._lock:  # one thread compiles; the others wait and then hit
+                hit = self._cache.get(key)
+                if hit is None:
+                    hit = self._compile(flat, tensors)
+                    self._cache[key] = hit
+                    self._info.misses += 1
+                else:
+                    self._info.hits += 1
+        else:
+            self._info.hits += 1
+        entry, order = hit
+        ordered = [tensors[i] for i in order]
+        if entry.backward is None:
+            outs = entry.forward(*ordered)
+        else:
+            outs = list(_Apply.apply(entry, *ordered))  # type: ignore[no-untyped-call]
+        return unflatten(entry.out_flat, outs)
+
+    def _compile(self, flat: Flat, tensors: list[torch.Tensor]) -> tuple[_Entry, list[int]]:
+        training = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+        diff = [
+            i
+            for i, t in enumerate(tensors)
+            if training and t.requires_grad and t.is_floating_point()
+        ]
+        other = [i for i in range(len(tensors)) if i not in set(diff)]
+        f = self._f
+
+        def flat_f(
+            diff_leaves: tuple[torch.Tensor, ...], other_leaves: tuple[torch.Tensor, ...]
+        ) -> Any:
+            leaves: list[Any] = [None] * len(tensors)
+            for i, t in zip(diff, diff_leaves, strict=True):
+                leaves[i] = t
+            for i, t in zip(other, other_leaves, strict=True):
+                leaves[i] = t
+            a, kw = unflatten(flat, leaves)
+            return f(*a, **kw)
+
+        example = (
+            tuple(tensors[i].detach() for i in diff),
+            tuple(tensors[i].detach() for i in other),
+        )
+        entry = self._build(flat_f, example, training)
+        return entry, diff + other
+
+    def _build(self, flat_f: Callable[..., Any], example: Any, training: bool) -> _Entry:
+        backend = importlib.import_module("functrans.codegen").get_backend(self._backend)
+        inputs = [*example[0], *example[1]]
+        t0 = time.perf_counter()
+        if not training:
+            g = trace(flat_f, decompositions=self._decompositions)(*example)
+            t1 = time.perf_counter()
+            fwd = backend.compile(g, inputs)
+            self._info.trace_s += t1 - t0
+            self._info.compile_s += time.perf_counter() - t1
+            vals = [n for n in g.output_nodes()]
+            meta = tuple(
+                (v.meta["val"].shape, v.meta["val"].dtype, v.meta["val"].device, False)
+                for v in vals
+            )
+            return _Entry(fwd, None, g.out_flat, meta, 0, len(inputs), None)
+        jg = joint(flat_f, argnums=0, decompositions=self._decompositions)(*example)
+        t1 = time.perf_counter()
+        p = partition(jg, self._strategy, **self._options)
+        t2 = time.perf_counter()
+        fwd = backend.compile(p.forward, inputs)
+        bwd = backend.compile(p.backward, [])
+        self._info.trace_s += t1 - t0
+        self._info.partition_s += t2 - t1
+        self._info.compile_s += time.perf_counter() - t2
+        wants = _tangent_mask(jg)
+        meta = tuple(
+            (v.meta["val"].shape, v.meta["val"].dtype, v.meta["val"].device, w)
+            for v, w in zip(jg.forward_outputs(), wants, strict=True)
+        )
+        return _Entry(fwd, bwd, jg.fn_out, meta, len(example[0]), len(inputs), p)
+
+
+def _tangent_mask(jg: Any) -> list[bool]:
+    """Which forward outputs took a tangent in the joint graph (float outputs, in order)."""
+    return [bool(v.meta["val"].is_floating_point()) for v in jg.forward_outputs()]
+
+
+def jit(
+    f: Any = None,
+    *,
+    partition: str | Strategy = "min_cut",
+    backend: str = "aten",
+    static_argnums: Sequence[int] = (),
+    decompositions: Decompositions = "core",
+    **partition_options: Any,
+) -> Any:
+    """Compile ``f``: trace on first call per input signature, partition with ``partition``,
+    compile forward and backward with ``backend``; results are ordinary autograd tensors.
+
+    >>> import torch, functrans as ft
+    >>> @ft.jit
+    ... def f(x, w):
+    ...     return torch.tanh(x @ w).sum()
+    >>> w = torch.ones(3, 3, requires_grad=True)
+    >>> f(torch.ones(2, 3), w).backward()
+    >>> w.grad.shape, f.cache_info().misses
+    (torch.Size([3, 3]), 1)
+    """
+    if f is None:
+        return functools.partial(
+            jit,
+            partition=partition,
+            backend=backend,
+            static_argnums=static_argnums,
+            decompositions=decompositions,
+            **partition_options,
+        )
+    return _Jitted(f, partition, backend, static_argnums, decompositions, partition_options)

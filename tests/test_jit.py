@@ -1,0 +1,115 @@
+"""jit: autograd integration, caching, inference path, threads, strategies and backends."""
+
+import threading
+
+import pytest
+import torch
+
+import functrans as ft
+from functrans import policies
+
+
+def mlp(params, x):
+    h = torch.nn.functional.gelu(x @ params["w1"] + params["b1"])
+    return {"loss": (h @ params["w2"]).pow(2).mean(), "argmax": h.argmax(-1)}
+
+
+def make(requires_grad=True):
+    g = torch.Generator().manual_seed(0)
+    params = {
+        "w1": torch.randn(3, 5, generator=g, dtype=torch.float64),
+        "b1": torch.randn(5, generator=g, dtype=torch.float64),
+        "w2": torch.randn(5, 4, generator=g, dtype=torch.float64),
+    }
+    params = {k: v.requires_grad_(requires_grad) for k, v in params.items()}
+    return params, torch.randn(2, 3, generator=g, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("strategy", ["default", "min_cut", "full_remat"])
+def test_backward_matches_eager_and_grads_flow_only_where_required(strategy):
+    f = ft.jit(mlp, partition=strategy)
+    params, x = make()
+    out = f(params, x)
+    out["loss"].backward()
+    ref_params, _ = make()
+    ref = mlp(ref_params, x)
+    ref["loss"].backward()
+    torch.testing.assert_close(out["loss"], ref["loss"])
+    assert torch.equal(out["argmax"], ref["argmax"]) and not out["argmax"].requires_grad
+    for k in params:
+        torch.testing.assert_close(params[k].grad, ref_params[k].grad)
+    assert x.grad is None
+
+
+def test_cache_hits_misses_and_retrace_on_new_shapes():
+    f = ft.jit(mlp)
+    params, x = make()
+    f(params, x)
+    f(params, x)
+    assert (f.cache_info().hits, f.cache_info().misses) == (1, 1)
+    f(params, torch.randn(7, 3, dtype=torch.float64))
+    with torch.no_grad():
+        f(params, x)
+    info = f.cache_info()
+    assert (info.misses, info.entries) == (3, 3) and info.trace_s > 0 and info.partition_s > 0
+
+
+def test_inference_path_saves_nothing():
+    f = ft.jit(mlp)
+    params, x = make(requires_grad=False)
+    out = f(params, x)
+    assert not out["loss"].requires_grad
+    torch.testing.assert_close(out["loss"], mlp(params, x)["loss"])
+
+
+def test_partition_options_and_configured_strategies():
+    params, x = make()
+    f = ft.jit(mlp, partition="memory_budget", budget=0.0)
+    f(params, x)["loss"].backward()
+    ref_params, _ = make()
+    mlp(ref_params, x)["loss"].backward()
+    torch.testing.assert_close(params["w1"].grad, ref_params["w1"].grad)
+
+
+def test_threads_get_correct_results():
+    f = ft.jit(lambda x, k: (x * k).sin().sum())
+    xs = [torch.randn(16, dtype=torch.float64) for _ in range(8)]
+    results = [None] * 8
+
+    def work(i):
+        results[i] = f(xs[i], 3)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for x, r in zip(xs, results, strict=True):
+        torch.testing.assert_close(r, (x * 3).sin().sum())
+    assert f.cache_info().entries == 1
+
+
+def test_remat_inside_jit():
+    params, x = make()
+    block = ft.remat(lambda p, x: mlp(p, x)["loss"], policy=policies.dots_saveable)
+    f = ft.jit(block, partition="default")
+    f(params, x).backward()
+    ref_params, _ = make()
+    mlp(ref_params, x)["loss"].backward()
+    for k in params:
+        torch.testing.assert_close(params[k].grad, ref_params[k].grad)
+    entry = next(iter(f._cache.values()))[0]
+    assert sorted(s.op for s in entry.partition.saved if not s.is_input) == [
+        "aten.mm.default",
+        "aten.mm.default",
+    ]
+
+
+def test_output_that_is_an_input_and_unknown_backend():
+    f = ft.jit(lambda x: (x, x * 2))
+    x = torch.randn(3, requires_grad=True)
+    a, b = f(x)
+    (a.sum() + b.sum()).backward()
+    torch.testing.assert_close(x.grad, torch.full((3,), 3.0))
+    with pytest.raises(ft.UnknownNameError, match="'aten'"):
+        ft.jit(lambda x: x, backend="nope")(torch.ones(1))
