@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from ._joint import joint
+from ._logs import log
 from ._partition import Partition, Strategy, partition
 from ._pytree import Flat, flatten, unflatten
 from ._trace import Decompositions, trace
@@ -186,6 +187,11 @@ class _Jitted:
         t2 = time.perf_counter()
         fwd = backend.compile(p.forward, inputs)
         bwd = backend.compile(p.backward, [])
+        log(
+            "codegen",
+            f"forward and backward compiled by {self._backend!r}",
+            lambda: f"{p.forward.graph_module.code}\n{p.backward.graph_module.code}",
+        )
         self._info.trace_s += t1 - t0
         self._info.partition_s += t2 - t1
         self._info.compile_s += time.perf_counter() - t2

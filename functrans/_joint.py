@@ -16,6 +16,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ._errors import TraceError
 from ._graph import JointGraph, Role, assign_phases
+from ._logs import log
 from ._passes import InputSpec, canonicalize, no_gc
 from ._pytree import NAMESPACE, Flat, flatten, unflatten
 from ._trace import Decompositions, arg_names, decomposition_table, run_traced, trace, trace_module
@@ -127,7 +128,7 @@ def joint(
         _, in_flat = flatten(((args, tuple(tangents)), kwargs))
         grads_tree = _grads_structure(args, nums, isinstance(argnums, int))
         _, out_flat = flatten((out_tree, grads_tree))
-        return JointGraph(
+        jg = JointGraph(
             gm,
             in_flat,
             out_flat,
@@ -137,6 +138,8 @@ def joint(
             num_outputs=len(out_vals),
             argnums=nums,
         )
+        log("joint", f"joint graph of {getattr(f, '__qualname__', f)}", lambda: str(jg))
+        return jg
 
     return traced
 

@@ -18,6 +18,7 @@ import torch.fx as fx
 from ._cost import flops, is_input_alias, nbytes
 from ._format import format_value_type, op_name
 from ._graph import SOURCE, Graph, JointGraph
+from ._logs import log
 from ._memory import MemoryProfile, simulate
 from ._passes import no_gc
 from ._split import split
@@ -175,7 +176,7 @@ def partition(joint: JointGraph, strategy: str | Strategy = "default", **options
     with no_gc():
         chosen = fn(joint, **options)
         s = split(joint, chosen)
-    return Partition(
+    p = Partition(
         joint=joint,
         strategy=name,
         forward=s.forward,
@@ -184,3 +185,9 @@ def partition(joint: JointGraph, strategy: str | Strategy = "default", **options
         recomputed=tuple(n.name for n in s.recomputed),
         recompute_flops=sum(flops(n) for n in s.recomputed),
     )
+    log(
+        "partition",
+        f"{name}: forward, backward, saved values",
+        lambda: f"{p.forward}\n{p.backward}\n{p.report()}",
+    )
+    return p

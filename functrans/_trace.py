@@ -31,6 +31,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from ._errors import TraceError
 from ._format import op_name
 from ._graph import SOURCE, Graph, Role
+from ._logs import log
 from ._passes import InputSpec, canonicalize, identifier
 from ._pytree import Flat, flatten, unflatten
 
@@ -322,6 +323,8 @@ def trace(
             flat_fn, [t.detach() for t in tensors], user_fn=f, table=table, input_paths=names
         )
         specs = [InputSpec(identifier(n), Role.PRIMAL, n) for n in names]
-        return Graph(canonicalize(gm, specs), in_flat, out_box[-1])
+        graph = Graph(canonicalize(gm, specs), in_flat, out_box[-1])
+        log("trace", f"graph of {getattr(f, '__qualname__', f)}", lambda: str(graph))
+        return graph
 
     return traced

@@ -1,18 +1,24 @@
-"""Pictures: the Pareto front of activation memory against recompute (needs matplotlib, the
+"""Pictures: partitions as graphs (``draw``: .dot always, .svg/.html with graphviz) and the
+Pareto front of activation memory against recompute (``plot_pareto``: needs matplotlib, the
 ``viz`` extra: ``pip install functrans[viz]``).
 """
 
 from __future__ import annotations
 
+import html
+import shutil
+import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ._dot import to_dot
 from ._errors import FunctransError
+from ._graph import Graph
 from ._pareto import ParetoPoint
-from ._partition import partition
+from ._partition import Partition, partition
 
-__all__ = ["plot_pareto"]
+__all__ = ["draw", "plot_pareto"]
 
 
 def _pyplot() -> Any:
@@ -66,4 +72,40 @@ def plot_pareto(
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+    return path
+
+
+def _svg(dot: str) -> str:
+    exe = shutil.which("dot")
+    if exe is None:
+        raise FunctransError(
+            "drawing SVG needs graphviz's `dot` program: install it (apt-get install graphviz, "
+            "brew install graphviz, conda install graphviz) or write a .dot file instead"
+        )
+    done = subprocess.run([exe, "-Tsvg"], input=dot, capture_output=True, text=True, check=True)
+    return done.stdout
+
+
+def draw(obj: Partition | Graph, path: str | Path) -> Path:
+    """Draw a partition (its joint graph, the cut's saved edges labelled with bytes, recomputed
+    nodes dashed) or a graph, to ``.dot``, ``.svg`` or ``.html`` (by ``path``'s suffix).
+
+    >>> import torch, tempfile, os, functrans as ft
+    >>> p = ft.partition(ft.joint(lambda x: x.sin().sum())(torch.ones(2)), "min_cut")
+    >>> draw(p, os.path.join(tempfile.mkdtemp(), "p.dot")).read_text().startswith("digraph")
+    True
+    """
+    path = Path(path)
+    dot = to_dot(obj)
+    suffix = path.suffix.lower()
+    if suffix == ".dot":
+        path.write_text(dot)
+    elif suffix == ".svg":
+        path.write_text(_svg(dot))
+    elif suffix == ".html":
+        body = _svg(dot) if shutil.which("dot") else f"<pre>{html.escape(dot)}</pre>"
+        table = f"<pre>{html.escape(obj.report())}</pre>" if isinstance(obj, Partition) else ""
+        path.write_text(f"<!doctype html><html><body>{body}{table}</body></html>")
+    else:
+        raise FunctransError(f"draw writes .dot, .svg or .html files, not {path.name!r}")
     return path

@@ -1,0 +1,387 @@
+"""Runtime of ``ft.jit``: steady-state training steps, first call, and per-call overhead.
+
+1. Steady state: the median fwd+bwd step (``loss = fn(params, x); loss.backward()``) of the
+   zoo's 8-block MLP stack and of a stack of 4 GPT blocks (separate parameters per block, built
+   as ``benchmarks.remat`` builds its stacks), float32, ``size="bench"``, for eager,
+   ``ft.jit(fn, partition="min_cut")`` (aten backend) and ``torch.compile(fn,
+   backend="aot_eager")``. Warm-up rounds (the first, compiling call included) are untimed;
+   then steps run interleaved (eager, jit, aot_eager, eager, ...), gradients set to None before
+   each step, the garbage collector off. Gradients of both compiled variants are checked
+   against eager first. Target: jit within 1.05x of eager.
+2. First call (trace + partition + compile + one forward and backward): a fresh ``ft.jit`` vs
+   a fresh ``aot_function(fn, nop, nop, partition_fn=min_cut_rematerialization_partition)`` on
+   the same inputs, each on a freshly built function object (median over repeats, the two
+   alternating). Both sides are warmed up once on a small model first (imports, first-use
+   caches). Target: ours faster.
+3. Per-call overhead on a cache hit: ``lambda x: x * 2`` on a 1-element tensor, called through
+   ``ft.jit`` vs through the cached entry's compiled forward (``entry.forward(x)``), with
+   ``requires_grad`` False and True (no backward). Overhead = (jit - direct) / calls. Target:
+   <= 30 us.
+
+    python -m benchmarks.runtime [--quick] [--threads N] [--profile]
+
+``--profile`` adds cProfile listings of the jit steady-state step, first call and cache hit.
+Writes ``benchmarks/results/runtime.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import io
+import json
+import pstats
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+import torch.fx as fx
+from torch._functorch.aot_autograd import aot_function, make_boxed_func
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch.utils._pytree import tree_leaves
+
+import functrans as ft
+from benchmarks import remat, zoo
+
+RESULTS = Path(__file__).resolve().parent / "results" / "runtime.json"
+STEP_TARGET = 1.05  # jit step / eager step
+OVERHEAD_TARGET_US = 30.0
+VARIANTS = ("eager", "jit", "aot_eager")
+Fn = Callable[..., torch.Tensor]
+Case = tuple[str, Callable[[], Fn], Any, torch.Tensor]  # name, fresh-fn factory, params, x
+
+
+def cases(size: str = "bench") -> list[Case]:
+    """The two benchmark models: ``(name, fresh-function factory, params, x)``."""
+    mlp = zoo.mlp_stack(8)
+    mlp_params, mlp_x = mlp.make(size)
+    gpt = zoo.gpt_block()
+    made = [gpt.make(size, torch.float32, seed) for seed in range(remat.N_BLOCKS)]
+    gpt_params, gpt_x = [p for p, _ in made], made[0][1]
+    out: list[Case] = [
+        (mlp.name, lambda: zoo.mlp_stack(8).fn, mlp_params, mlp_x),
+        (f"gpt_stack_{remat.N_BLOCKS}", lambda: remat.stack(remat.gpt_block), gpt_params, gpt_x),
+    ]
+    for _, _, params, _ in out:
+        for t in tree_leaves(params):
+            t.requires_grad_(True)
+    return out
+
+
+def _zero(params: Any) -> None:
+    for t in tree_leaves(params):
+        t.grad = None
+
+
+def _grads(fn: Fn, params: Any, x: torch.Tensor) -> list[torch.Tensor]:
+    _zero(params)
+    fn(params, x).backward()  # type: ignore[no-untyped-call]
+    return [t.grad.clone() for t in tree_leaves(params) if t.grad is not None]
+
+
+def _nop(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
+    """A compiler that runs the graph as it is (boxed, as AOTAutograd wants)."""
+    return make_boxed_func(gm)
+
+
+def steady_state(case: Case, steps: int, warmup: int) -> dict[str, Any]:
+    """Median fwd+bwd step time of eager, jit and aot_eager, interleaved step by step."""
+    name, factory, params, x = case
+    fn = factory()
+    variants: dict[str, Fn] = {
+        "eager": fn,
+        "jit": ft.jit(fn, partition="min_cut"),
+        "aot_eager": torch.compile(fn, backend="aot_eager"),
+    }
+    ref = _grads(fn, params, x)
+    for v in VARIANTS[1:]:  # compiles too; a wrong gradient makes the timing meaningless
+        got = _grads(variants[v], params, x)
+        assert len(got) == len(ref), f"{name}/{v}: {len(got)} gradients, eager has {len(ref)}"
+        for a, b in zip(got, ref, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=f"{name}/{v} grads")
+    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    gc.collect()
+    gc.disable()
+    try:
+        for r in range(-warmup, steps):
+            for v in VARIANTS:
+                _zero(params)
+                t0 = time.perf_counter()
+                variants[v](params, x).backward()  # type: ignore[no-untyped-call]
+                if r >= 0:
+                    times[v].append(time.perf_counter() - t0)
+    finally:
+        gc.enable()
+    ms = {v: 1e3 * statistics.median(ts) for v, ts in times.items()}
+    info = variants["jit"].cache_info()  # type: ignore[attr-defined]
+    return {
+        "model": name,
+        "steps": steps,
+        **{f"{v}_ms": ms[v] for v in VARIANTS},
+        "jit_ratio": ms["jit"] / ms["eager"],
+        "aot_eager_ratio": ms["aot_eager"] / ms["eager"],
+        "jit_misses": info.misses,
+        "target_met": ms["jit"] <= STEP_TARGET * ms["eager"],
+    }
+
+
+def ours_first_call(fn: Fn, params: Any, x: torch.Tensor) -> dict[str, float]:
+    """Seconds of a fresh ``ft.jit``'s first forward+backward, and its stage times."""
+    _zero(params)
+    gc.collect()
+    t0 = time.perf_counter()
+    jitted = ft.jit(fn, partition="min_cut")
+    loss = jitted(params, x)
+    fwd = time.perf_counter() - t0
+    loss.backward()
+    total = time.perf_counter() - t0
+    info = jitted.cache_info()
+    return {
+        "total_s": total,
+        "fwd_s": fwd,
+        "trace_s": info.trace_s,
+        "partition_s": info.partition_s,
+        "compile_s": info.compile_s,
+    }
+
+
+def torch_first_call(fn: Fn, params: Any, x: torch.Tensor) -> dict[str, float]:
+    """Seconds of a fresh ``aot_function`` (nop compilers, torch's min-cut) forward+backward."""
+    _zero(params)
+    gc.collect()
+    t0 = time.perf_counter()
+    compiled = aot_function(
+        fn, fw_compiler=_nop, bw_compiler=_nop, partition_fn=min_cut_rematerialization_partition
+    )
+    loss = compiled(params, x)
+    fwd = time.perf_counter() - t0
+    loss.backward()
+    return {"total_s": time.perf_counter() - t0, "fwd_s": fwd}
+
+
+def first_call(case: Case, repeats: int) -> dict[str, Any]:
+    """Median first-call time, ours vs torch's, alternating who goes first, fresh fns each."""
+    name, factory, params, x = case
+    ours: list[dict[str, float]] = []
+    theirs: list[dict[str, float]] = []
+    for r in range(repeats):
+        if r % 2 == 0:
+            ours.append(ours_first_call(factory(), params, x))
+            theirs.append(torch_first_call(factory(), params, x))
+        else:
+            theirs.append(torch_first_call(factory(), params, x))
+            ours.append(ours_first_call(factory(), params, x))
+
+    def med(rows: list[dict[str, float]], key: str) -> float:
+        return statistics.median(row[key] for row in rows)
+
+    ours_s, torch_s = med(ours, "total_s"), med(theirs, "total_s")
+    return {
+        "model": name,
+        "repeats": repeats,
+        "ours_s": ours_s,
+        "ours_fwd_s": med(ours, "fwd_s"),
+        "ours_trace_s": med(ours, "trace_s"),
+        "ours_partition_s": med(ours, "partition_s"),
+        "ours_compile_s": med(ours, "compile_s"),
+        "torch_s": torch_s,
+        "torch_fwd_s": med(theirs, "fwd_s"),
+        "ratio": ours_s / torch_s,
+        "target_met": ours_s < torch_s,
+    }
+
+
+def _loop_s(fn: Callable[[torch.Tensor], Any], x: torch.Tensor, calls: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn(x)
+    return time.perf_counter() - t0
+
+
+def overhead(requires_grad: bool, calls: int, repeats: int) -> dict[str, Any]:
+    """Per-call cost (us) of ``ft.jit`` on a cache hit vs the cached compiled forward (and
+    plain eager, for context); median over ``repeats`` interleaved loops of ``calls``."""
+
+    def double(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    x = torch.ones(1, requires_grad=requires_grad)
+    jitted = ft.jit(double)
+    jitted(x)  # compile
+    entry = next(iter(jitted._cache.values()))[0]
+    fns: dict[str, Callable[[torch.Tensor], Any]] = {
+        "jit": jitted,
+        "direct": entry.forward,
+        "eager": double,
+    }
+    us: dict[str, list[float]] = {k: [] for k in fns}
+    gc.collect()
+    gc.disable()
+    try:
+        for r in range(-1, repeats):  # one warm-up round
+            for k, fn in fns.items():
+                t = _loop_s(fn, x, calls)
+                if r >= 0:
+                    us[k].append(1e6 * t / calls)
+    finally:
+        gc.enable()
+    med = {k: statistics.median(v) for k, v in us.items()}
+    over = med["jit"] - med["direct"]
+    return {
+        "requires_grad": requires_grad,
+        "calls": calls,
+        "repeats": repeats,
+        **{f"{k}_us": v for k, v in med.items()},
+        "overhead_us": over,
+        "target_met": over <= OVERHEAD_TARGET_US,
+    }
+
+
+def _table(rows: list[dict[str, Any]], cols: Sequence[tuple[str, str, str]]) -> str:
+    """Right-aligned columns ``(header, key, format spec)``; the first column left-aligned."""
+
+    def cell(key: str, v: Any, spec: str) -> str:
+        if key == "target_met":
+            return "met" if v else "MISSED"
+        return str(v) if isinstance(v, bool) else format(v, spec)
+
+    lines = [[h for h, _, _ in cols]] + [[cell(k, r[k], s) for _, k, s in cols] for r in rows]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(cols))]
+    out = [
+        "  ".join(
+            c.ljust(w) if i == 0 else c.rjust(w)
+            for i, (c, w) in enumerate(zip(line, widths, strict=True))
+        )
+        for line in lines
+    ]
+    out.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(out)
+
+
+def profile(label: str, fn: Callable[[], Any], top: int = 25) -> str:
+    """cProfile ``fn()``; the ``top`` entries by cumulative time, under a ``label`` header."""
+    prof = cProfile.Profile()
+    prof.runcall(fn)
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(top)
+    return f"=== profile: {label} ===\n{buf.getvalue()}"
+
+
+def run_profiles(all_cases: list[Case], calls: int) -> str:
+    """Profiles of the jit steady-state steps, first calls and cache-hit calls."""
+    out = []
+    for name, factory, params, x in all_cases:
+        jitted = ft.jit(factory(), partition="min_cut")
+
+        def first(f: Fn = jitted, p: Any = params, xx: torch.Tensor = x) -> None:
+            f(p, xx).backward()  # type: ignore[no-untyped-call]
+
+        def steps(f: Fn = jitted, p: Any = params, xx: torch.Tensor = x) -> None:
+            for _ in range(50):
+                _zero(p)
+                f(p, xx).backward()  # type: ignore[no-untyped-call]
+
+        _zero(params)
+        out.append(profile(f"{name} first call", first))
+        out.append(profile(f"{name} 50 steady-state steps", steps))
+    for rg in (False, True):
+        x1 = torch.ones(1, requires_grad=rg)
+        tiny: Fn = ft.jit(lambda x: x * 2)
+        tiny(x1)
+        label = f"{calls} cache hits, requires_grad={rg}"
+        out.append(profile(label, lambda f=tiny, xx=x1: _loop_s(f, xx, calls)))
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the three benchmarks, print their tables, write the JSON."""
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer steps, repeats and calls")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--steps", type=int, default=None, help="timed rounds (default 200)")
+    parser.add_argument("--profile", action="store_true", help="print cProfile listings")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    # one thread: these ops are too small to gain from more, and spinning OpenMP workers on a
+    # loaded machine turn millisecond steps into much longer ones
+    torch.set_num_threads(args.threads)
+    steps = args.steps or (20 if args.quick else 200)
+    first_repeats = 1 if args.quick else 3
+    calls, call_repeats = (2_000, 3) if args.quick else (10_000, 5)
+    t_start = time.perf_counter()
+    all_cases = cases()
+
+    # warm both first-call paths (imports, dispatcher and decomposition caches), untimed
+    warm = zoo.mlp_stack(1)
+    wp, wx = warm.make("small")
+    for t in tree_leaves(wp):
+        t.requires_grad_(True)
+    ours_first_call(warm.fn, wp, wx)
+    torch_first_call(warm.fn, wp, wx)
+
+    firsts = [first_call(c, first_repeats) for c in all_cases]
+    print(f"first call (trace + partition + compile + fwd + bwd), median of {first_repeats}")
+    first_cols = (
+        ("model", "model", ""),
+        ("ours_s", "ours_s", ".3f"),
+        ("trace", "ours_trace_s", ".3f"),
+        ("partition", "ours_partition_s", ".3f"),
+        ("compile", "ours_compile_s", ".3f"),
+        ("torch_s", "torch_s", ".3f"),
+        ("torch_fwd", "torch_fwd_s", ".3f"),
+        ("ours/torch", "ratio", ".2f"),
+        ("target <1", "target_met", ""),
+    )
+    print(_table(firsts, first_cols), end="\n\n", flush=True)
+
+    steady = [steady_state(c, steps, warmup=3) for c in all_cases]
+    print(f"steady-state fwd+bwd step, ms (median of {steps}, interleaved, {args.threads} thread)")
+    step_cols = (
+        ("model", "model", ""),
+        ("eager", "eager_ms", ".3f"),
+        ("jit", "jit_ms", ".3f"),
+        ("aot_eager", "aot_eager_ms", ".3f"),
+        ("jit/eager", "jit_ratio", ".3f"),
+        ("aot/eager", "aot_eager_ratio", ".3f"),
+        (f"target <={STEP_TARGET}", "target_met", ""),
+    )
+    print(_table(steady, step_cols), end="\n\n", flush=True)
+
+    overheads = [overhead(rg, calls, call_repeats) for rg in (False, True)]
+    print(f"cache-hit call of `x * 2` on 1 element, us/call (median of {call_repeats} x {calls})")
+    over_cols = (
+        ("requires_grad", "requires_grad", ""),
+        ("jit", "jit_us", ".2f"),
+        ("direct", "direct_us", ".2f"),
+        ("eager", "eager_us", ".2f"),
+        ("overhead", "overhead_us", ".2f"),
+        (f"target <={OVERHEAD_TARGET_US:g}", "target_met", ""),
+    )
+    print(_table(overheads, over_cols), end="\n\n")
+    print(f"total {time.perf_counter() - t_start:.1f} s")
+
+    if args.profile:
+        print(run_profiles(all_cases, calls))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "quick": args.quick,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "size": "bench",
+    }
+    doc = {"meta": meta, "first_call": firsts, "steady_state": steady, "overhead": overheads}
+    args.out.write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
