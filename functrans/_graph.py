@@ -134,7 +134,7 @@ class Graph:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         tensors = check_matches(self._in, (args, kwargs), type(self).__name__)
-        _check_tensors(self.placeholders(), tensors)
+        tensors = _check_tensors(self.placeholders(), tensors)
         return unflatten(self._out, self.run_flat(*tensors))
 
     def __str__(self) -> str:
@@ -196,7 +196,10 @@ class JointGraph(Graph):
         return [n for n in self._graph.nodes if n.meta.get(PHASE) is Phase.BACKWARD]
 
 
-def _check_tensors(placeholders: list[fx.Node], tensors: list[torch.Tensor]) -> None:
+def _check_tensors(placeholders: list[fx.Node], tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Check shapes and dtypes; hand over inputs in the memory layout they were traced with
+    (views in the graph may depend on it)."""
+    out = []
     for node, t in zip(placeholders, tensors, strict=True):
         val = node.meta.get("val")
         if isinstance(val, torch.Tensor) and (val.shape != t.shape or val.dtype != t.dtype):
@@ -205,6 +208,17 @@ def _check_tensors(placeholders: list[fx.Node], tensors: list[torch.Tensor]) -> 
                 f"input {where} was traced as {_short(val)} but got {_short(t)}; graphs are "
                 "specialized to shapes and dtypes: trace again for new ones."
             )
+        out.append(restride(t, val) if isinstance(val, torch.Tensor) else t)
+    return out
+
+
+def restride(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``t`` with ``like``'s strides (a copy only when they differ)."""
+    if t.stride() == like.stride() or t.numel() <= 1:
+        return t
+    if like.is_contiguous():
+        return t.contiguous()
+    return torch.empty_strided(t.shape, like.stride(), dtype=t.dtype, device=t.device).copy_(t)
 
 
 def _short(t: torch.Tensor) -> str:

@@ -23,9 +23,9 @@ from ._joint import joint
 from ._logs import log
 from ._partition import Partition, Strategy, partition
 from ._pytree import Flat, flatten, unflatten
-from ._trace import Decompositions, trace
+from ._trace import Decompositions, arg_names, trace
 
-__all__ = ["CacheInfo", "jit"]
+__all__ = ["CacheInfo", "JitModule", "jit"]
 
 
 @dataclass
@@ -72,7 +72,7 @@ class _Apply(torch.autograd.Function):
         entry: _Entry = ctx.entry
         assert entry.backward is not None
         tangents = [
-            g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
+            g.contiguous() if g is not None else torch.zeros(shape, dtype=dtype, device=device)
             for g, (shape, dtype, device, wants) in zip(grads, entry.out_meta, strict=True)
             if wants
         ]
@@ -86,7 +86,7 @@ def _key(flat: Flat, tensors: Sequence[torch.Tensor]) -> Any:
         hash(statics)
     except TypeError:
         statics = tuple(repr(s) for s in statics)
-    meta = tuple((t.shape, t.dtype, t.device, t.requires_grad) for t in tensors)
+    meta = tuple((t.shape, t.stride(), t.dtype, t.device, t.requires_grad) for t in tensors)
     return (flat.spec, statics, meta, torch.is_grad_enabled())
 
 
@@ -158,6 +158,8 @@ class _Jitted:
             a, kw = unflatten(flat, leaves)
             return f(*a, **kw)
 
+        names = arg_names(f, flat)
+        flat_f.__functrans_paths__ = [names[i] for i in diff + other]  # type: ignore[attr-defined]
         example = (
             tuple(tensors[i].detach() for i in diff),
             tuple(tensors[i].detach() for i in other),
@@ -229,6 +231,8 @@ def jit(
     >>> w.grad.shape, f.cache_info().misses
     (torch.Size([3, 3]), 1)
     """
+    if isinstance(f, torch.nn.Module):
+        return JitModule(f, partition, backend, static_argnums, decompositions, partition_options)
     if f is None:
         return functools.partial(
             jit,
@@ -239,3 +243,35 @@ def jit(
             **partition_options,
         )
     return _Jitted(f, partition, backend, static_argnums, decompositions, partition_options)
+
+
+class JitModule(torch.nn.Module):
+    """``jit(module)``: the module's parameters and buffers are lifted to graph inputs on every
+    call (``functional_call``), so an optimizer updating them in place keeps working and nothing
+    is baked in as a constant. (Buffers mutated in training mode, like BatchNorm's running
+    statistics, are rejected at trace time with a TraceError for now.)"""
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        strategy: str | Strategy,
+        backend: str,
+        static_argnums: Sequence[int],
+        decompositions: Decompositions,
+        options: dict[str, Any],
+    ) -> None:
+        super().__init__()
+        self.module = module
+
+        def call(state: dict[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+            return torch.func.functional_call(self.module, state, args, kwargs)
+
+        statics = tuple(i + 1 for i in static_argnums)
+        self._jitted = _Jitted(call, strategy, backend, statics, decompositions, options)
+
+    def cache_info(self) -> CacheInfo:
+        return self._jitted.cache_info()
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        state = {**dict(self.module.named_parameters()), **dict(self.module.named_buffers())}
+        return self._jitted(state, *args, **kwargs)

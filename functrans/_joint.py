@@ -108,8 +108,8 @@ def joint(
         out_vals, fn_out = flatten(out_tree)
         wants_tangent = _tangent_mask(f, out_tree, out_vals, has_aux)
         with mode:
-            tangents = [
-                torch.empty_like(o.detach())
+            tangents = [  # contiguous, as callers (and autograd) usually hand them in
+                torch.empty(o.shape, dtype=o.dtype, device=o.device)
                 for o, w in zip(out_vals, wants_tangent, strict=True)
                 if w
             ]

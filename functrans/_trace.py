@@ -91,6 +91,9 @@ def decomposition_table(decompositions: Decompositions) -> Mapping[Any, Callable
 
 def arg_names(f: Callable[..., Any], flat: Flat) -> list[str]:
     """Readable paths (``x``, ``params['w']``) for the tensor leaves of ``(args, kwargs)``."""
+    given = getattr(f, "__functrans_paths__", None)  # set by transforms that re-pack arguments
+    if given is not None:
+        return list(given)
     try:
         params = list(inspect.signature(f).parameters.values())
     except (TypeError, ValueError):
@@ -153,12 +156,22 @@ def run_traced(fn: Callable[..., Any], user_fn: Callable[..., Any]) -> Any:
             torch.fx.proxy._STACK_TRACE_ANCHORS.add((code.co_filename, code.co_name))
         fn_or_wrapper = getattr(fn_or_wrapper, "__wrapped__", None)
     token = _TRACING.set(True)
+    rng = torch.random.get_rng_state()
     try:
-        return fn()
+        result = fn()
     except _DATA_DEPENDENT as e:
         raise _data_dependent_error(user_fn, e) from e
     finally:
         _TRACING.reset(token)
+    if not torch.equal(rng, torch.random.get_rng_state()):
+        torch.random.set_rng_state(rng)
+        name = getattr(user_fn, "__qualname__", repr(user_fn))
+        raise TraceError(
+            f"{name} changed the global random number generator while being traced (e.g. "
+            "torch.manual_seed inside it). Traced graphs draw random numbers from the caller's "
+            "generator and cannot record such side effects: seed before calling the function."
+        )
+    return result
 
 
 def check_no_input_mutation(gm: fx.GraphModule, paths: Sequence[str]) -> None:

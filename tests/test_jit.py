@@ -113,3 +113,28 @@ def test_output_that_is_an_input_and_unknown_backend():
     torch.testing.assert_close(x.grad, torch.full((3,), 3.0))
     with pytest.raises(ft.UnknownNameError, match="'aten'"):
         ft.jit(lambda x: x, backend="nope")(torch.ones(1))
+
+
+def test_jit_module_trains_like_eager_with_an_optimizer():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    ref = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    ref.load_state_dict(net.state_dict())
+    model = ft.jit(net)
+    assert len(list(model.parameters())) == 4  # the module's own parameters, not copies
+    opts = [torch.optim.Adam(m.parameters(), lr=0.05) for m in (model, ref)]
+    x = torch.randn(5, 4)
+    for _ in range(3):
+        for m, opt in zip((model, ref), opts, strict=True):
+            opt.zero_grad()
+            m(x).pow(2).mean().backward()
+            opt.step()
+    for a, b in zip(net.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(a, b)
+    assert model.cache_info().entries == 1  # updated parameters are inputs: no retrace
+
+
+def test_jit_module_with_mutated_buffers_is_a_clear_error():
+    bn = ft.jit(torch.nn.BatchNorm1d(3))
+    with pytest.raises(ft.TraceError, match=r"mutates input state\['num_batches_tracked'\]"):
+        bn(torch.randn(4, 3))

@@ -170,3 +170,25 @@ def test_common_subexpressions_are_merged_but_random_ops_are_not():
     targets = [str(n.target) for n in g.ops()]
     assert targets.count("aten.sin.default") == 1
     assert targets.count("aten.bernoulli.p") == 2
+
+
+def test_seeding_inside_a_traced_function_is_an_error_not_a_silent_change():
+    """Found by the OpInfo sweep: torch.manual_seed inside f was silently dropped."""
+
+    def f(x):
+        torch.manual_seed(42)
+        return torch.nn.functional.dropout(x, 0.5)
+
+    with pytest.raises(ft.TraceError, match="changed the global random number generator"):
+        ft.joint(f)(torch.ones(4))
+
+
+def test_non_contiguous_tangents_and_inputs_are_handed_over_in_traced_layout():
+    """Found by the OpInfo sweep: unfold's backward views its tangent assuming a layout."""
+    from functrans.testing import check_partition
+
+    x = torch.randn(5, 5, 5, 5, dtype=torch.float64)
+    for strategy in ("default", "min_cut", "full_remat"):
+        check_partition(lambda x: x.unfold(0, 3, 1), (x,), strategy)
+    g = ft.trace(lambda x: x.view(-1) * 2)(torch.ones(3, 4))
+    torch.testing.assert_close(g(torch.ones(4, 3).t()), torch.full((12,), 2.0))
