@@ -20,7 +20,8 @@
 
     python -m benchmarks.runtime [--quick] [--threads N] [--profile]
 
-``--profile`` adds cProfile listings of the jit steady-state step, first call and cache hit.
+``--profile`` adds a wall-clock attribution of the jit step (graphs alone, flattening, no
+decompositions, no recompute) and cProfile listings of jit's first call and steady steps.
 Writes ``benchmarks/results/runtime.json``.
 """
 
@@ -44,12 +45,14 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 
 import torch
 import torch.fx as fx
-from torch._functorch.aot_autograd import aot_function, make_boxed_func
+from torch._functorch._aot_autograd.utils import make_boxed_func  # = aot_autograd.make_boxed_func
+from torch._functorch.aot_autograd import aot_function
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch.utils._pytree import tree_leaves
 
 import functrans as ft
 from benchmarks import remat, zoo
+from functrans._pytree import flatten
 
 RESULTS = Path(__file__).resolve().parent / "results" / "runtime.json"
 STEP_TARGET = 1.05  # jit step / eager step
@@ -92,6 +95,27 @@ def _nop(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
     return make_boxed_func(gm)
 
 
+def interleaved(
+    variants: dict[str, Fn], params: Any, x: torch.Tensor, steps: int, warmup: int
+) -> dict[str, float]:
+    """Median ms of a fwd+bwd step per variant; rounds run every variant once, in order,
+    the first ``warmup`` rounds untimed, gradients reset before each step, gc off."""
+    times: dict[str, list[float]] = {v: [] for v in variants}
+    gc.collect()
+    gc.disable()
+    try:
+        for r in range(-warmup, steps):
+            for v, fn in variants.items():
+                _zero(params)
+                t0 = time.perf_counter()
+                fn(params, x).backward()  # type: ignore[no-untyped-call]
+                if r >= 0:
+                    times[v].append(time.perf_counter() - t0)
+    finally:
+        gc.enable()
+    return {v: 1e3 * statistics.median(ts) for v, ts in times.items()}
+
+
 def steady_state(case: Case, steps: int, warmup: int) -> dict[str, Any]:
     """Median fwd+bwd step time of eager, jit and aot_eager, interleaved step by step."""
     name, factory, params, x = case
@@ -107,20 +131,7 @@ def steady_state(case: Case, steps: int, warmup: int) -> dict[str, Any]:
         assert len(got) == len(ref), f"{name}/{v}: {len(got)} gradients, eager has {len(ref)}"
         for a, b in zip(got, ref, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=f"{name}/{v} grads")
-    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    gc.collect()
-    gc.disable()
-    try:
-        for r in range(-warmup, steps):
-            for v in VARIANTS:
-                _zero(params)
-                t0 = time.perf_counter()
-                variants[v](params, x).backward()  # type: ignore[no-untyped-call]
-                if r >= 0:
-                    times[v].append(time.perf_counter() - t0)
-    finally:
-        gc.enable()
-    ms = {v: 1e3 * statistics.median(ts) for v, ts in times.items()}
+    ms = interleaved(variants, params, x, steps, warmup)
     info = variants["jit"].cache_info()  # type: ignore[attr-defined]
     return {
         "model": name,
@@ -144,13 +155,8 @@ def ours_first_call(fn: Fn, params: Any, x: torch.Tensor) -> dict[str, float]:
     loss.backward()
     total = time.perf_counter() - t0
     info = jitted.cache_info()
-    return {
-        "total_s": total,
-        "fwd_s": fwd,
-        "trace_s": info.trace_s,
-        "partition_s": info.partition_s,
-        "compile_s": info.compile_s,
-    }
+    stages = {k: getattr(info, k) for k in ("trace_s", "partition_s", "compile_s")}
+    return {"total_s": total, "fwd_s": fwd, **stages}
 
 
 def torch_first_call(fn: Fn, params: Any, x: torch.Tensor) -> dict[str, float]:
@@ -172,13 +178,10 @@ def first_call(case: Case, repeats: int) -> dict[str, Any]:
     name, factory, params, x = case
     ours: list[dict[str, float]] = []
     theirs: list[dict[str, float]] = []
+    sides = [(ours, ours_first_call), (theirs, torch_first_call)]
     for r in range(repeats):
-        if r % 2 == 0:
-            ours.append(ours_first_call(factory(), params, x))
-            theirs.append(torch_first_call(factory(), params, x))
-        else:
-            theirs.append(torch_first_call(factory(), params, x))
-            ours.append(ours_first_call(factory(), params, x))
+        for rows, run in sides[r % 2 :] + sides[: r % 2]:
+            rows.append(run(factory(), params, x))
 
     def med(rows: list[dict[str, float]], key: str) -> float:
         return statistics.median(row[key] for row in rows)
@@ -188,10 +191,7 @@ def first_call(case: Case, repeats: int) -> dict[str, Any]:
         "model": name,
         "repeats": repeats,
         "ours_s": ours_s,
-        "ours_fwd_s": med(ours, "fwd_s"),
-        "ours_trace_s": med(ours, "trace_s"),
-        "ours_partition_s": med(ours, "partition_s"),
-        "ours_compile_s": med(ours, "compile_s"),
+        **{f"ours_{k}": med(ours, k) for k in ("fwd_s", "trace_s", "partition_s", "compile_s")},
         "torch_s": torch_s,
         "torch_fwd_s": med(theirs, "fwd_s"),
         "ratio": ours_s / torch_s,
@@ -217,11 +217,7 @@ def overhead(requires_grad: bool, calls: int, repeats: int) -> dict[str, Any]:
     jitted = ft.jit(double)
     jitted(x)  # compile
     entry = next(iter(jitted._cache.values()))[0]
-    fns: dict[str, Callable[[torch.Tensor], Any]] = {
-        "jit": jitted,
-        "direct": entry.forward,
-        "eager": double,
-    }
+    fns: dict[str, Callable[..., Any]] = {"jit": jitted, "direct": entry.forward, "eager": double}
     us: dict[str, list[float]] = {k: [] for k in fns}
     gc.collect()
     gc.disable()
@@ -245,59 +241,96 @@ def overhead(requires_grad: bool, calls: int, repeats: int) -> dict[str, Any]:
     }
 
 
-def _table(rows: list[dict[str, Any]], cols: Sequence[tuple[str, str, str]]) -> str:
-    """Right-aligned columns ``(header, key, format spec)``; the first column left-aligned."""
+def _table(rows: list[dict[str, Any]], cols: dict[str, str] | None = None) -> str:
+    """Columns ``{header: key}`` (default: every key), floats to 3 decimals, ``target_met`` as
+    met/MISSED; the first column left-aligned, the others right-aligned."""
+    cols = cols or {k: k for k in rows[0]}
 
-    def cell(key: str, v: Any, spec: str) -> str:
+    def cell(key: str, v: Any) -> str:
         if key == "target_met":
             return "met" if v else "MISSED"
-        return str(v) if isinstance(v, bool) else format(v, spec)
+        return f"{v:.3f}" if isinstance(v, float) else str(v)
 
-    lines = [[h for h, _, _ in cols]] + [[cell(k, r[k], s) for _, k, s in cols] for r in rows]
+    lines = [list(cols)] + [[cell(k, r[k]) for k in cols.values()] for r in rows]
     widths = [max(len(line[i]) for line in lines) for i in range(len(cols))]
     out = [
-        "  ".join(
-            c.ljust(w) if i == 0 else c.rjust(w)
-            for i, (c, w) in enumerate(zip(line, widths, strict=True))
-        )
+        "  ".join(c.rjust(widths[i]) if i else c.ljust(widths[i]) for i, c in enumerate(line))
         for line in lines
     ]
     out.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(out)
 
 
-def profile(label: str, fn: Callable[[], Any], top: int = 25) -> str:
-    """cProfile ``fn()``; the ``top`` entries by cumulative time, under a ``label`` header."""
+def _median_ms(fn: Callable[[], Any], runs: int) -> float:
+    fn()
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+def attribution(case: Case, steps: int) -> dict[str, Any]:
+    """Where a jit step's time goes, by wall clock: the compiled forward and backward graphs
+    run alone (no grad), the argument flattening alone, and jit steps with no decompositions
+    and with the ``default`` (no recompute) strategy, all against eager."""
+    name, factory, params, x = case
+    fn = factory()
+    jitted = ft.jit(fn, partition="min_cut")
+    variants: dict[str, Fn] = {"eager": fn, "jit": jitted}
+    variants["jit_nodecomp"] = ft.jit(fn, partition="min_cut", decompositions=None)
+    variants["jit_default"] = ft.jit(fn, partition="default")
+    ms = interleaved(variants, params, x, steps, warmup=3)
+    entry, order = next(iter(jitted._cache.values()))
+    tensors, _ = flatten(((params, x), {}))
+    ordered = [tensors[i] for i in order]
+    with torch.no_grad():
+        saved = entry.forward(*ordered)[len(entry.out_meta) :]
+        fwd_ms = _median_ms(lambda: entry.forward(*ordered), steps)
+        bwd_ms = _median_ms(lambda: entry.backward(*saved, torch.ones(())), steps)
+    p = entry.partition
+
+    def n_ops(g: Any) -> int:
+        return sum(n.op == "call_function" for n in g.graph_module.graph.nodes)
+
+    return {
+        "model": name,
+        **{f"{v}_ms": t for v, t in ms.items()},
+        "fwd_graph_ms": fwd_ms,
+        "bwd_graph_ms": bwd_ms,
+        "flatten_ms": _median_ms(lambda: flatten(((params, x), {})), steps),
+        "fwd_ops": n_ops(p.forward),
+        "bwd_ops": n_ops(p.backward),
+    }
+
+
+def profile(label: str, fn: Callable[[], Any], sort: str, top: int = 15) -> str:
+    """cProfile ``fn()``; the ``top`` entries by ``sort``, under a ``label`` header."""
     prof = cProfile.Profile()
     prof.runcall(fn)
     buf = io.StringIO()
-    pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(top)
+    pstats.Stats(prof, stream=buf).sort_stats(sort).print_stats(top)
     return f"=== profile: {label} ===\n{buf.getvalue()}"
 
 
-def run_profiles(all_cases: list[Case], calls: int) -> str:
-    """Profiles of the jit steady-state steps, first calls and cache-hit calls."""
-    out = []
+def run_profiles(all_cases: list[Case], steps: int) -> str:
+    """Attribution table, then cProfile listings of jit first calls and steady-state steps."""
+    rows = [attribution(c, steps) for c in all_cases]
+    out = ["jit step attribution, ms (graphs run alone under no_grad)", _table(rows)]
     for name, factory, params, x in all_cases:
         jitted = ft.jit(factory(), partition="min_cut")
 
         def first(f: Fn = jitted, p: Any = params, xx: torch.Tensor = x) -> None:
+            _zero(p)
             f(p, xx).backward()  # type: ignore[no-untyped-call]
 
-        def steps(f: Fn = jitted, p: Any = params, xx: torch.Tensor = x) -> None:
-            for _ in range(50):
-                _zero(p)
-                f(p, xx).backward()  # type: ignore[no-untyped-call]
+        def steps_(f: Fn = jitted, p: Any = params, xx: torch.Tensor = x) -> None:
+            for _ in range(steps):
+                first(f, p, xx)
 
-        _zero(params)
-        out.append(profile(f"{name} first call", first))
-        out.append(profile(f"{name} 50 steady-state steps", steps))
-    for rg in (False, True):
-        x1 = torch.ones(1, requires_grad=rg)
-        tiny: Fn = ft.jit(lambda x: x * 2)
-        tiny(x1)
-        label = f"{calls} cache hits, requires_grad={rg}"
-        out.append(profile(label, lambda f=tiny, xx=x1: _loop_s(f, xx, calls)))
+        out.append(profile(f"{name} first call", first, "cumulative", 30))
+        out.append(profile(f"{name} {steps} steady-state steps", steps_, "tottime"))
     return "\n".join(out)
 
 
@@ -306,15 +339,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer steps, repeats and calls")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    parser.add_argument("--steps", type=int, default=None, help="timed rounds (default 200)")
+    parser.add_argument("--steps", type=int, default=None, help="timed rounds (default 300)")
     parser.add_argument("--profile", action="store_true", help="print cProfile listings")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     # one thread: these ops are too small to gain from more, and spinning OpenMP workers on a
     # loaded machine turn millisecond steps into much longer ones
     torch.set_num_threads(args.threads)
-    steps = args.steps or (20 if args.quick else 200)
-    first_repeats = 1 if args.quick else 3
+    steps = args.steps or (20 if args.quick else 300)
+    first_repeats = 1 if args.quick else 5
     calls, call_repeats = (2_000, 3) if args.quick else (10_000, 5)
     t_start = time.perf_counter()
     all_cases = cases()
@@ -329,54 +362,31 @@ def main(argv: list[str] | None = None) -> int:
 
     firsts = [first_call(c, first_repeats) for c in all_cases]
     print(f"first call (trace + partition + compile + fwd + bwd), median of {first_repeats}")
-    first_cols = (
-        ("model", "model", ""),
-        ("ours_s", "ours_s", ".3f"),
-        ("trace", "ours_trace_s", ".3f"),
-        ("partition", "ours_partition_s", ".3f"),
-        ("compile", "ours_compile_s", ".3f"),
-        ("torch_s", "torch_s", ".3f"),
-        ("torch_fwd", "torch_fwd_s", ".3f"),
-        ("ours/torch", "ratio", ".2f"),
-        ("target <1", "target_met", ""),
-    )
+    first_cols = {"model": "model", "ours_s": "ours_s", "trace": "ours_trace_s"}
+    first_cols |= {"partition": "ours_partition_s", "compile": "ours_compile_s"}
+    first_cols |= {"torch_s": "torch_s", "torch_fwd": "torch_fwd_s", "ours/torch": "ratio"}
+    first_cols["target <1"] = "target_met"
     print(_table(firsts, first_cols), end="\n\n", flush=True)
 
     steady = [steady_state(c, steps, warmup=3) for c in all_cases]
     print(f"steady-state fwd+bwd step, ms (median of {steps}, interleaved, {args.threads} thread)")
-    step_cols = (
-        ("model", "model", ""),
-        ("eager", "eager_ms", ".3f"),
-        ("jit", "jit_ms", ".3f"),
-        ("aot_eager", "aot_eager_ms", ".3f"),
-        ("jit/eager", "jit_ratio", ".3f"),
-        ("aot/eager", "aot_eager_ratio", ".3f"),
-        (f"target <={STEP_TARGET}", "target_met", ""),
-    )
+    step_cols = {"model": "model", **{v: f"{v}_ms" for v in VARIANTS}}
+    step_cols |= {"jit/eager": "jit_ratio", "aot/eager": "aot_eager_ratio"}
+    step_cols[f"target <={STEP_TARGET}"] = "target_met"
     print(_table(steady, step_cols), end="\n\n", flush=True)
 
     overheads = [overhead(rg, calls, call_repeats) for rg in (False, True)]
     print(f"cache-hit call of `x * 2` on 1 element, us/call (median of {call_repeats} x {calls})")
-    over_cols = (
-        ("requires_grad", "requires_grad", ""),
-        ("jit", "jit_us", ".2f"),
-        ("direct", "direct_us", ".2f"),
-        ("eager", "eager_us", ".2f"),
-        ("overhead", "overhead_us", ".2f"),
-        (f"target <={OVERHEAD_TARGET_US:g}", "target_met", ""),
-    )
+    over_cols = {"requires_grad": "requires_grad"}
+    over_cols |= {k: f"{k}_us" for k in ("jit", "direct", "eager", "overhead")}
+    over_cols[f"target <={OVERHEAD_TARGET_US:g}"] = "target_met"
     print(_table(overheads, over_cols), end="\n\n")
     print(f"total {time.perf_counter() - t_start:.1f} s")
 
     if args.profile:
-        print(run_profiles(all_cases, calls))
+        print(run_profiles(all_cases, min(steps, 100)))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {
-        "quick": args.quick,
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "size": "bench",
-    }
+    meta = {"quick": args.quick, "threads": torch.get_num_threads(), "torch": torch.__version__}
     doc = {"meta": meta, "first_call": firsts, "steady_state": steady, "overhead": overheads}
     args.out.write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n")
     print(f"wrote {args.out}")

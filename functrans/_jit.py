@@ -114,6 +114,10 @@ class _Jitted:
         """Hits, misses, entries and time spent tracing, partitioning and compiling."""
         return CacheInfo(**{**self._info.__dict__, "entries": len(self._cache)})
 
+    def partitions(self) -> list[Partition]:
+        """The partition of every cached training specialization (saved values, bytes, ...)."""
+        return [e.partition for e, _ in self._cache.values() if e.partition is not None]
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         tensors, flat = flatten((args, kwargs), static_argnums=self._static_argnums)
         key = _key(flat, tensors)
@@ -271,6 +275,9 @@ class JitModule(torch.nn.Module):
 
     def cache_info(self) -> CacheInfo:
         return self._jitted.cache_info()
+
+    def partitions(self) -> list[Partition]:
+        return self._jitted.partitions()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         state = {**dict(self.module.named_parameters()), **dict(self.module.named_buffers())}
