@@ -23,9 +23,8 @@ def main(path: str = "pareto.png") -> None:
     jg = ft.joint(mlp, argnums=0)(params, torch.randn(16, 32, generator=g))
     points = ft.pareto(jg, points=11)
     for p in points:
-        print(
-            f"budget {p.budget:.1f}: {p.activation_bytes:>7} B saved, {p.recompute_flops:>9} FLOPs recomputed"
-        )
+        saved, redo = p.activation_bytes, p.recompute_flops
+        print(f"budget {p.budget:.1f}: {saved:>7} B saved, {redo:>9} FLOPs recomputed")
     print(f"wrote {ft.viz.plot_pareto(points, path, title='3-block MLP')}")
 
 
