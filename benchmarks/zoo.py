@@ -53,10 +53,10 @@ HF_MODELS = ("hf_llama", "hf_gpt2")
 
 #: Why the HF models default to ``attn_implementation="eager"``.
 SDPA_NOTE = (
-    "with attn_implementation='sdpa', ft.joint traces but gives wrong gradients: core ATen "
-    "decompositions rewrite aten._scaled_dot_product_flash_attention_for_cpu into math whose "
-    "second output is the attention matrix, while the autograd node recorded for the original "
-    "op feeds that to _scaled_dot_product_flash_attention_for_cpu_backward as its logsumexp"
+    "attn_implementation='sdpa' used to give wrong gradients: torch's core ATen decomposition "
+    "of aten._scaled_dot_product_flash_attention_for_cpu returns the attention matrix where its "
+    "backward op expects the logsumexp. functrans now keeps that op whole (regression test in "
+    "tests/test_api.py); the zoo keeps 'eager' attention so both sides see matmul + softmax"
 )
 
 
@@ -316,8 +316,7 @@ def hf_llama(attn: str = "eager") -> Model:
     """A 2-layer Llama (hidden 64, 4 heads, vocab 128) from ``LlamaConfig``, random weights.
 
     ``attn`` is the config's ``attn_implementation``. ``"eager"`` (matmul + softmax) is the
-    default because with ``"sdpa"`` the joint graph traces but its gradients are wrong: see
-    :data:`SDPA_NOTE`.
+    default, so the partitioners see matmul + softmax (see :data:`SDPA_NOTE`).
     """
 
     def build(tf: Any) -> torch.nn.Module:
@@ -340,8 +339,7 @@ def hf_gpt2(attn: str = "eager") -> Model:
     """A 2-layer GPT-2 (hidden 64, 4 heads, vocab 128) from ``GPT2Config``, random weights.
 
     ``attn`` is the config's ``attn_implementation``. ``"eager"`` (matmul + softmax) is the
-    default because with ``"sdpa"`` the joint graph traces but its gradients are wrong: see
-    :data:`SDPA_NOTE`.
+    default, so the partitioners see matmul + softmax (see :data:`SDPA_NOTE`).
     """
 
     def build(tf: Any) -> torch.nn.Module:
