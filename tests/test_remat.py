@@ -288,3 +288,21 @@ def test_everything_saveable_with_multi_output_ops_under_min_cut():
     assert any(s.op == "operator.getitem" or "getitem" in s.name for s in p.saved), p.report()
     want = torch.func.grad(f, argnums=(0, 1))(*args)
     torch.testing.assert_close(ft.grad(g, argnums=(0, 1), partition="min_cut")(*args), want)
+
+
+def test_name_policies_in_eager_mode_see_the_named_values():
+    seen = []
+
+    def policy(op, *args, **kwargs):
+        decision = policies.save_only_these_names("h")(op, *args, **kwargs)
+        seen.append((str(op), decision))
+        return decision
+
+    def f(x, w):
+        return torch.cos(ft.checkpoint_name(torch.relu(x @ w), "h")).sum()
+
+    leaves = [a.clone().requires_grad_() for a in mlp_args()[:2]]
+    ft.remat(f, policy=policy)(*leaves).backward()
+    assert ("functrans.checkpoint_name.default", True) in seen
+    want = torch.func.grad(f, argnums=(0, 1))(*mlp_args()[:2])
+    torch.testing.assert_close(tuple(a.grad for a in leaves), want)
