@@ -252,8 +252,9 @@ def jit(
 class JitModule(torch.nn.Module):
     """``jit(module)``: the module's parameters and buffers are lifted to graph inputs on every
     call (``functional_call``), so an optimizer updating them in place keeps working and nothing
-    is baked in as a constant. (Buffers mutated in training mode, like BatchNorm's running
-    statistics, are rejected at trace time with a TraceError for now.)"""
+    is baked in as a constant. Buffers the module updates in place (BatchNorm's running
+    statistics in training mode) are updated on copies inside the graph, returned as extra
+    outputs and written back after the call: the same values as eager."""
 
     def __init__(
         self,
@@ -267,10 +268,17 @@ class JitModule(torch.nn.Module):
         super().__init__()
         self.module = module
 
-        def call(state: dict[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
-            return torch.func.functional_call(self.module, state, args, kwargs)
+        def call(
+            params: dict[str, torch.Tensor],
+            buffers: dict[str, torch.Tensor],
+            *args: Any,
+            **kwargs: Any,
+        ) -> Any:
+            fresh = {k: v.clone() for k, v in buffers.items()}  # in-place updates land here
+            out = torch.func.functional_call(self.module, {**params, **fresh}, args, kwargs)
+            return out, {k: v.detach() for k, v in fresh.items()}  # state, not differentiated
 
-        statics = tuple(i + 1 for i in static_argnums)
+        statics = tuple(i + 2 for i in static_argnums)
         self._jitted = _Jitted(call, strategy, backend, statics, decompositions, options)
 
     def cache_info(self) -> CacheInfo:
@@ -280,5 +288,11 @@ class JitModule(torch.nn.Module):
         return self._jitted.partitions()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        state = {**dict(self.module.named_parameters()), **dict(self.module.named_buffers())}
-        return self._jitted(state, *args, **kwargs)
+        params = dict(self.module.named_parameters())
+        buffers = dict(self.module.named_buffers())
+        out, updated = self._jitted(params, buffers, *args, **kwargs)
+        with torch.no_grad():
+            for name, value in updated.items():
+                if value is not buffers[name]:
+                    buffers[name].copy_(value)
+        return out

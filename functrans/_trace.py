@@ -66,6 +66,12 @@ _LIBRARY_DIRS = (
 _WRONG_FOR_TRAINING = ("_scaled_dot_product_flash_attention_for_cpu",)
 
 
+# Ops whose schema does not declare the in-place update they do in training mode (batch norm's
+# running statistics). Left whole, graphs would mutate buffers invisibly, also on every
+# recomputation; decomposed, the update is an explicit copy_ that functionalization removes.
+_MUTATE_WITHOUT_SAYING = (torch.ops.aten.native_batch_norm.default,)
+
+
 @functools.cache
 def _core_table() -> Mapping[Any, Callable[..., Any]]:
     from torch._decomp import core_aten_decompositions
@@ -73,7 +79,15 @@ def _core_table() -> Mapping[Any, Callable[..., Any]]:
     table = dict(core_aten_decompositions())
     for name in _WRONG_FOR_TRAINING:
         table.pop(getattr(torch.ops.aten, name).default, None)
+    for op in _MUTATE_WITHOUT_SAYING:
+        table[op] = decomposition_table_all()[op]
     return table
+
+
+def decomposition_table_all() -> Mapping[Any, Callable[..., Any]]:
+    from torch._decomp import decomposition_table
+
+    return decomposition_table
 
 
 def decomposition_table(decompositions: Decompositions) -> Mapping[Any, Callable[..., Any]]:

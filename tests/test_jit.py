@@ -134,7 +134,22 @@ def test_jit_module_trains_like_eager_with_an_optimizer():
     assert model.cache_info().entries == 1  # updated parameters are inputs: no retrace
 
 
-def test_jit_module_with_mutated_buffers_is_a_clear_error():
-    bn = ft.jit(torch.nn.BatchNorm1d(3))
-    with pytest.raises(ft.TraceError, match=r"mutates input state\['num_batches_tracked'\]"):
-        bn(torch.randn(4, 3))
+def test_jit_module_updates_batchnorm_running_stats_like_eager():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.ReLU())
+    ref = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.ReLU())
+    ref.load_state_dict(net.state_dict())
+    model = ft.jit(net)
+    for _ in range(3):
+        x = torch.randn(6, 3)
+        model(x).sum().backward()
+        ref(x).sum().backward()
+    for (name, a), b in zip(net.state_dict().items(), ref.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b, msg=name)
+    for a, b in zip(net.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad)
+    net.eval()
+    ref.eval()
+    with torch.no_grad():
+        x = torch.randn(6, 3)
+        torch.testing.assert_close(model(x), ref(x))

@@ -192,3 +192,26 @@ def test_non_contiguous_tangents_and_inputs_are_handed_over_in_traced_layout():
         check_partition(lambda x: x.unfold(0, 3, 1), (x,), strategy)
     g = ft.trace(lambda x: x.view(-1) * 2)(torch.ones(3, 4))
     torch.testing.assert_close(g(torch.ones(4, 3).t()), torch.full((12,), 2.0))
+
+
+def test_batch_norm_running_stats_update_is_visible_not_hidden():
+    """native_batch_norm updates its running stats in place without saying so in its schema:
+    graphs must not mutate a caller's buffers behind its back (nor again on recomputation)."""
+
+    def f(x, mean, var):
+        return torch.nn.functional.batch_norm(x, mean, var, training=True).sum()
+
+    with pytest.raises(ft.TraceError, match="mutates input mean"):
+        ft.joint(f, argnums=0)(torch.randn(4, 3), torch.zeros(3), torch.ones(3))
+
+    def g(x, mean, var):  # updating copies is fine, and the update is a pure graph op
+        mean, var = mean.clone(), var.clone()
+        y = torch.nn.functional.batch_norm(x, mean, var, training=True)
+        return y.sum(), mean, var
+
+    x, mean, var = torch.randn(4, 3), torch.zeros(3), torch.ones(3)
+    graph = ft.trace(g)(x, mean, var)
+    assert not any(n.target._schema.is_mutable for n in graph.ops() if hasattr(n.target, "_schema"))
+    _, new_mean, _ = graph(x, mean, var)
+    torch.testing.assert_close(new_mean, 0.1 * x.mean(0))
+    assert torch.equal(mean, torch.zeros(3))
