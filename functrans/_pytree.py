@@ -8,6 +8,7 @@ namespace) are understood.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -37,20 +38,22 @@ class Flat:
     spec: optree.PyTreeSpec
     is_tensor: tuple[bool, ...]
     static: tuple[Any, ...]  # value for static leaves, None placeholder for tensor leaves
-    paths: tuple[str, ...]
     static_argnums: tuple[int, ...] = ()  # for a tree ``(args, kwargs)``: args kept opaque
 
     @property
     def num_tensors(self) -> int:
         return sum(self.is_tensor)
 
+    @functools.cached_property
+    def paths(self) -> tuple[str, ...]:
+        """Access paths of every leaf (``[0][1]['w']``); built only when a message needs them."""
+        return tuple(a.codify("") for a in self.spec.accessors())
+
     def tensor_paths(self) -> list[str]:
         return [p for p, t in zip(self.paths, self.is_tensor, strict=True) if t]
 
 
-def flatten(
-    tree: Any, root: str = "", *, static_argnums: tuple[int, ...] = ()
-) -> tuple[list[torch.Tensor], Flat]:
+def flatten(tree: Any, *, static_argnums: tuple[int, ...] = ()) -> tuple[list[torch.Tensor], Flat]:
     """Flatten ``tree``; return its tensor leaves and a :class:`Flat` describing the rest.
 
     With ``static_argnums``, ``tree`` is ``(args, kwargs)`` and the listed positional arguments
@@ -58,12 +61,11 @@ def flatten(
     """
     if static_argnums:
         tree = (wrap_static(tree[0], static_argnums), tree[1])
-    accessors, leaves, spec = optree.tree_flatten_with_accessor(tree, namespace=NAMESPACE)
+    leaves, spec = optree.tree_flatten(tree, namespace=NAMESPACE)
     is_tensor = tuple(isinstance(x, torch.Tensor) for x in leaves)
     static = tuple(None if t else x for x, t in zip(leaves, is_tensor, strict=True))
     tensors = [x for x, t in zip(leaves, is_tensor, strict=True) if t]
-    names = tuple(root + a.codify("") for a in accessors)
-    return tensors, Flat(spec, is_tensor, static, names, static_argnums)
+    return tensors, Flat(spec, is_tensor, static, static_argnums)
 
 
 def unflatten(flat: Flat, tensors: Sequence[Any]) -> Any:
