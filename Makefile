@@ -43,9 +43,11 @@ bench: $(STAMP)
 	$(VPY) -m benchmarks.partition_speed
 	$(VPY) -m benchmarks.memory_budget
 	$(VPY) -m benchmarks.remat
+	$(VPY) -m benchmarks.runtime
 
 bench-quick: $(STAMP)
 	$(VPY) -m benchmarks.partition_quality --quick
 	$(VPY) -m benchmarks.partition_speed --quick
 	$(VPY) -m benchmarks.memory_budget --quick
 	$(VPY) -m benchmarks.remat --quick
+	$(VPY) -m benchmarks.runtime --quick
