@@ -30,26 +30,54 @@ class Cut:
     """The source side of a minimum cut, the one closest to the source (the smallest one)."""
 
     source_side: np.ndarray  # bool per network node
-    value: int  # cut capacity in the caller's units (exact only if ``exact``)
-    exact: bool  # False if capacities had to be rounded to fit int32
+    value: int  # capacity of the reported cut, in the caller's units
+    exact: bool  # False if capacities had to be rounded to fit int32 (the cut may then be
+    # slightly above the minimum)
     finite: bool  # False if every cut crosses an INF edge
 
 
-def _scale(caps: Sequence[int]) -> tuple[np.ndarray, int, int, bool]:
-    """Map caller capacities to int32: returns (scaled caps, inf value, unit, exact)."""
-    finite = [c for c in caps if c != INF]
-    positive = [c for c in finite if c > 0]
+def _feasible_bound(
+    n: int, src: np.ndarray, dst: np.ndarray, caps: np.ndarray, s: int, t: int
+) -> int | None:
+    """Value of one finite s-t cut (an upper bound on the minimum), or None if none exists.
+
+    The nodes the source reaches through uncuttable edges are on the source side of every
+    finite cut, and so may be every node that cannot reach the sink at all; cutting every edge
+    from those into the rest is a valid cut, and often a tight one.
+    """
+    inf = caps == INF
+    sub = csr_matrix((np.ones(int(inf.sum())), (src[inf], dst[inf])), shape=(n, n))
+    closure = np.zeros(n, dtype=bool)
+    closure[breadth_first_order(sub, s, directed=True, return_predecessors=False)] = True
+    if closure[t]:  # the sink hangs on the source by uncuttable edges
+        return None
+    back = csr_matrix((np.ones(len(src)), (dst, src)), shape=(n, n))
+    reaches_t = np.zeros(n, dtype=bool)
+    reaches_t[breadth_first_order(back, t, directed=True, return_predecessors=False)] = True
+    closure |= ~reaches_t
+    leaving = closure[src] & ~closure[dst]
+    return int(sum(int(c) for c in caps[leaving]))
+
+
+def _scale(caps: Sequence[int], bound: int) -> tuple[np.ndarray, int, int, bool]:
+    """Map capacities to int32: returns (scaled caps, inf value, unit, exact).
+
+    ``bound`` is the value of some finite cut. A capacity above it can never be in a minimum
+    cut, so it is clamped to the uncuttable value, which is chosen to exceed any cut of
+    capacities at most ``bound`` even after rounding; then only the minimum cut's own scale has
+    to fit in int32, not the sum of all capacities.
+    """
+    small = [c for c in caps if c != INF and c <= bound]
+    positive = [c for c in small if c > 0]
     unit = math.gcd(*positive) if positive else 1
-    total = sum(finite) // unit
-    exact = total + 1 <= _LIMIT // 2
-    if not exact:  # coarser unit: round every capacity up so nonzero stays nonzero
-        unit *= -(-(total + 1) // (_LIMIT // 4))
-    scaled = [(-(-c // unit) if c != INF else 0) for c in caps]
-    inf = sum(s for s, c in zip(scaled, caps, strict=True) if c != INF) + 1
-    if inf > _LIMIT // 2:
-        raise OverflowError("max-flow capacities do not fit in int32 even after scaling")
-    out = np.array([s if c != INF else inf for s, c in zip(scaled, caps, strict=True)], np.int32)
-    return out, inf, unit, exact
+    edges = len(small)
+    exact = True  # the gcd divides every capacity that matters
+    if -(-bound // unit) + edges + 1 > _LIMIT // 2:  # coarser unit, rounding capacities up
+        unit = -(-bound // (_LIMIT // 4 - edges - 1))
+        exact = False
+    inf = -(-bound // unit) + edges + 1
+    out = [inf if c == INF or c > bound else -(-c // unit) for c in caps]
+    return np.array(out, dtype=np.int32), inf, unit, exact
 
 
 def min_cut(
@@ -62,8 +90,26 @@ def min_cut(
     >>> cut.value, cut.source_side.tolist()
     (8, [True, True, False, False])
     """
-    cap, inf, unit, exact = _scale(caps)
-    graph = csr_matrix((cap, (np.asarray(src), np.asarray(dst))), shape=(num_nodes, num_nodes))
+    src_a, dst_a = np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
+    real = np.asarray(caps, dtype=object)
+    bound = _feasible_bound(num_nodes, src_a, dst_a, real, s, t)
+    if bound is None:  # every cut crosses an uncuttable edge
+        return Cut(np.zeros(num_nodes, dtype=bool), 0, True, False)
+    for _ in range(3):  # a rounded solve still finds a cut, whose value is a tighter bound
+        side, exact = _solve(num_nodes, src_a, dst_a, caps, s, t, bound)
+        value = int(sum(int(c) for c in real[side[src_a] & ~side[dst_a]]))
+        if exact or value >= bound:
+            break
+        bound = value
+    return Cut(side, value, exact, True)
+
+
+def _solve(
+    n: int, src: np.ndarray, dst: np.ndarray, caps: Sequence[int], s: int, t: int, bound: int
+) -> tuple[np.ndarray, bool]:
+    """One max-flow at the scale ``bound`` allows; the smallest source side of a min cut."""
+    cap, _inf, _unit, exact = _scale(caps, bound)
+    graph = csr_matrix((cap, (src, dst)), shape=(n, n))
     graph.sum_duplicates()
     result = maximum_flow(graph, s, t, method="dinic")
     residual = (graph - result.flow).tocsr()
@@ -71,7 +117,6 @@ def min_cut(
     residual.eliminate_zeros()
     # nodes the source still reaches through residual capacity form the smallest source side
     reach = breadth_first_order(residual, s, directed=True, return_predecessors=False)
-    source_side = np.zeros(num_nodes, dtype=bool)
-    source_side[reach] = True
-    flow = int(result.flow_value)
-    return Cut(source_side, flow * unit, exact, flow < inf)
+    side = np.zeros(n, dtype=bool)
+    side[reach] = True
+    return side, exact

@@ -5,7 +5,7 @@ import networkx as nx
 import pytest
 import torch
 from functrans.partitioners._maxflow import INF, min_cut
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import functrans as ft
@@ -149,6 +149,14 @@ def networks(draw):
     return n, edges
 
 
+def test_regression_one_huge_capacity_does_not_coarsen_the_cut():
+    """Shrunk by hypothesis in CI: a 2^30 capacity on an edge no minimum cut uses made the
+    scaling round every capacity to units of 3, and the reported cut cost 3 instead of 1."""
+    cut = min_cut(6, [0, 1, 1], [1, 0, 5], [3, 1073741819, 1], 0, 5)
+    assert cut.exact and cut.value == 1 and cut.source_side[1] and not cut.source_side[5]
+
+
+@settings(max_examples=300)
 @given(networks())
 def test_property_max_flow_matches_networkx_even_with_huge_capacities(net):
     n, edges = net
@@ -169,4 +177,5 @@ def test_property_max_flow_matches_networkx_even_with_huge_capacities(net):
     assert side[0] and not side[n - 1]
     crossing = [c for (u, v), c in edges.items() if side[u] and not side[v]]
     assert INF not in crossing
+    assert cut.value == sum(crossing)
     assert sum(crossing) == want if cut.exact else sum(crossing) <= want * 1.01 + 1
