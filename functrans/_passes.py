@@ -19,7 +19,7 @@ import torch.fx as fx
 from ._graph import PATH, ROLE, SOURCE, Role
 from ._tags import REMAT
 
-__all__ = ["InputSpec", "canonicalize", "copy_module", "no_gc", "source_of"]
+__all__ = ["InputSpec", "canonicalize", "no_gc", "source_of"]
 
 
 @contextlib.contextmanager
@@ -75,11 +75,6 @@ def source_of(stack_trace: str | None) -> str | None:
     return f"{m['file']}:{m['line']}: {m['code'].strip()}"
 
 
-def copy_module(root: torch.nn.Module, graph: fx.Graph) -> fx.GraphModule:
-    """A GraphModule over ``graph`` that keeps ``root``'s attributes (constants)."""
-    return fx.GraphModule(root, graph)
-
-
 def canonicalize(gm: fx.GraphModule, inputs: Sequence[InputSpec]) -> fx.GraphModule:
     """Rename and tag placeholders, drop identity ops, merge common subexpressions, remove dead
     code, record source lines."""
@@ -113,8 +108,7 @@ def canonicalize(gm: fx.GraphModule, inputs: Sequence[InputSpec]) -> fx.GraphMod
             copied.meta[SOURCE] = src
         env[node] = copied
     eliminate_dead_code(new)
-    out = copy_module(gm, new)
-    return out
+    return fx.GraphModule(gm, new)  # keeps gm's attributes (constants) that new refers to
 
 
 def _frozen(value: Any) -> Any:

@@ -24,7 +24,6 @@ from ._errors import FunctransError
 from ._tags import Policy
 
 __all__ = [
-    "NAME_OP",
     "InvalidPolicyError",
     "Policy",
     "PolicyFn",
