@@ -2,3 +2,18 @@
 
 Run them as modules from the repository root, e.g. ``python -m benchmarks.partition_quality``.
 """
+
+from pathlib import Path as _Path
+
+
+def output_path(requested: _Path | None, committed: _Path, quick: bool) -> _Path:
+    """Where a benchmark writes its JSON: ``--out`` if given; a full run refreshes the
+    committed figures in ``benchmarks/results/``; a ``--quick`` smoke run writes to a temporary
+    folder so it never overwrites them."""
+    if requested is not None:
+        return requested
+    if not quick:
+        return committed
+    import tempfile
+
+    return _Path(tempfile.mkdtemp()) / committed.name

@@ -26,7 +26,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import functrans as ft
-from benchmarks import zoo
+from benchmarks import output_path, zoo
 from benchmarks._torch_ref import bad_recomputes, torch_min_cut
 from functrans import partitioners
 
@@ -206,8 +206,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small models, 1 repeat")
     parser.add_argument("--models", default="", help="comma-separated zoo names (default all)")
     parser.add_argument("--repeats", type=int, default=None, help="timed runs (default 5)")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
+    args.out = output_path(args.out, RESULTS, args.quick)
     size = "small" if args.quick else "bench"
     repeats = args.repeats or (1 if args.quick else 5)
     names = [n for n in args.models.split(",") if n] or list(zoo.ZOO)

@@ -42,7 +42,7 @@ from torch._functorch.aot_autograd import aot_function
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 import functrans as ft
-from benchmarks import zoo
+from benchmarks import output_path, zoo
 from functrans import partitioners
 
 RESULTS = Path(__file__).resolve().parent / "results" / "partition_speed.json"
@@ -173,8 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="depths up to 32, fewer runs")
     parser.add_argument("--max-blocks", type=int, default=None, help="deepest stack to run")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
+    args.out = output_path(args.out, RESULTS, args.quick)
     cap = args.max_blocks if args.max_blocks is not None else (32 if args.quick else max(BLOCKS))
     depths = [n for n in BLOCKS if n <= cap]
     strategy = OURS if OURS in partitioners.names() else "default"

@@ -54,7 +54,7 @@ from torch.utils.checkpoint import (
 )
 
 import functrans as ft
-from benchmarks import zoo
+from benchmarks import output_path, zoo
 from functrans import policies
 
 RESULTS = Path(__file__).resolve().parent / "results" / "remat.json"
@@ -367,8 +367,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=None, help="timed rounds (default 50)")
     parser.add_argument("--limit", type=float, default=30.0, help="s per traced partition")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
+    args.out = output_path(args.out, RESULTS, args.quick)
     # one thread: these matmuls are too small to gain from more, and spinning OpenMP workers on
     # a loaded machine turn millisecond steps into second-long ones
     torch.set_num_threads(args.threads)

@@ -51,7 +51,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch.utils._pytree import tree_leaves
 
 import functrans as ft
-from benchmarks import remat, zoo
+from benchmarks import output_path, remat, zoo
 from functrans._pytree import flatten
 
 RESULTS = Path(__file__).resolve().parent / "results" / "runtime.json"
@@ -341,8 +341,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--steps", type=int, default=None, help="timed rounds (default 300)")
     parser.add_argument("--profile", action="store_true", help="print cProfile listings")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
+    args.out = output_path(args.out, RESULTS, args.quick)
     # one thread: these ops are too small to gain from more, and spinning OpenMP workers on a
     # loaded machine turn millisecond steps into much longer ones
     torch.set_num_threads(args.threads)
