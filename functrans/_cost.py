@@ -9,6 +9,7 @@ compute-intensive class is a list: those are the ops worth saving instead of red
 from __future__ import annotations
 
 import enum
+import operator
 from typing import Any
 
 import torch
@@ -107,8 +108,6 @@ def op_class(node: fx.Node) -> OpClass:
 
 
 def _is_getitem(node: fx.Node) -> bool:
-    import operator
-
     return node.target is operator.getitem
 
 
