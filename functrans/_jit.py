@@ -17,12 +17,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import optree
 import torch
+import torch.utils._pytree as torch_pytree
 
+from ._errors import TraceError
 from ._joint import joint
 from ._logs import log
 from ._partition import Partition, Strategy, partition
-from ._pytree import Flat, flatten, unflatten
+from ._pytree import NAMESPACE, Flat, flatten, unflatten
 from ._trace import Decompositions, arg_names, trace
 
 __all__ = ["CacheInfo", "JitModule", "jit"]
@@ -51,6 +54,7 @@ class _Entry:
     num_diff: int
     num_inputs: int
     partition: Partition | None
+    copies: dict[int, int]  # flat output -> flat input it is an unmodified copy of
 
 
 class _Apply(torch.autograd.Function):
@@ -119,6 +123,11 @@ class _Jitted:
         return [e.partition for e, _ in self._cache.values() if e.partition is not None]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        outs, entry, _ = self._run(args, kwargs)
+        return unflatten(entry.out_flat, outs)
+
+    def _run(self, args: Any, kwargs: Any) -> tuple[list[Any], _Entry, list[torch.Tensor]]:
+        """Flat outputs, the entry that computed them and the inputs in the entry's order."""
         tensors, flat = flatten((args, kwargs), static_argnums=self._static_argnums)
         key = _key(flat, tensors)
         hit = self._cache.get(key)
@@ -139,7 +148,7 @@ class _Jitted:
             outs = entry.forward(*ordered)
         else:
             outs = list(_Apply.apply(entry, *ordered))  # type: ignore[no-untyped-call]
-        return unflatten(entry.out_flat, outs)
+        return outs, entry, ordered
 
     def _compile(self, flat: Flat, tensors: list[torch.Tensor]) -> tuple[_Entry, list[int]]:
         training = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
@@ -173,10 +182,13 @@ class _Jitted:
 
     def _build(self, flat_f: Callable[..., Any], example: Any, training: bool) -> _Entry:
         backend = importlib.import_module("functrans.codegen").get_backend(self._backend)
+        decompositions = self._decompositions
+        if decompositions == "auto":
+            decompositions = getattr(backend, "decompositions", "core")
         inputs = [*example[0], *example[1]]
         t0 = time.perf_counter()
         if not training:
-            g = trace(flat_f, decompositions=self._decompositions)(*example)
+            g = trace(flat_f, decompositions=decompositions)(*example)
             t1 = time.perf_counter()
             fwd = backend.compile(g, inputs)
             self._info.trace_s += t1 - t0
@@ -186,8 +198,9 @@ class _Jitted:
                 (v.meta["val"].shape, v.meta["val"].dtype, v.meta["val"].device, False)
                 for v in vals
             )
-            return _Entry(fwd, None, g.out_flat, meta, 0, len(inputs), None)
-        jg = joint(flat_f, argnums=0, decompositions=self._decompositions)(*example)
+            copies = _copies(g.placeholders(), vals)
+            return _Entry(fwd, None, g.out_flat, meta, 0, len(inputs), None, copies)
+        jg = joint(flat_f, argnums=0, decompositions=decompositions)(*example)
         t1 = time.perf_counter()
         p = partition(jg, self._strategy, **self._options)
         t2 = time.perf_counter()
@@ -206,7 +219,25 @@ class _Jitted:
             (v.meta["val"].shape, v.meta["val"].dtype, v.meta["val"].device, w)
             for v, w in zip(jg.forward_outputs(), wants, strict=True)
         )
-        return _Entry(fwd, bwd, jg.fn_out, meta, len(example[0]), len(inputs), p)
+        tangents = set(jg.tangents())
+        primals = [n for n in jg.placeholders() if n not in tangents]
+        copies = _copies(primals, jg.forward_outputs())
+        return _Entry(fwd, bwd, jg.fn_out, meta, len(example[0]), len(inputs), p, copies)
+
+
+_COPY_OPS = (torch.ops.aten.clone.default, torch.ops.aten.alias.default)
+
+
+def _copies(inputs: list[Any], outputs: list[Any]) -> dict[int, int]:
+    """``{output index: input index}`` for outputs that are unmodified copies of an input."""
+    where = {n: i for i, n in enumerate(inputs)}
+    found: dict[int, int] = {}
+    for i, node in enumerate(outputs):
+        while getattr(node, "op", None) == "call_function" and node.target in _COPY_OPS:
+            node = node.args[0]
+        if node in where:
+            found[i] = where[node]
+    return found
 
 
 def _tangent_mask(jg: Any) -> list[bool]:
@@ -220,11 +251,16 @@ def jit(
     partition: str | Strategy = "min_cut",
     backend: str = "aten",
     static_argnums: Sequence[int] = (),
-    decompositions: Decompositions = "core",
+    decompositions: Decompositions = "auto",
     **partition_options: Any,
 ) -> Any:
     """Compile ``f``: trace on first call per input signature, partition with ``partition``,
     compile forward and backward with ``backend``; results are ordinary autograd tensors.
+
+    ``decompositions="auto"`` uses the table the backend asks for (its ``decompositions``
+    attribute, ``"core"`` when it has none): ``"aten"`` runs ATen's own fused kernels and keeps
+    composite ops such as ``gelu_backward`` whole (``"minimal"``); a code generator that fuses
+    wants small ``"core"`` ops. Any value :func:`functrans.trace` takes overrides it.
 
     >>> import torch, functrans as ft
     >>> @ft.jit
@@ -254,7 +290,11 @@ class JitModule(torch.nn.Module):
     call (``functional_call``), so an optimizer updating them in place keeps working and nothing
     is baked in as a constant. Buffers the module updates in place (BatchNorm's running
     statistics in training mode) are updated on copies inside the graph, returned as extra
-    outputs and written back after the call: the same values as eager."""
+    outputs and written back after the call: the same values as eager.
+
+    Outputs are taken apart with torch's pytree as well as optree's, so containers registered
+    only with ``torch.utils._pytree`` (Hugging Face's ``ModelOutput``) come back rebuilt with
+    live tensors; an output object that hides tensors from both raises ``TraceError``."""
 
     def __init__(
         self,
@@ -276,7 +316,8 @@ class JitModule(torch.nn.Module):
         ) -> Any:
             fresh = {k: v.clone() for k, v in buffers.items()}  # in-place updates land here
             out = torch.func.functional_call(self.module, {**params, **fresh}, args, kwargs)
-            return out, {k: v.detach() for k, v in fresh.items()}  # state, not differentiated
+            state = {k: v.detach() for k, v in fresh.items()}  # state, not differentiated
+            return _take_apart(out, type(self.module).__name__), state
 
         statics = tuple(i + 2 for i in static_argnums)
         self._jitted = _Jitted(call, strategy, backend, statics, decompositions, options)
@@ -290,9 +331,57 @@ class JitModule(torch.nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         params = dict(self.module.named_parameters())
         buffers = dict(self.module.named_buffers())
-        out, updated = self._jitted(params, buffers, *args, **kwargs)
+        outs, entry, ordered = self._jitted._run((params, buffers, *args), kwargs)
+        (spec, leaves), updated = unflatten(entry.out_flat, outs)
+        _, slots = unflatten(entry.out_flat, range(len(outs)))  # buffer name -> flat output
         with torch.no_grad():
             for name, value in updated.items():
-                if value is not buffers[name]:
+                source = entry.copies.get(slots[name])
+                if source is None or ordered[source] is not buffers[name]:
+                    # only buffers the module changed: a copy_ bumps the version counter, and
+                    # the backward may have saved the buffer itself
                     buffers[name].copy_(value)
-        return out
+        return torch_pytree.tree_unflatten(leaves, spec.spec)
+
+
+class _TorchSpec:
+    """A torch pytree spec carried through the trace as one static output leaf."""
+
+    def __init__(self, spec: torch_pytree.TreeSpec) -> None:
+        self.spec = spec
+
+    def __repr__(self) -> str:
+        return f"_TorchSpec({self.spec})"
+
+
+def _take_apart(out: Any, owner: str) -> tuple[_TorchSpec, list[Any]]:
+    """Flatten a module's output with torch's pytree (which knows ``ModelOutput`` and friends);
+    what torch leaves whole optree flattens next. An object left opaque to both that holds
+    tensors would return the trace's fake tensors, so it is an error."""
+    leaves, spec = torch_pytree.tree_flatten(out)
+    for i, leaf in enumerate(leaves):
+        for inner in optree.tree_leaves(leaf, namespace=NAMESPACE):
+            if not isinstance(inner, torch.Tensor) and _holds_tensor(inner):
+                raise TraceError(
+                    f"jit({owner}): output leaf {i} is a {type(inner).__qualname__} that holds "
+                    "tensors functrans cannot see, so they would not be computed on later calls. "
+                    "Register its type as a pytree (optree namespace 'functrans' or "
+                    "torch.utils._pytree), return plain tensors, or turn it off (for Hugging Face "
+                    "models: use_cache=False)."
+                )
+    return _TorchSpec(spec), leaves
+
+
+def _holds_tensor(obj: Any, depth: int = 4) -> bool:
+    """Whether ``obj`` reaches a tensor through its attributes and containers (a few levels)."""
+    if isinstance(obj, torch.Tensor):
+        return True
+    if depth == 0 or isinstance(obj, (str, bytes, int, float, bool, type(None), torch.nn.Module)):
+        return False
+    if isinstance(obj, dict):
+        children: list[Any] = list(obj.values())
+    elif isinstance(obj, (list, tuple, set, frozenset)):
+        children = list(obj)
+    else:
+        children = list(getattr(obj, "__dict__", {}).values())
+    return any(_holds_tensor(c, depth - 1) for c in children)

@@ -1,0 +1,73 @@
+"""The ``"aten"`` backend: fast Python bindings call the very overloads the graph names, and
+``jit`` traces for it with the ``"minimal"`` decompositions."""
+
+import pytest
+import torch
+from functrans.codegen import _fastcall
+from functrans.codegen.aten import AtenBackend
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import functrans as ft
+from benchmarks import zoo
+from functrans import codegen
+
+
+class _Calls(TorchDispatchMode):
+    """Records every ATen overload dispatched."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[object] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("name", ["mlp_stack", "gpt_block", "llama_block", "conv_block"])
+def test_fast_calls_dispatch_the_same_overloads_with_identical_results(name):
+    model = zoo.ZOO[name]()
+    args = model.make("small")
+    jitted = ft.jit(model.fn, backend="aten", decompositions="core")
+    params = torch.utils._pytree.tree_map(lambda t: t.requires_grad_(True), args[0])
+    jitted(params, args[1]).backward()
+    p = jitted.partitions()[0]
+    inputs = [t.detach() for t in ft._pytree.flatten(((params, args[1]), {}))[0]]
+    order = next(iter(jitted._cache.values()))[1]
+    inputs = [inputs[i] for i in order]
+    slow, fast = AtenBackend(fast_calls=False), AtenBackend()
+    rewritten = _fastcall.use_fast_calls(p.forward.graph_module)
+    before = [n.target for n in p.forward.graph_module.graph.nodes]
+    assert [n.target for n in rewritten.graph.nodes] != before  # something was rewritten
+    for graph, ins in ((p.forward, inputs), (p.backward, None)):
+        if ins is None:  # backward: saved values from the forward, then a unit tangent
+            n_out = len(p.forward.output_nodes()) - len(p.saved)
+            saved = slow.compile(p.forward, inputs)(*inputs)[n_out:]
+            ins = [*saved, torch.ones(())]
+        runs = []
+        for backend in (slow, fast):
+            with _Calls() as calls:
+                out = backend.compile(graph, ins)(*ins)
+            runs.append((out, calls.ops))
+        (slow_out, slow_ops), (fast_out, fast_ops) = runs
+        assert fast_ops == slow_ops
+        for a, b in zip(fast_out, slow_out, strict=True):
+            assert torch.equal(a, b)
+
+
+def test_sum_without_dims_keeps_its_overload():
+    g = ft.trace(lambda x: torch.ops.aten.sum.dim_IntList(x, None))(torch.ones(2, 3))
+    rewritten = _fastcall.use_fast_calls(g.graph_module)
+    assert torch.ops.aten.sum.dim_IntList in [n.target for n in rewritten.graph.nodes]
+
+
+def test_jit_traces_for_the_aten_backend_with_composite_ops_whole():
+    model = zoo.ZOO["mlp_stack"]()
+    params, x = model.make("small")
+    params = torch.utils._pytree.tree_map(lambda t: t.requires_grad_(True), params)
+    for decompositions, whole in (("auto", True), ("core", False)):
+        f = ft.jit(model.fn, decompositions=decompositions)
+        f(params, x).backward()
+        ops = {n.target for n in f.partitions()[0].backward.ops()}
+        assert (torch.ops.aten.gelu_backward.default in ops) is whole
+    assert codegen.get_backend("aten").decompositions == "minimal"
