@@ -90,16 +90,32 @@ def decomposition_table_all() -> Mapping[Any, Callable[..., Any]]:
     return decomposition_table
 
 
+# Backward ops that take state they do not use in training (batch norm's running statistics):
+# left whole, the partition saves the pre-update buffers, which the write-back then mutates.
+_READ_UNUSED_STATE = (torch.ops.aten.native_batch_norm_backward.default,)
+
+
+@functools.cache
+def _minimal_table() -> Mapping[Any, Callable[..., Any]]:
+    ops = (*_MUTATE_WITHOUT_SAYING, *_READ_UNUSED_STATE)
+    return {op: decomposition_table_all()[op] for op in ops}
+
+
 def decomposition_table(decompositions: Decompositions) -> Mapping[Any, Callable[..., Any]]:
-    """``"core"`` (core ATen), ``None``/``"none"`` (as dispatched), or a user table."""
+    """``"core"`` (core ATen), ``"minimal"`` (composite ops such as ``gelu_backward`` or
+    ``native_layer_norm_backward`` kept whole; only what correctness needs is decomposed),
+    ``None``/``"none"`` (as dispatched), or a user table."""
     if decompositions == "core":
         return _core_table()
+    if decompositions == "minimal":
+        return _minimal_table()
     if decompositions is None or decompositions == "none":
         return {}
     if isinstance(decompositions, Mapping):
         return decompositions
     raise ValueError(
-        f"decompositions must be 'core', 'none', None or a mapping, got {decompositions!r}"
+        "decompositions must be 'core', 'minimal', 'none', None or a mapping, "
+        f"got {decompositions!r}"
     )
 
 
