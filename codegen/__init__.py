@@ -1,12 +1,13 @@
 """Code generation backends: turn a functrans :class:`~functrans.Graph` into a callable.
 
 A backend has ``compile(graph, example_inputs) -> callable`` taking and returning flat tensors.
-``"aten"`` runs the FX graph as it is (the reference every other backend is checked against).
+``"aten"`` runs the FX graph as it is (the reference every other backend is checked against);
+``"inductor"`` compiles it with TorchInductor (the performance reference).
 Register your own with :func:`register_backend`:
 
 >>> from functrans import codegen
->>> codegen.names()
-['aten']
+>>> {'aten', 'inductor', 'triton'} <= set(codegen.names())
+True
 """
 
 from __future__ import annotations
@@ -48,3 +49,5 @@ def names() -> list[str]:
 
 
 from . import aten as aten  # noqa: E402  (registers itself)
+from . import inductor as inductor  # noqa: E402  (registers itself)
+from . import triton as triton  # noqa: E402  (registers itself)

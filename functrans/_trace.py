@@ -274,6 +274,14 @@ def functionalize(gm: fx.GraphModule, table: Mapping[Any, Callable[..., Any]]) -
     """
     if not _has_mutation(gm):
         return gm
+    return retrace(gm, table, functional=True)
+
+
+def retrace(
+    gm: fx.GraphModule, table: Mapping[Any, Callable[..., Any]], *, functional: bool = False
+) -> fx.GraphModule:
+    """Trace ``gm`` again through ``table`` (and functionalization when ``functional``),
+    keeping our namespaced node meta (see :func:`functionalize`)."""
     vals = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
     for n in gm.graph.nodes:
         ours = {k: v for k, v in n.meta.items() if k.startswith(_OURS)}
@@ -283,7 +291,7 @@ def functionalize(gm: fx.GraphModule, table: Mapping[Any, Callable[..., Any]]) -
     def run(*args: Any) -> Any:
         return fx.Interpreter(gm).run(*args)
 
-    pure = torch.func.functionalize(run, remove="mutations")
+    pure = torch.func.functionalize(run, remove="mutations") if functional else run
     with fx_traceback.preserve_node_meta():
         out: fx.GraphModule = make_fx(pure, table, tracing_mode="fake", record_stack_traces=True)(
             *vals

@@ -1,0 +1,421 @@
+"""One fused :class:`~functrans.codegen.triton.fusion.Kernel` -> Triton source text.
+
+Pointwise kernels run one program per ``XBLOCK`` elements of their iteration space. Kernels with
+reductions run one program per ``XBLOCK`` rows: when a row fits in one block (``RBLOCK`` >= the
+reduced size, up to ``persistent_limit``) the kernel is *persistent* and computes each value
+once; otherwise each reduction loops over the row in ``RBLOCK`` chunks, recomputing the
+row-shaped values it needs from memory in every loop. Every load and store is masked on the
+ragged edge. Floating values are computed in float32 (float64 stays float64) and stored in the
+value's own dtype. Index arithmetic uses the strides the trace recorded, so views, permutes and
+broadcasts cost nothing.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from .fusion import Access, Kernel
+from .lowering import LOWERINGS, REDUCTIONS, compute_dtype, literal, pointer_type, triton_dtype
+
+__all__ = ["Rendered", "render"]
+
+_HEADER = "import triton\nimport triton.language as tl\n\n\n@triton.jit\n"
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """Source and launch facts of one kernel."""
+
+    name: str
+    source: str
+    signature: dict[str, str]
+    constexprs: dict[str, int]
+    inputs: tuple[fx.Node, ...]  # roots whose buffers are passed, in parameter order
+    outputs: tuple[fx.Node, ...]
+    grid: tuple[int, ...]
+    read_bytes: int  # estimated global-memory traffic: distinct elements loaded ...
+    write_bytes: int  # ... and stored
+
+
+def _pow2(n: int) -> int:
+    p = 1
+    while p < n:
+        p *= 2
+    return p
+
+
+def _val(n: fx.Node) -> Any:
+    v = n.meta["val"]
+    return v[0] if isinstance(v, (tuple, list)) else v
+
+
+def _tl(dtype: torch.dtype) -> str:
+    return triton_dtype(compute_dtype(dtype))
+
+
+class _Emitter:
+    def __init__(
+        self, k: Kernel, access: dict[fx.Node, Access], persistent_limit: int, max_block: int
+    ) -> None:
+        self.k, self.access = k, access
+        self.members = set(k.nodes)
+        self.xdims = [d for d in range(len(k.space)) if d not in k.rdims]
+        self.rdims = sorted(k.rdims)
+        self.xnumel = _prod(k.space[d] for d in self.xdims)
+        self.rnumel = _prod(k.space[d] for d in self.rdims)
+        self.reduce = bool(self.rdims)
+        self.persistent = not self.reduce or _pow2(self.rnumel) <= persistent_limit
+        small = min(128, max_block, _pow2(self.rnumel))
+        self.rblock = _pow2(self.rnumel) if self.persistent else small
+        if not self.reduce:
+            self.xblock = min(max_block, _pow2(self.xnumel))
+        elif self.persistent:
+            self.xblock = max(1, min(_pow2(self.xnumel), 4096 // self.rblock, max_block))
+        else:
+            self.xblock = min(8, _pow2(self.xnumel))
+        self.lines: list[str] = []
+        self.params: dict[fx.Node, str] = {}
+        self.top: dict[Any, str] = {}  # x-level values (and everything when persistent)
+        self.loop: dict[Any, str] | None = None  # row-level values of the current loop
+        self.counter = 0
+        self.reads: dict[fx.Node, set[tuple[Any, ...]]] = {}
+
+    # -- names and index arithmetic ----------------------------------------------------------
+    def fresh(self) -> str:
+        self.counter += 1
+        return f"tmp{self.counter - 1}"
+
+    def emit(self, line: str) -> None:
+        self.lines.append(
+            ("        " if self.loop is not None and not self.persistent else "    ") + line
+        )
+
+    def index(self, d: int) -> str:
+        return f"{'r' if d in self.k.rdims else 'x'}{d}"
+
+    def index_lines(self, dims: list[int], base: str) -> list[str]:
+        out, stride = [], 1
+        sizes = {d: self.k.space[d] for d in dims}
+        for pos, d in reversed(list(enumerate(dims))):
+            if sizes[d] != 1:
+                expr = base if stride == 1 else f"({base} // {stride})"
+                if pos > 0:
+                    expr = f"{expr} % {sizes[d]}"
+                out.append(f"{self.index(d)} = {expr}")
+            stride *= sizes[d]
+        return list(reversed(out))
+
+    def level(self, fdims: Sequence[int | None]) -> tuple[bool, bool]:
+        """(depends on x, depends on r)."""
+        xs = any(f is not None and f not in self.k.rdims for f in fdims)
+        rs = any(f is not None and f in self.k.rdims for f in fdims)
+        return xs, rs
+
+    def mask(self, fdims: Sequence[int | None]) -> str | None:
+        xs, rs = self.level(fdims)
+        parts = (["xmask"] if xs else []) + (["rmask"] if rs else [])
+        return " & ".join(parts) or None
+
+    def address(self, acc: Access, fdims: Sequence[int | None]) -> str:
+        terms = [str(acc.offset)] if acc.offset else []
+        for f, size, stride in zip(fdims, acc.shape, acc.strides, strict=True):
+            if f is not None and size != 1 and stride != 0:
+                terms.append(self.index(f) if stride == 1 else f"{stride} * {self.index(f)}")
+        return " + ".join(terms) or "0"
+
+    def param(self, root: fx.Node, prefix: str) -> str:
+        if root not in self.params:
+            self.params[root] = (
+                f"{prefix}_ptr{sum(p.startswith(prefix) for p in self.params.values())}"
+            )
+        return self.params[root]
+
+    # -- values ------------------------------------------------------------------------------
+    def cache_for(self, fdims: Sequence[int | None]) -> dict[Any, str]:
+        _, rs = self.level(fdims)
+        return self.loop if (rs and self.loop is not None) else self.top
+
+    def load(self, a: fx.Node, fdims: tuple[int | None, ...]) -> str:
+        acc = self.access[a]
+        key = (acc.root, acc.offset, acc.strides, fdims)
+        cache = self.cache_for(fdims)
+        if key in cache:
+            return cache[key]
+        ptr = self.param(acc.root, "in")
+        used = [
+            (s, st) for f, s, st in zip(fdims, acc.shape, acc.strides, strict=True) if f is not None
+        ]
+        self.reads.setdefault(acc.root, set()).add((acc.offset, tuple(used)))
+        mask = self.mask(fdims)
+        dtype = _val(a).dtype
+        other = "" if mask is None else f", {mask}, other=0"
+        name = self.fresh()
+        expr = f"tl.load({ptr} + ({self.address(acc, fdims)}){other})"
+        if compute_dtype(dtype) != dtype:
+            expr += f".to({_tl(dtype)})"
+        self.emit(f"{name} = {expr}")
+        cache[key] = name
+        return name
+
+    def operand_fdims(self, n: fx.Node, a: fx.Node) -> tuple[int | None, ...]:
+        """How the external value ``a`` maps onto the space where ``n`` reads it."""
+        a_shape = tuple(_val(a).shape)
+        low = LOWERINGS[n.target]
+        if low.kind == "reduction":
+            off = len(self.k.space) - len(a_shape)
+            return tuple(None if s == 1 else j + off for j, s in enumerate(a_shape))
+        out_f = self.k.fdims[n]
+        out_shape = tuple(_val(n).shape)
+        if low.kind == "reshape" and n.target is not torch.ops.aten.expand.default:
+            it = iter(f for f, s in zip(out_f, out_shape, strict=True) if s != 1)
+            return tuple(next(it) if s != 1 else None for s in a_shape)
+        off = len(out_shape) - len(a_shape)
+        return tuple(None if s == 1 else out_f[j + off] for j, s in enumerate(a_shape))
+
+    def value(self, n: fx.Node) -> str:
+        fd = self.k.fdims[n]
+        cache = self.cache_for(fd)
+        if n in cache:
+            return cache[n]
+        if n.target is operator.getitem:
+            name = self.value_parts(n.args[0])[int(n.args[1])]  # type: ignore[arg-type, call-overload]
+            cache[n] = name
+            return name
+        low = LOWERINGS[n.target]
+        if low.kind == "reduction":
+            return self.value_parts(n)[0]
+        out_dtype = _val(n).dtype
+        args: list[Any] = []
+        tensor_pos = 0
+        for a in n.args:
+            if isinstance(a, fx.Node):
+                v = self.value(a) if a in self.members else self.load(a, self.operand_fdims(n, a))
+                cast = low.cast == "out" or (low.cast == "values" and tensor_pos > 0)
+                if cast and compute_dtype(_val(a).dtype) != compute_dtype(out_dtype):
+                    v = f"{v}.to({_tl(out_dtype)})"
+                elif low.cast == "promote":
+                    v = f"{v}.to({_tl(_promote(n))})"
+                tensor_pos += 1
+                args.append(v)
+            else:
+                args.append(a)
+        if "alpha" in n.kwargs:
+            args.append(n.kwargs["alpha"])
+        expr = self.index_value(n, args) if low.kind == "index" else low.render(args)
+        name = self.fresh()
+        self.emit(
+            f"{name} = ({expr}).to({_tl(out_dtype)})"
+            if low.kind != "reshape"
+            else f"{name} = {expr}"
+        )
+        cache[n] = name
+        return name
+
+    def index_value(self, n: fx.Node, args: list[Any]) -> str:
+        dtype = _tl(_val(n).dtype)
+        if n.target is torch.ops.aten.arange.start_step:
+            f = self.k.fdims[n][0]
+            if f is None:  # one element: the start
+                return f"tl.full([1], {literal(args[0])}, {dtype})"
+            return f"({literal(args[0])} + {self.index(f)} * {literal(args[2] if len(args) > 2 else 1)})"
+        return f"tl.full([1], {LOWERINGS[n.target].render(args)}, {dtype})"
+
+    def value_parts(self, n: fx.Node) -> list[str]:
+        """The outputs of reduction ``n`` (var_mean has two), computed at the top level."""
+        key = ("parts", n)
+        if key in self.top:
+            return self.top[key]  # type: ignore[return-value]
+        _, combine = REDUCTIONS[n.target]
+        src = n.args[0]
+        assert isinstance(src, fx.Node)
+        acc_t = _tl(_val(n).dtype)
+        parts: list[str]
+        if not self.reduce:  # reduces only size-1 dims: each output is its one input element
+            v = self.operand(n, src)
+            var = self.top_line(f"({v} - {v}) / {literal(float(1 - _correction(n)))}")
+            parts = {"var_mean": [var, v], "var": [var]}.get(combine, [v])
+            self.top[key] = parts  # type: ignore[assignment]
+            return parts
+        total = self.sum_rows(n, src, lambda v: v, acc_t)
+        if combine in ("sum", "mean"):
+            parts = [total if combine == "sum" else self.top_line(f"{total} / {self.rnumel}")]
+        elif combine in ("max", "min"):
+            parts = [self.extreme(n, src, combine, acc_t)]
+        else:  # var_mean / var: two passes, mean then squared deviations
+            mean = self.top_line(f"{total} / {self.rnumel}")
+            m2 = self.sum_rows(n, src, lambda v: f"({v} - {mean}) * ({v} - {mean})", acc_t)
+            var = self.top_line(f"{m2} / {literal(float(self.rnumel - _correction(n)))}")
+            parts = [var, mean] if combine == "var_mean" else [var]
+        self.top[key] = parts  # type: ignore[assignment]
+        return parts
+
+    def top_line(self, expr: str) -> str:
+        name = self.fresh()
+        self.emit(f"{name} = {expr}")
+        return name
+
+    def operand(self, n: fx.Node, src: fx.Node) -> str:
+        return (
+            self.value(src) if src in self.members else self.load(src, self.operand_fdims(n, src))
+        )
+
+    def sum_rows(self, n: fx.Node, src: fx.Node, f: Any, acc_t: str) -> str:
+        return self.row_reduce(n, src, lambda v: f(v), "0", "tl.sum", "{a} + {v}", acc_t)
+
+    def extreme(self, n: fx.Node, src: fx.Node, kind: str, acc_t: str) -> str:
+        fill = 'float("-inf")' if kind == "max" else 'float("inf")'
+        fn = "tl.maximum" if kind == "max" else "tl.minimum"
+        return self.row_reduce(n, src, lambda v: v, fill, f"tl.{kind}", fn + "({a}, {v})", acc_t)
+
+    def row_reduce(
+        self, n: fx.Node, src: fx.Node, f: Any, fill: str, reduce: str, combine: str, acc_t: str
+    ) -> str:
+        shape = "[XBLOCK, RBLOCK]"
+        if self.persistent:
+            v = f(self.operand(n, src))
+            masked = self.top_line(f"tl.where(rmask, tl.broadcast_to({v}, {shape}), {fill})")
+            return self.top_line(f"{reduce}({masked}, 1)[:, None]")
+        self.prepare(src)
+        acc = self.top_line(f"tl.full({shape}, {fill}, {acc_t})")
+        self.open_loop()
+        v = f(self.operand(n, src))
+        step = combine.format(a=acc, v=f"tl.broadcast_to({v}, {shape})")
+        self.emit(f"{acc} = tl.where(rmask, {step}, {acc})")
+        self.loop = None
+        return self.top_line(f"{reduce}({acc}, 1)[:, None]")
+
+    def open_loop(self) -> None:
+        self.emit(f"for roffset in range(0, {self.rnumel}, RBLOCK):")
+        self.loop = {}
+        self.emit("rindex = roffset + rbase")
+        self.emit(f"rmask = rindex < {self.rnumel}")
+        for line in self.index_lines(self.rdims, "rindex"):
+            self.emit(line)
+
+    def prepare(self, n: fx.Node) -> None:
+        """Emit at the top level every row-independent value a loop over ``n`` will need."""
+        if n not in self.members:
+            return
+        _, rs = self.level(self.k.fdims[n])
+        if not rs or n.target in REDUCTIONS or n.target is operator.getitem:
+            self.value(n)
+            return
+        for a in n.all_input_nodes:
+            if a in self.members:
+                self.prepare(a)
+            else:
+                fd = self.operand_fdims(n, a)
+                if not self.level(fd)[1]:
+                    self.load(a, fd)
+
+    def store(self, n: fx.Node) -> None:
+        acc = self.access[n]
+        ptr = self.param(n, "out")
+        v = self.value(n)
+        fd = self.k.fdims[n]
+        mask = self.mask(fd)
+        address = self.address(acc, fd)
+        if mask is None:  # one element: a block of pointers to it, so block values store
+            address, mask = f"{address} + 0 * xindex", "xmask"
+        dtype = triton_dtype(_val(n).dtype)
+        self.emit(f"tl.store({ptr} + ({address}), {v}.to({dtype}), {mask})")
+
+
+def _prod(xs: Any) -> int:
+    p = 1
+    for x in xs:
+        p *= int(x)
+    return p
+
+
+def _correction(n: fx.Node) -> float:
+    corr: Any = n.kwargs.get("correction", 1)
+    return 1.0 if corr is None else float(corr)
+
+
+def _promote(n: fx.Node) -> torch.dtype:
+    vals: list[Any] = [a.meta["val"] if isinstance(a, fx.Node) else a for a in n.args]
+    dtype = torch.result_type(vals[0], vals[1]) if len(vals) >= 2 else vals[0].dtype
+    return compute_dtype(dtype)
+
+
+def _name(k: Kernel, index: int) -> str:
+    ops: list[str] = []
+    for n in k.nodes:
+        op = getattr(n.target, "__name__", "").split(".")[0]
+        if op and op not in ops and op not in ("view", "unsqueeze", "expand", "squeeze"):
+            ops.append(op)
+    kind = "red" if k.rdims else "poi"
+    return f"ft_{kind}_{'_'.join(ops[:3]) or 'copy'}_{index}"
+
+
+def render(
+    k: Kernel,
+    access: dict[fx.Node, Access],
+    index: int,
+    persistent_limit: int = 1024,
+    max_block: int = 1024,
+) -> Rendered:
+    """Triton source for kernel ``k`` (the ``index`` th of its graph): rows up to
+    ``persistent_limit`` reduce in one block, blocks hold at most ``max_block`` elements per
+    dim."""
+    e = _Emitter(k, access, persistent_limit, max_block)
+    if e.reduce:
+        e.emit("xindex = tl.program_id(0) * XBLOCK + tl.arange(0, XBLOCK)[:, None]")
+        e.emit(f"xmask = xindex < {e.xnumel}")
+        e.emit("rbase = tl.arange(0, RBLOCK)[None, :]")
+        if e.persistent:
+            e.emit("rindex = rbase")
+            e.emit(f"rmask = rindex < {e.rnumel}")
+    else:
+        e.emit("xindex = tl.program_id(0) * XBLOCK + tl.arange(0, XBLOCK)")
+        e.emit(f"xmask = xindex < {e.xnumel}")
+    for line in e.index_lines(e.xdims, "xindex"):
+        e.emit(line)
+    if e.reduce and e.persistent:
+        for line in e.index_lines(e.rdims, "rindex"):
+            e.emit(line)
+    for n in k.nodes:  # reductions first, in order: their loops sit at the top level
+        if n.target in REDUCTIONS:
+            e.value_parts(n)
+    rows = [s for s in k.stores if e.level(k.fdims[s])[1]]
+    for s in k.stores:
+        if s not in rows:
+            e.store(s)
+    if rows:
+        if not e.persistent:
+            for s in rows:
+                e.prepare(s)
+            e.open_loop()
+        for s in rows:
+            e.store(s)
+        e.loop = None
+    name = _name(k, index)
+    inputs = tuple(r for r, p in e.params.items() if p.startswith("in"))
+    outputs = tuple(r for r, p in e.params.items() if p.startswith("out"))
+    params = [e.params[r] for r in (*inputs, *outputs)]
+    constexprs = {"XBLOCK": e.xblock} | ({"RBLOCK": e.rblock} if e.reduce else {})
+    head = ", ".join([*params, *(f"{c}: tl.constexpr" for c in constexprs)])
+    body = "\n".join(e.lines)
+    source = f"{_HEADER}def {name}({head}):\n{body}\n"
+    signature = {e.params[r]: pointer_type(_val(r).dtype) for r in (*inputs, *outputs)}
+    grid = ((e.xnumel + e.xblock - 1) // e.xblock,)
+    read = sum(_read_bytes(r, e.reads[r]) for r in inputs)
+    written = sum(_prod(_val(o).shape) * _val(o).element_size() for o in outputs)
+    return Rendered(name, source, signature, constexprs, inputs, outputs, grid, read, written)
+
+
+def _read_bytes(root: fx.Node, accesses: set[tuple[Any, ...]]) -> int:
+    """Bytes of ``root`` the loads touch: each access's distinct elements (broadcast dims
+    once), summed over accesses and capped at the buffer's size."""
+    v = _val(root)
+    total = 0
+    for _, dims in accesses:
+        total += _prod(s for s, st in dims if st != 0 and s != 1)
+    return min(total, _prod(v.shape)) * int(v.element_size())

@@ -1,0 +1,271 @@
+"""The ``"triton"`` backend: golden kernel source, fusion facts, equality with ``"aten"`` on the
+zoo and on random programs (interpreted on CPU), and every kernel compiled for real GPUs."""
+
+import expecttest
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import functrans as ft
+from benchmarks import zoo
+from functrans._pytree import flatten
+from functrans.testing import programs
+from functrans.testing._check import tolerances
+
+pytest.importorskip("triton")
+
+from functrans.codegen.triton import (
+    TritonBackend,
+    runtime,
+)
+
+GENERATED: dict[str, runtime.KernelSource] = {}  # every kernel these tests made, by hash
+
+
+def _compile(graph, inputs, **options):
+    run = TritonBackend(**options).compile(graph, inputs)
+    for r in run.rendered:
+        src = runtime.KernelSource(r.name, r.source, r.signature, r.constexprs)
+        GENERATED[src.sha256] = src
+    return run
+
+
+def _same(actual, expected, what):
+    assert len(actual) == len(expected), what
+    for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
+        if not isinstance(e, torch.Tensor):
+            assert a is None or a == e, what
+            continue
+        rtol, atol = tolerances(e.dtype)
+        torch.testing.assert_close(
+            a, e, rtol=rtol, atol=atol, msg=lambda m, i=i: f"{what}[{i}]: {m}"
+        )
+
+
+def _check_graph(graph, inputs, what, **options):
+    run = _compile(graph, inputs, **options)
+    torch.manual_seed(0)
+    expected = list(graph.graph_module(*inputs))
+    torch.manual_seed(0)
+    _same(run(*inputs), expected, what)
+    return run, expected
+
+
+def _check_partition(p, inputs, what, **options):
+    """Forward and backward of ``p`` through triton equal aten's; returns both runs."""
+    fwd, outs = _check_graph(p.forward, inputs, f"{what} forward", **options)
+    n_saved = len(p.saved)
+    n_out = len(outs) - n_saved
+    gen = torch.Generator().manual_seed(1)
+    tangents = [
+        torch.randn(o.shape, generator=gen, dtype=o.dtype)
+        for o, ph in zip(outs[:n_out], p.forward.output_nodes()[:n_out], strict=True)
+        if o.is_floating_point()
+    ][: len([n for n in p.backward.placeholders() if "tangent" in n.name])]
+    bwd, _ = _check_graph(p.backward, [*outs[n_out:], *tangents], f"{what} backward", **options)
+    return fwd, bwd
+
+
+class TestGoldenSource(expecttest.TestCase):
+    def source(self, f, *args):
+        run = _compile(ft.trace(f)(*args), list(args))
+        assert run.num_kernels == 1 and run.num_extern_calls == 0
+        return run.source
+
+    def test_softmax_is_one_persistent_kernel(self):
+        self.assertExpectedInline(
+            self.source(lambda x: torch.softmax(x, -1), torch.randn(6, 10)),
+            """\
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def ft_red_amax_sub_exp_0(in_ptr0, out_ptr0, XBLOCK: tl.constexpr, RBLOCK: tl.constexpr):
+    xindex = tl.program_id(0) * XBLOCK + tl.arange(0, XBLOCK)[:, None]
+    xmask = xindex < 6
+    rbase = tl.arange(0, RBLOCK)[None, :]
+    rindex = rbase
+    rmask = rindex < 10
+    x0 = xindex
+    r1 = rindex
+    tmp0 = tl.load(in_ptr0 + (10 * x0 + r1), xmask & rmask, other=0)
+    tmp1 = tl.where(rmask, tl.broadcast_to(tmp0, [XBLOCK, RBLOCK]), 0)
+    tmp2 = tl.sum(tmp1, 1)[:, None]
+    tmp3 = tl.where(rmask, tl.broadcast_to(tmp0, [XBLOCK, RBLOCK]), float("-inf"))
+    tmp4 = tl.max(tmp3, 1)[:, None]
+    tmp5 = ((tmp0 - tmp4)).to(tl.float32)
+    tmp6 = (tl.exp(tmp5)).to(tl.float32)
+    tmp7 = tl.where(rmask, tl.broadcast_to(tmp6, [XBLOCK, RBLOCK]), 0)
+    tmp8 = tl.sum(tmp7, 1)[:, None]
+    tmp9 = ((tmp6 / tmp8)).to(tl.float32)
+    tl.store(out_ptr0 + (10 * x0 + r1), tmp9.to(tl.float32), xmask & rmask)
+""",
+        )
+
+    def test_layer_norm_forward_is_one_kernel(self):
+        def f(x, w, b):
+            return torch.nn.functional.layer_norm(x, (12,), w, b)
+
+        args = (torch.randn(5, 12), torch.randn(12), torch.randn(12))
+        self.assertExpectedInline(
+            self.source(f, *args),
+            """\
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def ft_red_var_mean_getitem_add_0(in_ptr0, in_ptr1, in_ptr2, out_ptr0, XBLOCK: tl.constexpr, RBLOCK: tl.constexpr):
+    xindex = tl.program_id(0) * XBLOCK + tl.arange(0, XBLOCK)[:, None]
+    xmask = xindex < 5
+    rbase = tl.arange(0, RBLOCK)[None, :]
+    rindex = rbase
+    rmask = rindex < 12
+    x0 = xindex
+    r1 = rindex
+    tmp0 = tl.load(in_ptr0 + (12 * x0 + r1), xmask & rmask, other=0)
+    tmp1 = tl.where(rmask, tl.broadcast_to(tmp0, [XBLOCK, RBLOCK]), 0)
+    tmp2 = tl.sum(tmp1, 1)[:, None]
+    tmp3 = tmp2 / 12
+    tmp4 = tl.where(rmask, tl.broadcast_to((tmp0 - tmp3) * (tmp0 - tmp3), [XBLOCK, RBLOCK]), 0)
+    tmp5 = tl.sum(tmp4, 1)[:, None]
+    tmp6 = tmp5 / 12.0
+    tmp7 = ((tmp0 - tmp3)).to(tl.float32)
+    tmp8 = ((tmp6 + 1e-05)).to(tl.float32)
+    tmp9 = ((1.0 / tl.sqrt(tmp8))).to(tl.float32)
+    tmp10 = ((tmp7 * tmp9)).to(tl.float32)
+    tmp11 = tl.load(in_ptr1 + (r1), rmask, other=0)
+    tmp12 = ((tmp10 * tmp11)).to(tl.float32)
+    tmp13 = tl.load(in_ptr2 + (r1), rmask, other=0)
+    tmp14 = ((tmp12 + tmp13)).to(tl.float32)
+    tl.store(out_ptr0 + (12 * x0 + r1), tmp14.to(tl.float32), xmask & rmask)
+""",
+        )
+
+    def test_gelu_backward_is_one_kernel(self):
+        def f(grad, x):
+            return torch.ops.aten.gelu_backward(grad, x)
+
+        self.assertExpectedInline(
+            self.source(f, torch.randn(40), torch.randn(40)),
+            """\
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def ft_poi_mul_erf_add_0(in_ptr0, in_ptr1, out_ptr0, XBLOCK: tl.constexpr):
+    xindex = tl.program_id(0) * XBLOCK + tl.arange(0, XBLOCK)
+    xmask = xindex < 40
+    x0 = xindex
+    tmp0 = tl.load(in_ptr0 + (x0), xmask, other=0)
+    tmp1 = tl.load(in_ptr1 + (x0), xmask, other=0)
+    tmp2 = ((tmp1 * 0.7071067811865476)).to(tl.float32)
+    tmp3 = (tl.erf(tmp2)).to(tl.float32)
+    tmp4 = ((tmp3 + 1)).to(tl.float32)
+    tmp5 = ((tmp4 * 0.5)).to(tl.float32)
+    tmp6 = ((tmp1 * tmp1)).to(tl.float32)
+    tmp7 = ((tmp6 * -0.5)).to(tl.float32)
+    tmp8 = (tl.exp(tmp7)).to(tl.float32)
+    tmp9 = ((tmp8 * 0.3989422804014327)).to(tl.float32)
+    tmp10 = ((tmp1 * tmp9)).to(tl.float32)
+    tmp11 = ((tmp5 + tmp10)).to(tl.float32)
+    tmp12 = ((tmp0 * tmp11)).to(tl.float32)
+    tl.store(out_ptr0 + (x0), tmp12.to(tl.float32), xmask)
+""",
+        )
+
+
+def test_views_fold_into_index_arithmetic():
+    run, _ = _check_graph(
+        ft.trace(lambda x, y: (x.t() * y[1:, :].expand(5, 5, 4)).sum(0))(
+            torch.randn(4, 5), torch.randn(6, 1, 4)
+        ),
+        [torch.randn(4, 5), torch.randn(6, 1, 4)],
+        "views",
+    )
+    assert run.num_kernels == 1 and run.num_extern_calls == 0
+
+
+def test_matmul_is_an_extern_call_between_kernels():
+    def f(x, w):
+        return torch.relu(x @ w).sum(-1).exp()
+
+    args = [torch.randn(6, 5), torch.randn(5, 7)]
+    run, _ = _check_graph(ft.trace(f)(*args), args, "mm")
+    assert run.num_extern_calls == 1 and run.num_kernels == 1
+
+
+@pytest.mark.parametrize("limit", [1024, 8])
+def test_looped_reductions_match(limit):
+    args = [torch.randn(3, 50), torch.randn(50), torch.randn(50)]
+
+    def f(x, w, b):
+        y = torch.nn.functional.layer_norm(x, (50,), w, b)
+        return torch.softmax(y, -1), y.var(-1)
+
+    _check_graph(ft.trace(f)(*args), args, "looped", persistent_limit=limit, max_block=16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_types_compute_in_float32_and_store_their_dtype(dtype):
+    x = torch.randn(7, 33).to(dtype)
+    run, _ = _check_graph(ft.trace(lambda x: torch.softmax(x * 2, -1))(x), [x], "half")
+    ref = torch.softmax(x.float() * 2, -1).to(dtype)
+    assert run(x)[0].dtype == dtype
+    torch.testing.assert_close(run(x)[0], ref, rtol=1e-2, atol=1e-2)
+    assert "tl.float32" in run.source
+
+
+@pytest.mark.parametrize("name", ["mlp_stack", "gpt_block", "llama_block", "conv_block"])
+def test_zoo_partitions_match_aten_and_recompute_fuses(name):
+    model = zoo.ZOO[name]()
+    args = model.make("small")
+    p = ft.partition(ft.joint(model.fn, argnums=0)(*args), "min_cut")
+    fwd, bwd = _check_partition(p, flatten(args)[0], name)
+    assert fwd.num_kernels < sum(1 for _ in p.forward.ops())
+    if name == "mlp_stack":  # recomputed GELU shares the GELU-backward kernel
+        assert bwd.num_recompute_only_kernels == 0
+
+
+def test_jit_with_the_triton_backend_trains_like_eager():
+    model = zoo.ZOO["mlp_stack"]()
+    params, x = model.make("small")
+    params = torch.utils._pytree.tree_map(lambda t: t.requires_grad_(True), params)
+    f = ft.jit(model.fn, backend="triton")
+    leaves = torch.utils._pytree.tree_leaves(params)
+    loss = f(params, x)
+    loss.backward()
+    ours = [t.grad.clone() for t in leaves]
+    for t in leaves:
+        t.grad = None
+    expected = model.fn(params, x)
+    expected.backward()
+    torch.testing.assert_close(loss, expected)
+    for a, e in zip(ours, [t.grad for t in leaves], strict=True):
+        torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-5)
+
+
+# interpreting kernels and compiling each for two GPUs costs ~1 s per program: a quarter of the
+# profile's examples (10 in ci, 500 under make fuzz)
+@settings(max_examples=max(10, settings().max_examples // 4))
+@given(programs(dtypes=(torch.float32, torch.float64)), st.sampled_from([(1024, 1024), (8, 16)]))
+def test_property_triton_matches_aten_on_random_programs(prog, limits):
+    args = prog.example_inputs()
+    flat = flatten((args, {}))[0]
+    options = {"persistent_limit": limits[0], "max_block": limits[1]}
+    _check_graph(ft.trace(prog)(*args), flat, f"{prog}\nforward graph", **options)
+    p = ft.partition(ft.joint(prog)(*args), "min_cut")
+    _check_partition(p, flat, f"{prog}\nmin_cut", **options)
+
+
+@pytest.mark.parametrize("arch", [90, 80])
+def test_every_generated_kernel_compiles_for_gpus(arch):
+    """Runs last in this file: every kernel the tests above interpreted, compiled for sm_XX."""
+    assert GENERATED, "run with the rest of the file"
+    for src in GENERATED.values():
+        art = runtime.compile_for_gpu(src, ("cuda", arch, 32))
+        assert f".entry {src.name}" in art.ptx
+        assert art.cubin or art.cubin_missing_reason
