@@ -4,9 +4,10 @@ Every entry is a :class:`Model`: a name, a pure loss function over a dict pytree
 (plain ``torch.nn.functional`` ops, no module state) and a ``make(size, dtype, seed)`` builder
 that returns ``(params, x)``. ``size="small"`` is for fast tests, ``size="bench"`` for benchmarks.
 
-``ZOO`` maps names to zero-argument factories. The Hugging Face models (``hf_llama``,
-``hf_gpt2``) are listed only when ``transformers`` can be imported; it is imported lazily, when
-one of them is built, so this module works without it.
+``ZOO`` maps names to zero-argument factories. The tiny Hugging Face models (``hf_llama``,
+``hf_gpt2``, ``hf_bert``, ``hf_mistral``; defined in ``benchmarks/_hf_zoo.py``, re-exported here)
+are listed only when ``transformers`` can be imported; it is imported lazily, when one of them is
+built, so this module works without it.
 
 >>> from benchmarks.zoo import ZOO
 >>> model = ZOO["gpt_block"]()
@@ -17,7 +18,6 @@ torch.Size([])
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,8 +29,21 @@ import torch.nn.functional as F
 import functrans as ft
 from functrans.extend import flops
 
+from ._hf_zoo import (
+    HF_MODELS,
+    MISTRAL_WINDOW,
+    SDPA_NOTE,
+    has_transformers,
+    hf_bert,
+    hf_gpt2,
+    hf_kwargs,
+    hf_llama,
+    hf_mistral,
+)
+
 __all__ = [
     "HF_MODELS",
+    "MISTRAL_WINDOW",
     "SDPA_NOTE",
     "ZOO",
     "Model",
@@ -38,8 +51,11 @@ __all__ = [
     "forward_flops",
     "gpt_block",
     "has_transformers",
+    "hf_bert",
     "hf_gpt2",
+    "hf_kwargs",
     "hf_llama",
+    "hf_mistral",
     "llama_block",
     "mlp_stack",
 ]
@@ -47,17 +63,6 @@ __all__ = [
 Params = dict[str, Any]
 LossFn = Callable[[Params, Any], torch.Tensor]
 Builder = Callable[..., tuple[Params, Any]]
-
-#: Names of the models that need ``transformers``.
-HF_MODELS = ("hf_llama", "hf_gpt2")
-
-#: Why the HF models default to ``attn_implementation="eager"``.
-SDPA_NOTE = (
-    "attn_implementation='sdpa' used to give wrong gradients: torch's core ATen decomposition "
-    "of aten._scaled_dot_product_flash_attention_for_cpu returns the attention matrix where its "
-    "backward op expects the logsumexp. functrans now keeps that op whole (regression test in "
-    "tests/test_api.py); the zoo keeps 'eager' attention so both sides see matmul + softmax"
-)
 
 
 @dataclass(frozen=True)
@@ -68,6 +73,7 @@ class Model:
     fn: LossFn
     make: Builder
     supports_float64: bool = True  # False where the model computes in float32 internally
+    module: torch.nn.Module | None = None  # HF models: fn calls it with params swapped in
 
 
 def _randn(gen: torch.Generator, *shape: int, dtype: torch.dtype, scale: float = 1.0) -> Any:
@@ -282,96 +288,6 @@ def conv_block() -> Model:
     return Model("conv_block", fn, make)
 
 
-# ---------------------------------------------------------------------------------------------
-# Tiny Hugging Face models (need transformers; no weight download)
-
-
-def _hf_model(name: str, build: Callable[[Any], torch.nn.Module]) -> Model:
-    """Wrap a randomly initialized transformers causal LM as ``fn(params, input_ids) -> loss``."""
-    transformers = importlib.import_module("transformers")
-    transformers.logging.set_verbosity_error()  # config notes about unused defaults
-    module = build(transformers).eval()
-
-    def fn(params: Params, input_ids: torch.Tensor) -> torch.Tensor:
-        out = torch.func.functional_call(module, params, (input_ids,), {"labels": input_ids})
-        return out.loss  # type: ignore[no-any-return]
-
-    def make(
-        size: str = "small", dtype: torch.dtype = torch.float32, seed: int = 0
-    ) -> tuple[Params, torch.Tensor]:
-        b, t = _pick(size, (1, 8), (2, 32))
-        with torch.random.fork_rng():  # the model's own initialization, seeded
-            torch.manual_seed(seed)
-            fresh = build(transformers)
-        params = {k: v.detach().to(dtype) for k, v in fresh.named_parameters()}
-        gen = torch.Generator().manual_seed(seed)
-        input_ids = torch.randint(0, 128, (b, t), generator=gen)
-        return params, input_ids
-
-    # RMSNorm/rotary in transformers compute in float32 whatever the parameters' dtype
-    return Model(name, fn, make, supports_float64=False)
-
-
-def hf_llama(attn: str = "eager") -> Model:
-    """A 2-layer Llama (hidden 64, 4 heads, vocab 128) from ``LlamaConfig``, random weights.
-
-    ``attn`` is the config's ``attn_implementation``. ``"eager"`` (matmul + softmax) is the
-    default, so the partitioners see matmul + softmax (see :data:`SDPA_NOTE`).
-    """
-
-    def build(tf: Any) -> torch.nn.Module:
-        cfg = tf.LlamaConfig(
-            vocab_size=128,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=4,
-            max_position_embeddings=64,
-            attn_implementation=attn,
-        )
-        return tf.LlamaForCausalLM(cfg)  # type: ignore[no-any-return]
-
-    return _hf_model("hf_llama" if attn == "eager" else f"hf_llama_{attn}", build)
-
-
-def hf_gpt2(attn: str = "eager") -> Model:
-    """A 2-layer GPT-2 (hidden 64, 4 heads, vocab 128) from ``GPT2Config``, random weights.
-
-    ``attn`` is the config's ``attn_implementation``. ``"eager"`` (matmul + softmax) is the
-    default, so the partitioners see matmul + softmax (see :data:`SDPA_NOTE`).
-    """
-
-    def build(tf: Any) -> torch.nn.Module:
-        cfg = tf.GPT2Config(
-            vocab_size=128,
-            n_embd=64,
-            n_layer=2,
-            n_head=4,
-            n_positions=64,
-            bos_token_id=0,
-            eos_token_id=0,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-            attn_implementation=attn,
-        )
-        return tf.GPT2LMHeadModel(cfg)  # type: ignore[no-any-return]
-
-    return _hf_model("hf_gpt2" if attn == "eager" else f"hf_gpt2_{attn}", build)
-
-
-# ---------------------------------------------------------------------------------------------
-
-
-def has_transformers() -> bool:
-    """Whether ``transformers`` can be imported (checked without importing it)."""
-    try:
-        return importlib.util.find_spec("transformers") is not None
-    except (ImportError, ValueError):  # ValueError: sys.modules["transformers"] is None
-        return False
-
-
 ZOO: dict[str, Callable[[], Model]] = {
     "mlp_stack": lambda: mlp_stack(4),
     "gpt_block": gpt_block,
@@ -379,8 +295,7 @@ ZOO: dict[str, Callable[[], Model]] = {
     "conv_block": conv_block,
 }
 if has_transformers():
-    ZOO["hf_llama"] = hf_llama
-    ZOO["hf_gpt2"] = hf_gpt2
+    ZOO.update(hf_llama=hf_llama, hf_gpt2=hf_gpt2, hf_bert=hf_bert, hf_mistral=hf_mistral)
 
 
 def forward_flops(model: Model, size: str = "bench", dtype: torch.dtype = torch.float32) -> int:
