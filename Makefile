@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q "$(TORCH)"
-	$(VPY) -m pip install -q -e ".[test,dev]" "$(TORCH)"
+	$(VPY) -m pip install -q -e ".[test,dev,hf,triton]" "$(TORCH)"
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -44,6 +44,7 @@ bench: $(STAMP)
 	$(VPY) -m benchmarks.memory_budget
 	$(VPY) -m benchmarks.remat
 	$(VPY) -m benchmarks.runtime
+	$(VPY) -m benchmarks.codegen
 
 bench-quick: $(STAMP)
 	$(VPY) -m benchmarks.partition_quality --quick
@@ -51,3 +52,4 @@ bench-quick: $(STAMP)
 	$(VPY) -m benchmarks.memory_budget --quick
 	$(VPY) -m benchmarks.remat --quick
 	$(VPY) -m benchmarks.runtime --quick
+	$(VPY) -m benchmarks.codegen --quick
