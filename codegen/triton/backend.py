@@ -231,7 +231,7 @@ class TritonBackend:
         plan = fuse(gm.graph)
         kernels: dict[int, tuple[Rendered, Any]] = {}
         for i, r in enumerate(x for x in plan.regions if isinstance(x, Kernel)):
-            rendered = render(r, plan.access, i, self.persistent_limit, self.max_block)
+            rendered = render(r, plan.access, i, plan.inline, self.persistent_limit, self.max_block)
             src = runtime.KernelSource(
                 rendered.name, rendered.source, rendered.signature, rendered.constexprs
             )

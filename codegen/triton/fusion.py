@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import itertools
 import operator
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,11 +30,10 @@ import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from .layout import FDims, layout
 from .lowering import LOWERINGS, REDUCTIONS, triton_dtype
 
 __all__ = ["Access", "Extern", "Kernel", "Plan", "View", "fuse"]
-
-FDims = tuple[int | None, ...]
 
 
 @dataclass(frozen=True)
@@ -81,17 +80,11 @@ class Plan:
 
     regions: list[Region]
     access: dict[fx.Node, Access]
+    inline: frozenset[fx.Node] = frozenset()  # index-only values: computed where read
 
 
 def _val(node: Any) -> Any:
     return node.meta.get("val") if isinstance(node, fx.Node) else None
-
-
-def _shape(node: fx.Node) -> tuple[int, ...]:
-    v = _val(node)
-    if isinstance(v, (tuple, list)):
-        v = v[0]
-    return tuple(int(s) for s in v.shape)
 
 
 def _is_view_op(node: fx.Node) -> bool:
@@ -126,121 +119,20 @@ def lowerable(node: fx.Node) -> bool:
     return low.accepts is None or low.accepts(node)
 
 
-def _reduced_dims(node: fx.Node, rank: int) -> tuple[list[int], bool]:
-    pos, _ = REDUCTIONS[node.target]
-    dims: Any = node.args[pos] if 0 <= pos < len(node.args) else node.kwargs.get("dim")
-    keepdim = bool(
-        node.kwargs.get("keepdim", node.args[pos + 1] if 0 <= pos < len(node.args) - 1 else False)
-    )
-    if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
-        return list(range(rank)), keepdim
-    if isinstance(dims, int):
-        dims = [dims]
-    return sorted({d % rank for d in dims}), keepdim
-
-
-def _align(
-    shape: Sequence[int], space: Sequence[int], known: Sequence[int | None] | None = None
-) -> FDims | None:
-    """Right-align ``shape`` to ``space`` (broadcasting) where ``known`` has no dim yet; None if
-    a non-1 size does not match."""
-    known = list(known) if known is not None else [None] * len(shape)
-    used = {k for k in known if k is not None}
-    off = len(space) - len(shape)
-    out: list[int | None] = []
-    for j, s in enumerate(shape):
-        d = j + off
-        if known[j] is not None:
-            out.append(known[j])
-        elif s == 1:
-            out.append(None)
-        elif d < 0 or space[d] != s or d in used:
-            return None
-        else:
-            out.append(d)
-    return tuple(out)
-
-
-def layout(
-    nodes: Sequence[fx.Node],
-) -> tuple[tuple[int, ...], frozenset[int], dict[fx.Node, FDims]] | None:
-    """The iteration space, reduced dims and dim maps of ``nodes`` fused together, or None."""
-    members = set(nodes)
-    reductions = [n for n in nodes if n.target in REDUCTIONS]
-    if reductions:
-        space = _shape(reductions[0].args[0])  # type: ignore[arg-type]
-    else:
-        space = max((_shape(n) for n in nodes), key=lambda s: _numel(s))
-    rdims: set[int] | None = None
-    fd: dict[fx.Node, FDims] = {}
+def _inline(nodes: list[fx.Node], lower: set[fx.Node]) -> frozenset[fx.Node]:
+    """Values computed from indices alone (``arange``, ``full`` and pointwise ops of them)
+    that only kernels read: each kernel recomputes them instead of loading them."""
+    pure: set[fx.Node] = set()
     for n in nodes:
-        out = _shape(n)
-        if n.target is operator.getitem:
-            fd[n] = fd[n.args[0]]  # type: ignore[index]
-            continue
-        kind = LOWERINGS[n.target].kind
-        cand: list[int | None] = [None] * len(out)
-        if kind == "reduction":
-            src = n.args[0]
-            assert isinstance(src, fx.Node)
-            a_shape = _shape(src)
-            fa = fd[src] if src in members else _align(a_shape, space)
-            if fa is None:
-                return None
-            dims, keepdim = _reduced_dims(n, len(a_shape))
-            mapped = {fa[d] for d in dims if a_shape[d] != 1}
-            want = {d for d in range(len(space)) if d in mapped}
-            if None in mapped or (rdims is not None and want != rdims):
-                return None
-            rdims = want
-            cand = [
-                None if d in dims else fa[d]
-                for d in range(len(a_shape))
-                if keepdim or d not in dims
-            ]
-            if len(cand) != len(out):
-                return None
-        elif kind == "reshape" and n.target is not torch.ops.aten.expand.default:
-            src = n.args[0]
-            assert isinstance(src, fx.Node)
-            a_shape = _shape(src)
-            if [s for s in a_shape if s != 1] != [s for s in out if s != 1]:
-                return None
-            if src in members:
-                it = iter(f for f, s in zip(fd[src], a_shape, strict=True) if s != 1)
-                cand = [next(it) if s != 1 else None for s in out]
-        else:
-            for a in n.all_input_nodes:
-                if a not in members:
-                    continue
-                a_shape, off = _shape(a), len(out) - len(_shape(a))
-                for ja, f in enumerate(fd[a]):
-                    j = ja + off
-                    if a_shape[ja] == 1 or j < 0:
-                        continue
-                    if cand[j] is None:
-                        cand[j] = f
-                    elif cand[j] != f:
-                        return None
-        if any(c is None and s != 1 for c, s in zip(cand, out, strict=True)):
-            fill = _align(out, space, cand)
-            if fill is None:
-                return None
-            cand = list(fill)
-        for c, s in zip(cand, out, strict=True):
-            if s != 1 and (c is None or space[c] != s):
-                return None
-        if len({c for c in cand if c is not None}) != sum(c is not None for c in cand):
-            return None
-        fd[n] = tuple(cand)
-    return space, frozenset(rdims or ()), fd
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
+        low = LOWERINGS.get(n.target)
+        pointwise = n in lower and low is not None and low.kind != "reduction"
+        if pointwise and all(a in pure for a in n.all_input_nodes):
+            pure.add(n)
+    out = set(pure)
+    for n in reversed(nodes):  # drop any whose value something other than a kernel needs
+        if n in out and any(u not in lower for u in n.users):
+            out.discard(n)
+    return frozenset(out)
 
 
 def _is_reshape(n: fx.Node) -> bool:
@@ -260,36 +152,43 @@ class _Fuser:
         self.nodes = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
         self.index = {n: i for i, n in enumerate(graph.nodes)}
         self.lower = {n for n in self.nodes if lowerable(n)}
+        self.inline = _inline(self.nodes, self.lower)
+        self.lower -= self.inline
         self.group: dict[fx.Node, list[fx.Node]] = {n: [n] for n in self.lower}
         self.layouts: dict[int, Any] = {}
         self.output = next(n for n in graph.nodes if n.op == "output")
 
-    def try_merge(self, a: fx.Node, b: fx.Node) -> None:
+    def try_merge(self, a: fx.Node, b: fx.Node) -> bool:
+        """Fuse the regions of ``a`` and ``b`` if one kernel can compute both, acyclically."""
         ga, gb = self.group[a], self.group[b]
         if ga is gb:
-            return
+            return True
         merged = sorted(ga + gb, key=self.index.__getitem__)
         if self._path_outside(ga, gb) or (lay := layout(merged)) is None:
-            return
+            return False
         for n in merged:
             self.group[n] = merged
         self.layouts[id(merged)] = lay
+        return True
 
     def _path_outside(self, ga: list[fx.Node], gb: list[fx.Node]) -> bool:
-        """Whether a path from ``ga`` to ``gb`` (either way) passes a node outside both."""
+        """Whether a path from ``ga`` to ``gb`` (either way) passes through anything else: a
+        node, or a region whose members it enters and leaves (regions run as a whole)."""
         inside = set(ga) | set(gb)
         for src, dst in ((ga, gb), (gb, ga)):
-            dst_set, limit = set(dst), max(self.index[n] for n in dst)
+            dst_set = set(dst)
             stack = [u for n in src for u in n.users if u not in inside]
             seen: set[fx.Node] = set()
             while stack:
                 u = stack.pop()
-                if u in seen or self.index[u] > limit:
+                if u in seen:
                     continue
-                seen.add(u)
-                if any(w in dst_set for w in u.users):
-                    return True
-                stack.extend(w for w in u.users if w not in inside)
+                region = self.group.get(u, [u])
+                seen.update(region)
+                for m in region:
+                    if any(w in dst_set for w in m.users):
+                        return True
+                    stack.extend(w for w in m.users if w not in inside and w not in seen)
         return False
 
     def run(self) -> list[list[fx.Node]]:
@@ -306,7 +205,7 @@ class _Fuser:
             readers = [u for u in v.users if u in self.lower and not _is_reshape(u)]
             for u in readers[1:]:
                 self.try_merge(readers[0], u)
-        self._merge_equal_reductions()
+        self._merge_equal_spaces()
         return self._groups()
 
     def _groups(self) -> list[list[fx.Node]]:
@@ -316,18 +215,17 @@ class _Fuser:
                 groups.setdefault(id(self.group[n]), self.group[n])
         return list(groups.values())
 
-    def _merge_equal_reductions(self) -> None:
-        """Reductions over one iteration space share a kernel even without a shared input
-        (a layer's weight and bias gradients: two column sums)."""
-        by_space: dict[Any, fx.Node] = {}
+    def _merge_equal_spaces(self) -> None:
+        """Kernels over one iteration space share a launch even without a shared input (a
+        layer's weight and bias gradients: two column sums; recomputed copies of q, k and v)."""
+        by_space: dict[Any, list[fx.Node]] = {}
         for g in self._groups():
             lay = self.layouts.get(id(g)) or layout(g)
-            if lay is None or not lay[1]:
+            if lay is None:
                 continue
-            key = (lay[0], lay[1])
-            first = by_space.setdefault(key, g[0])
-            if first is not g[0]:
-                self.try_merge(first, g[0])
+            reps = by_space.setdefault((lay[0], lay[1]), [])
+            if not any(self.try_merge(r, g[0]) for r in reps):
+                reps.append(g[0])
 
 
 def fuse(graph: fx.Graph) -> Plan:
@@ -377,17 +275,31 @@ def fuse(graph: fx.Graph) -> Plan:
         access[n] = acc
         return acc
 
+    for kernel in kernels:  # views of outside values: read in place through their access
+        for n in list(kernel.nodes):
+            src = n.args[0] if _is_reshape(n) else None
+            if not isinstance(src, fx.Node) or member.get(src) is kernel or src in fuser.inline:
+                continue
+            acc = _view_access(n, materialize(src))
+            if acc is not None:
+                access[n] = acc
+            else:  # not addressable: run the view op, and load its result
+                kernel.nodes.remove(n)
+                del kernel.fdims[n], member[n]
     for n in fuser.nodes:
+        if n in fuser.inline:
+            continue
         k: Kernel | None = member.get(n)
         for a in n.all_input_nodes:
-            if k is None or member.get(a) is not k:
+            if (k is None or member.get(a) is not k) and a not in fuser.inline:
                 materialize(a)
         if k is None and n.target is not operator.getitem and not _is_view_op(n):
             needs_tensor.update(n.all_input_nodes)
     for o in fuser.output.all_input_nodes:
         materialize(o)
         needs_tensor.add(o)
-    return Plan(_order(graph, fuser.nodes, member, kernels, access, needs_tensor), access)
+    nodes = [n for n in fuser.nodes if n not in fuser.inline]
+    return Plan(_order(graph, nodes, member, kernels, access, needs_tensor), access, fuser.inline)
 
 
 def _view_access(view: fx.Node, base: Access) -> Access | None:

@@ -21,6 +21,7 @@ import torch
 import torch.fx as fx
 
 from .fusion import Access, Kernel
+from .layout import FDims, operand_fdims
 from .lowering import LOWERINGS, REDUCTIONS, compute_dtype, literal, pointer_type, triton_dtype
 
 __all__ = ["Rendered", "render"]
@@ -61,9 +62,14 @@ def _tl(dtype: torch.dtype) -> str:
 
 class _Emitter:
     def __init__(
-        self, k: Kernel, access: dict[fx.Node, Access], persistent_limit: int, max_block: int
+        self,
+        k: Kernel,
+        access: dict[fx.Node, Access],
+        inline: frozenset[fx.Node],
+        persistent_limit: int,
+        max_block: int,
     ) -> None:
-        self.k, self.access = k, access
+        self.k, self.access, self.inline = k, access, inline
         self.members = set(k.nodes)
         self.xdims = [d for d in range(len(k.space)) if d not in k.rdims]
         self.rdims = sorted(k.rdims)
@@ -143,6 +149,10 @@ class _Emitter:
 
     def load(self, a: fx.Node, fdims: tuple[int | None, ...]) -> str:
         acc = self.access[a]
+        fdims = tuple(  # only dims that move the address index the load (and mask it)
+            f if s != 1 and st != 0 else None
+            for f, s, st in zip(fdims, acc.shape, acc.strides, strict=True)
+        )
         key = (acc.root, acc.offset, acc.strides, fdims)
         cache = self.cache_for(fdims)
         if key in cache:
@@ -165,18 +175,9 @@ class _Emitter:
 
     def operand_fdims(self, n: fx.Node, a: fx.Node) -> tuple[int | None, ...]:
         """How the external value ``a`` maps onto the space where ``n`` reads it."""
-        a_shape = tuple(_val(a).shape)
-        low = LOWERINGS[n.target]
-        if low.kind == "reduction":
-            off = len(self.k.space) - len(a_shape)
-            return tuple(None if s == 1 else j + off for j, s in enumerate(a_shape))
-        out_f = self.k.fdims[n]
-        out_shape = tuple(_val(n).shape)
-        if low.kind == "reshape" and n.target is not torch.ops.aten.expand.default:
-            it = iter(f for f, s in zip(out_f, out_shape, strict=True) if s != 1)
-            return tuple(next(it) if s != 1 else None for s in a_shape)
-        off = len(out_shape) - len(a_shape)
-        return tuple(None if s == 1 else out_f[j + off] for j, s in enumerate(a_shape))
+        fa = operand_fdims(a, n, self.k.fdims[n], self.k.space)
+        assert fa is not None, f"{a.name} has no place in {n.name}'s iteration space"
+        return fa
 
     def value(self, n: fx.Node) -> str:
         fd = self.k.fdims[n]
@@ -190,12 +191,24 @@ class _Emitter:
         low = LOWERINGS[n.target]
         if low.kind == "reduction":
             return self.value_parts(n)[0]
+        src = n.args[0]
+        if low.kind == "reshape" and src not in self.members and src not in self.inline:
+            name = self.load(n, fd)  # a view of a value in memory: read in place
+            cache[n] = name
+            return name
+        name = self.compute(n, fd, lambda a: self.operand(n, a))
+        cache[n] = name
+        return name
+
+    def compute(self, n: fx.Node, fd: FDims, get: Any) -> str:
+        """Emit pointwise/index node ``n`` (dim map ``fd``) from its operands' names."""
+        low = LOWERINGS[n.target]
         out_dtype = _val(n).dtype
         args: list[Any] = []
         tensor_pos = 0
         for a in n.args:
             if isinstance(a, fx.Node):
-                v = self.value(a) if a in self.members else self.load(a, self.operand_fdims(n, a))
+                v = get(a)
                 cast = low.cast == "out" or (low.cast == "values" and tensor_pos > 0)
                 if cast and compute_dtype(_val(a).dtype) != compute_dtype(out_dtype):
                     v = f"{v}.to({_tl(out_dtype)})"
@@ -207,23 +220,36 @@ class _Emitter:
                 args.append(a)
         if "alpha" in n.kwargs:
             args.append(n.kwargs["alpha"])
-        expr = self.index_value(n, args) if low.kind == "index" else low.render(args)
+        expr = self.index_value(n, fd, args) if low.kind == "index" else low.render(args)
         name = self.fresh()
-        self.emit(
-            f"{name} = ({expr}).to({_tl(out_dtype)})"
-            if low.kind != "reshape"
-            else f"{name} = {expr}"
-        )
-        cache[n] = name
+        if low.kind == "reshape":
+            self.emit(f"{name} = {expr}")
+        else:
+            self.emit(f"{name} = ({expr}).to({_tl(out_dtype)})")
         return name
 
-    def index_value(self, n: fx.Node, args: list[Any]) -> str:
+    def inline_value(self, a: fx.Node, fa: FDims) -> str:
+        """A value made from indices alone (an ``arange`` chain), computed where it is read."""
+        cache = self.cache_for(fa)
+        key = ("inline", a, fa)
+        if key not in cache:
+
+            def get(b: fx.Node) -> str:
+                fb = operand_fdims(b, a, fa, self.k.space)
+                assert fb is not None
+                return self.inline_value(b, fb)
+
+            cache[key] = self.compute(a, fa, get)
+        return cache[key]
+
+    def index_value(self, n: fx.Node, fd: FDims, args: list[Any]) -> str:
         dtype = _tl(_val(n).dtype)
         if n.target is torch.ops.aten.arange.start_step:
-            f = self.k.fdims[n][0]
+            f = fd[0]
             if f is None:  # one element: the start
                 return f"tl.full([1], {literal(args[0])}, {dtype})"
-            return f"({literal(args[0])} + {self.index(f)} * {literal(args[2] if len(args) > 2 else 1)})"
+            step = literal(args[2] if len(args) > 2 else 1)
+            return f"({literal(args[0])} + {self.index(f)} * {step})"
         return f"tl.full([1], {LOWERINGS[n.target].render(args)}, {dtype})"
 
     def value_parts(self, n: fx.Node) -> list[str]:
@@ -261,9 +287,11 @@ class _Emitter:
         return name
 
     def operand(self, n: fx.Node, src: fx.Node) -> str:
-        return (
-            self.value(src) if src in self.members else self.load(src, self.operand_fdims(n, src))
-        )
+        if src in self.members:
+            return self.value(src)
+        if src in self.inline:
+            return self.inline_value(src, self.operand_fdims(n, src))
+        return self.load(src, self.operand_fdims(n, src))
 
     def sum_rows(self, n: fx.Node, src: fx.Node, f: Any, acc_t: str) -> str:
         return self.row_reduce(n, src, lambda v: f(v), "0", "tl.sum", "{a} + {v}", acc_t)
@@ -306,13 +334,16 @@ class _Emitter:
         if not rs or n.target in REDUCTIONS or n.target is operator.getitem:
             self.value(n)
             return
+        src = n.args[0]
+        if LOWERINGS[n.target].kind == "reshape" and src not in self.members | self.inline:
+            return  # loaded itself, inside the loop
         for a in n.all_input_nodes:
             if a in self.members:
                 self.prepare(a)
             else:
                 fd = self.operand_fdims(n, a)
                 if not self.level(fd)[1]:
-                    self.load(a, fd)
+                    self.operand(n, a)
 
     def store(self, n: fx.Node) -> None:
         acc = self.access[n]
@@ -359,13 +390,14 @@ def render(
     k: Kernel,
     access: dict[fx.Node, Access],
     index: int,
+    inline: frozenset[fx.Node] = frozenset(),
     persistent_limit: int = 1024,
     max_block: int = 1024,
 ) -> Rendered:
     """Triton source for kernel ``k`` (the ``index`` th of its graph): rows up to
     ``persistent_limit`` reduce in one block, blocks hold at most ``max_block`` elements per
     dim."""
-    e = _Emitter(k, access, persistent_limit, max_block)
+    e = _Emitter(k, access, inline, persistent_limit, max_block)
     if e.reduce:
         e.emit("xindex = tl.program_id(0) * XBLOCK + tl.arange(0, XBLOCK)[:, None]")
         e.emit(f"xmask = xindex < {e.xnumel}")
