@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-__all__ = ["fast_target", "use_fast_calls"]
+__all__ = ["copy_module", "fast_target", "use_fast_calls"]
 
 aten = torch.ops.aten
 _T = torch.Tensor
@@ -76,7 +76,7 @@ def fast_target(target: Any, kwargs: Mapping[str, Any]) -> Callable[..., Any] | 
 
 def use_fast_calls(gm: fx.GraphModule) -> fx.GraphModule:
     """A copy of ``gm`` whose common ATen calls go through torch's fast Python bindings."""
-    gm = _copy(gm)
+    gm = copy_module(gm)
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
@@ -90,7 +90,8 @@ def use_fast_calls(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
-def _copy(gm: fx.GraphModule) -> fx.GraphModule:
+def copy_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` whose graph can be rewritten without touching ``gm``'s."""
     graph = fx.Graph()
     out = graph.graph_copy(gm.graph, {})
     graph.output(out)

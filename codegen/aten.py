@@ -11,15 +11,21 @@ import torch
 from functrans.extend import Graph
 
 from . import register_backend
-from ._fastcall import use_fast_calls
+from ._fastcall import copy_module, use_fast_calls
+from ._peephole import cancel_transposes
+from ._pycode import flat_function
 
 __all__ = ["AtenBackend"]
 
 
 @dataclass(frozen=True)
 class AtenBackend:
-    """Runs ``graph.graph_module`` on flat tensors, calling common ops through torch's fast
-    Python bindings (``fast_calls``; see :mod:`functrans.codegen._fastcall`).
+    """Runs the graph's ATen ops as they are, one after the other.
+
+    ``fast_calls``: common ops go through torch's fast Python bindings
+    (:mod:`functrans.codegen._fastcall`) and the graph runs as one flat function
+    (:mod:`functrans.codegen._pycode`); False runs ``graph.graph_module`` itself. The results
+    are the same bit for bit; only the per-op overhead differs.
 
     >>> import torch, functrans as ft
     >>> g = ft.trace(lambda x: x * 2)(torch.ones(2))
@@ -33,7 +39,9 @@ class AtenBackend:
     decompositions: str = "minimal"
 
     def compile(self, graph: Graph, example_inputs: Sequence[torch.Tensor]) -> Callable[..., Any]:
-        module = use_fast_calls(graph.graph_module) if self.fast_calls else graph.graph_module
+        if self.fast_calls:
+            return flat_function(use_fast_calls(cancel_transposes(copy_module(graph.graph_module))))
+        module = graph.graph_module
 
         def run(*tensors: torch.Tensor) -> list[Any]:
             return list(module(*tensors))

@@ -1,0 +1,119 @@
+"""An FX graph as one flat Python function: the ``"aten"`` backend's executor.
+
+``GraphModule`` code reaches each op through an attribute chain (``torch.ops.aten.mm.default``)
+and runs behind ``nn.Module.__call__``; on graphs of hundreds of small ops that overhead is a
+visible share of a training step. Here every call target and constant is bound once as a
+global of the generated function, ``getitem`` is plain indexing, and each value is deleted
+right after its last use (so memory is freed as early as in the FX code).
+
+>>> import torch, functrans as ft
+>>> g = ft.trace(lambda x: (x.sin() * 2).sum())(torch.ones(3))
+>>> run = flat_function(g.graph_module)
+>>> print(run.__functrans_source__)
+def run(a0):
+    v1 = f0(a0)
+    v2 = f1(v1, 2)
+    del v1
+    v3 = f2(v2, [])
+    del v2
+    return [v3]
+>>> run(torch.zeros(3))
+[tensor(0.)]
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Callable
+from typing import Any
+
+import torch.fx as fx
+
+__all__ = ["flat_function"]
+
+_LITERALS = (int, float, bool, str, type(None))
+
+
+class _Emitter:
+    def __init__(self, gm: fx.GraphModule) -> None:
+        self.gm = gm
+        self.names: dict[fx.Node, str] = {}
+        self.globals: dict[str, Any] = {}
+        self.ids: dict[int, str] = {}
+
+    def bind(self, value: Any, prefix: str) -> str:
+        """A global name for ``value`` (one per distinct object)."""
+        key = id(value)
+        if key not in self.ids:
+            self.ids[key] = f"{prefix}{len(self.ids)}"
+            self.globals[self.ids[key]] = value
+        return self.ids[key]
+
+    def arg(self, x: Any) -> str:
+        if isinstance(x, fx.Node):
+            return self.names[x]
+        if isinstance(x, list):
+            return f"[{', '.join(self.arg(y) for y in x)}]"
+        if isinstance(x, tuple):
+            return f"({''.join(self.arg(y) + ', ' for y in x)})"
+        if isinstance(x, _LITERALS) and not (isinstance(x, float) and not math.isfinite(x)):
+            return repr(x)
+        return self.bind(x, "c")  # dtypes, devices, inf, ...
+
+
+def _last_uses(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
+    """For each node, the values whose last use it is."""
+    last: dict[fx.Node, fx.Node] = {}
+    for n in graph.nodes:
+        for a in n.all_input_nodes:
+            last[a] = n
+    dies: dict[fx.Node, list[fx.Node]] = {}
+    for a, n in last.items():
+        dies.setdefault(n, []).append(a)
+    return dies
+
+
+def flat_function(gm: fx.GraphModule) -> Callable[..., list[Any]]:
+    """``gm`` as a flat function of its placeholders returning its outputs as a list."""
+    e = _Emitter(gm)
+    params: list[str] = []
+    body: list[str] = []
+    dies = _last_uses(gm.graph)
+    for i, n in enumerate(gm.graph.nodes):
+        if n.op == "placeholder":
+            e.names[n] = f"a{len(params)}"
+            params.append(e.names[n])
+            continue
+        if n.op == "output":
+            outs = n.args[0]
+            seq = outs if isinstance(outs, (list, tuple)) else [outs]
+            body.append(f"return [{', '.join(e.arg(o) for o in seq)}]")
+            continue
+        e.names[n] = f"v{i}"
+        if n.op == "get_attr":
+            body.append(f"v{i} = {e.bind(_attr(gm, str(n.target)), 'c')}")
+        elif n.op == "call_function" and n.target is operator.getitem and not n.kwargs:
+            body.append(f"v{i} = {e.arg(n.args[0])}[{e.arg(n.args[1])}]")
+        elif n.op == "call_function":
+            args = [e.arg(a) for a in n.args]
+            args += [f"{k}={e.arg(v)}" for k, v in n.kwargs.items()]
+            body.append(f"v{i} = {e.bind(n.target, 'f')}({', '.join(args)})")
+        else:
+            raise NotImplementedError(f"{n.op} node {n.name} in a flat function")
+        dead = [e.names[a] for a in dies.get(n, []) if a.op != "placeholder"]
+        if dead:
+            body.append(f"del {', '.join(dead)}")
+    source = f"def run({', '.join(params)}):\n" + "".join(f"    {line}\n" for line in body)
+    namespace = dict(e.globals)
+    exec(compile(source, f"<functrans flat {id(gm):x}>", "exec"), namespace)
+    run: Callable[..., list[Any]] = namespace["run"]
+    run.__functrans_source__ = source.rstrip("\n")  # type: ignore[attr-defined]
+    return run
+
+
+def _attr(gm: fx.GraphModule, target: str) -> Any:
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
