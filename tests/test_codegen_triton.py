@@ -209,6 +209,20 @@ def test_looped_reductions_match(limit):
     _check_graph(ft.trace(f)(*args), args, "looped", persistent_limit=limit, max_block=16)
 
 
+def test_regression_kernel_reading_a_view_waits_for_the_extern_it_views():
+    """Shrunk by hypothesis: a kernel whose in-kernel view reads an extern's output (and whose
+    view is also a graph output) was scheduled before that extern."""
+
+    def f(x):
+        n = -x
+        return torch.tanh(torch.stack([n, n]))
+
+    for shape in ((1, 0), (1, 3)):
+        x = torch.randn(shape)
+        p = ft.partition(ft.joint(f)(x), "min_cut")
+        _check_partition(p, [x], "stack")
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_types_compute_in_float32_and_store_their_dtype(dtype):
     x = torch.randn(7, 33).to(dtype)

@@ -354,22 +354,21 @@ def _order(
             regions.append(r)
     deps: dict[int, set[int]] = {id(r): set() for r in regions}
 
-    def producers(n: fx.Node) -> Iterable[fx.Node]:
-        own = member.get(n) if region_of.get(n) is member.get(n) else None
+    def producers(n: fx.Node, own: Kernel | None) -> Iterable[fx.Node]:
         for a in n.all_input_nodes:
             if own is not None and member.get(a) is own:
                 continue  # computed inside the same kernel
             if a in region_of:
                 yield a
             elif a in access and access[a].root is not a:
-                yield from producers(a)  # a free view: depends on what its root depends on
+                yield from producers(a, None)  # a free view: what its root depends on
                 if access[a].root in region_of:
                     yield access[a].root
 
     for n, r in region_of.items():
-        members = [m for m in r.nodes if region_of.get(m) is r] if isinstance(r, Kernel) else [n]
-        for m in members:
-            for p in producers(m):
+        own = r if isinstance(r, Kernel) else None
+        for m in r.nodes if isinstance(r, Kernel) else [n]:
+            for p in producers(m, own):
                 pr = region_of[p]
                 if pr is not r:
                     deps[id(r)].add(id(pr))
