@@ -189,6 +189,22 @@ def test_views_fold_into_index_arithmetic():
     assert run.num_kernels == 1 and run.num_extern_calls == 0
 
 
+def test_cat_and_slice_scatter_read_their_pieces_at_shifted_indices():
+    def rotate(x):  # rotary embedding's rotate_half: the negation happens at the shifted read
+        x1, x2 = x[..., :4], x[..., 4:]
+        return torch.cat([-x2, x1], -1) * 2 + x
+
+    def scatter(base, src):
+        return torch.slice_scatter(base, src.sin(), 1, 2, 5) * 3
+
+    for f, args in (
+        (rotate, [torch.randn(3, 8)]),
+        (scatter, [torch.randn(4, 7), torch.randn(4, 3)]),
+    ):
+        run, _ = _check_graph(ft.trace(f)(*args), args, f.__name__, max_block=8)
+        assert run.num_kernels == 1 and run.num_extern_calls == 0
+
+
 def test_matmul_is_an_extern_call_between_kernels():
     def f(x, w):
         return torch.relu(x @ w).sum(-1).exp()

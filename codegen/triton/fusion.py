@@ -120,19 +120,28 @@ def lowerable(node: fx.Node) -> bool:
 
 
 def _inline(nodes: list[fx.Node], lower: set[fx.Node]) -> frozenset[fx.Node]:
-    """Values computed from indices alone (``arange``, ``full`` and pointwise ops of them)
-    that only kernels read: each kernel recomputes them instead of loading them."""
-    pure: set[fx.Node] = set()
+    """Values each kernel recomputes where it reads them instead of loading them: those made
+    from indices alone (``arange``, ``full`` and pointwise ops of them), and pointwise values
+    only concats read (``cat([-x2, x1])``: the negation is done at the shifted read)."""
+    out: set[fx.Node] = set()
     for n in nodes:
         low = LOWERINGS.get(n.target)
-        pointwise = n in lower and low is not None and low.kind != "reduction"
-        if pointwise and all(a in pure for a in n.all_input_nodes):
-            pure.add(n)
-    out = set(pure)
+        if n not in lower or low is None or low.kind in ("reduction", "concat"):
+            continue
+        index_only = all(a in out for a in n.all_input_nodes)
+        loads_only = all(a not in lower or a in out for a in n.all_input_nodes)
+        concat_read = bool(n.users) and all(_is_concat(u) and u in lower for u in n.users)
+        if index_only or (loads_only and concat_read):
+            out.add(n)
     for n in reversed(nodes):  # drop any whose value something other than a kernel needs
-        if n in out and any(u not in lower for u in n.users):
+        if n in out and any(u not in lower and u not in out for u in n.users):
             out.discard(n)
     return frozenset(out)
+
+
+def _is_concat(n: fx.Node) -> bool:
+    low = LOWERINGS.get(n.target)
+    return low is not None and low.kind == "concat"
 
 
 def _is_reshape(n: fx.Node) -> bool:
@@ -287,7 +296,10 @@ def fuse(graph: fx.Graph) -> Plan:
                 kernel.nodes.remove(n)
                 del kernel.fdims[n], member[n]
     for n in fuser.nodes:
-        if n in fuser.inline:
+        if n in fuser.inline:  # recomputed by its readers, which read its inputs
+            for a in n.all_input_nodes:
+                if a not in fuser.inline:
+                    materialize(a)
             continue
         k: Kernel | None = member.get(n)
         for a in n.all_input_nodes:
@@ -299,7 +311,8 @@ def fuse(graph: fx.Graph) -> Plan:
         materialize(o)
         needs_tensor.add(o)
     nodes = [n for n in fuser.nodes if n not in fuser.inline]
-    return Plan(_order(graph, nodes, member, kernels, access, needs_tensor), access, fuser.inline)
+    regions = _order(nodes, member, access, needs_tensor, fuser.inline)
+    return Plan(regions, access, fuser.inline)
 
 
 def _view_access(view: fx.Node, base: Access) -> Access | None:
@@ -326,12 +339,11 @@ def _view_access(view: fx.Node, base: Access) -> Access | None:
 
 
 def _order(
-    graph: fx.Graph,
     nodes: list[fx.Node],
     member: dict[fx.Node, Kernel],
-    kernels: list[Kernel],
     access: dict[fx.Node, Access],
     needs_tensor: set[fx.Node],
+    inline: frozenset[fx.Node],
 ) -> list[Region]:
     """Regions in an order where every region's inputs are ready (a topological sort)."""
     region_of: dict[fx.Node, Region] = {}
@@ -360,6 +372,8 @@ def _order(
                 continue  # computed inside the same kernel
             if a in region_of:
                 yield a
+            elif a in inline:
+                yield from producers(a, None)  # recomputed by the reader: its inputs count
             elif a in access and access[a].root is not a:
                 yield from producers(a, None)  # a free view: what its root depends on
                 if access[a].root in region_of:

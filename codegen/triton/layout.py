@@ -81,6 +81,8 @@ def links(a: fx.Node, n: fx.Node) -> list[tuple[int, int]] | None:
                 pairs.append((d, j))
             j += 1
         return pairs
+    if LOWERINGS[n.target].kind == "concat":  # same dims; reads shift along the concat dim
+        return [(d, d) for d, s in enumerate(a_shape) if s != 1 or out[d] != 1]
     if _is_squeeze_view(n):
         a_non1 = [d for d, s in enumerate(a_shape) if s != 1]
         o_non1 = [d for d, s in enumerate(out) if s != 1]
@@ -135,6 +137,9 @@ def layout(nodes: Sequence[fx.Node]) -> Layout | None:
         if len(set(got)) != len(got):
             return None
         fd[n] = tuple(part[n])
+    concat = any(n.target in LOWERINGS and LOWERINGS[n.target].kind == "concat" for n in nodes)
+    if concat and reductions:  # shifted reads are rendered straight-line only
+        return None
     rdims = _rdims(reductions, members, fd, space)
     return None if rdims is None else (space, rdims, fd)
 
@@ -154,7 +159,8 @@ def _propagate(
         edges += [(a, u) for a in u.all_input_nodes if a in members]
         for a, n in edges:
             pairs = links(a, n)
-            if pairs is None:
+            concat = n.target in LOWERINGS and LOWERINGS[n.target].kind == "concat"
+            if pairs is None or concat:  # a concat reads its operands at shifted indices
                 return False
             for da, dn in pairs:
                 src, dst, i, j = (a, n, da, dn) if a is u else (n, a, dn, da)

@@ -30,13 +30,14 @@ __all__ = [
     "REDUCTIONS",
     "Lowering",
     "compute_dtype",
+    "concat_pieces",
     "literal",
     "pointer_type",
     "triton_dtype",
 ]
 
 aten = torch.ops.aten
-Kind = Literal["pointwise", "reduction", "index", "reshape"]
+Kind = Literal["pointwise", "reduction", "index", "reshape", "concat"]
 Cast = Literal["out", "values", "promote", "none"]  # "values": all operands but the first
 
 _TL = {
@@ -178,6 +179,38 @@ def _arange(a: Sequence[Any]) -> str:  # a = [index_expr, start, end, step]
     return f"({literal(a[1])} + {a[0]} * {literal(a[3])})"
 
 
+def _same_dtype(n: fx.Node) -> bool:
+    vals = [a.meta.get("val") for a in n.all_input_nodes] + [n.meta.get("val")]
+    return len({getattr(v, "dtype", None) for v in vals}) == 1
+
+
+def _unit_step(n: fx.Node) -> bool:
+    step: Any = n.args[5] if len(n.args) > 5 else n.kwargs.get("step", 1)
+    return bool(step == 1)
+
+
+def concat_pieces(n: fx.Node) -> tuple[int, list[tuple[fx.Node, int, int]], fx.Node | None]:
+    """``(dim, [(operand, start, size) along dim], base)`` of a concat node: ``cat`` places its
+    operands one after another; ``slice_scatter`` places ``src`` over ``base``."""
+    out = n.meta["val"]
+    rank = out.dim()
+    args: Any = n.args
+    if n.target is aten.cat.default:
+        dim = int(args[1]) % rank if len(args) > 1 else 0
+        pieces, start = [], 0
+        for a in args[0]:
+            size = int(a.meta["val"].shape[dim])
+            pieces.append((a, start, size))
+            start += size
+        return dim, pieces, None
+    base, src = args[0], args[1]
+    dim = int(args[2]) % rank if len(args) > 2 else 0
+    start_arg = args[3] if len(args) > 3 else None
+    first = 0 if start_arg is None else int(start_arg)
+    first = first + int(out.shape[dim]) if first < 0 else min(first, int(out.shape[dim]))
+    return dim, [(src, first, int(src.meta["val"].shape[dim]))], base
+
+
 LOWERINGS: dict[Any, Lowering] = {
     # arithmetic: operands converted to the result's compute dtype first
     aten.add.Tensor: _alpha("+"),
@@ -248,6 +281,11 @@ LOWERINGS: dict[Any, Lowering] = {
     aten.squeeze.dims: Lowering("reshape", _identity, "none"),
     aten.squeeze.default: Lowering("reshape", _identity, "none"),
     aten.expand.default: Lowering("reshape", _identity, "none"),
+    # pieces of other values placed along one dim: each read at a shifted index (render.py)
+    aten.cat.default: Lowering("concat", _identity, "none", accepts=lambda n: _same_dtype(n)),
+    aten.slice_scatter.default: Lowering(
+        "concat", _identity, "none", accepts=lambda n: _same_dtype(n) and _unit_step(n)
+    ),
 }
 
 #: reduction overload -> (dims argument position, combine kind). Rendering lives in render.py.

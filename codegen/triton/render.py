@@ -22,7 +22,15 @@ import torch.fx as fx
 
 from .fusion import Access, Kernel
 from .layout import FDims, operand_fdims
-from .lowering import LOWERINGS, REDUCTIONS, compute_dtype, literal, pointer_type, triton_dtype
+from .lowering import (
+    LOWERINGS,
+    REDUCTIONS,
+    compute_dtype,
+    concat_pieces,
+    literal,
+    pointer_type,
+    triton_dtype,
+)
 
 __all__ = ["Rendered", "render"]
 
@@ -91,6 +99,8 @@ class _Emitter:
         self.loop: dict[Any, str] | None = None  # row-level values of the current loop
         self.counter = 0
         self.reads: dict[fx.Node, set[tuple[Any, ...]]] = {}
+        self.shift: dict[int, str] = {}  # space dim -> index expression, in a concat piece
+        self.piece_mask: str | None = None  # where the current concat piece is valid
 
     # -- names and index arithmetic ----------------------------------------------------------
     def fresh(self) -> str:
@@ -103,6 +113,8 @@ class _Emitter:
         )
 
     def index(self, d: int) -> str:
+        if d in self.shift:  # inside a concat piece: read at the shifted index
+            return self.shift[d]
         return f"{'r' if d in self.k.rdims else 'x'}{d}"
 
     def index_lines(self, dims: list[int], base: str) -> list[str]:
@@ -163,6 +175,8 @@ class _Emitter:
         ]
         self.reads.setdefault(acc.root, set()).add((acc.offset, tuple(used)))
         mask = self.mask(fdims)
+        if self.piece_mask is not None:
+            mask = self.piece_mask if mask is None else f"{mask} & {self.piece_mask}"
         dtype = _val(a).dtype
         other = "" if mask is None else f", {mask}, other=0"
         name = self.fresh()
@@ -191,6 +205,10 @@ class _Emitter:
         low = LOWERINGS[n.target]
         if low.kind == "reduction":
             return self.value_parts(n)[0]
+        if low.kind == "concat":
+            name = self.concat(n, fd)
+            cache[n] = name
+            return name
         src = n.args[0]
         if low.kind == "reshape" and src not in self.members and src not in self.inline:
             name = self.load(n, fd)  # a view of a value in memory: read in place
@@ -237,10 +255,31 @@ class _Emitter:
             def get(b: fx.Node) -> str:
                 fb = operand_fdims(b, a, fa, self.k.space)
                 assert fb is not None
-                return self.inline_value(b, fb)
+                return self.inline_value(b, fb) if b in self.inline else self.load(b, fb)
 
             cache[key] = self.compute(a, fa, get)
         return cache[key]
+
+    def concat(self, n: fx.Node, fd: FDims) -> str:
+        """``cat`` / ``slice_scatter``: each piece read at the index shifted by its start,
+        where it is valid; elsewhere the next piece (or the base)."""
+        dim, pieces, base = concat_pieces(n)
+        f = fd[dim]
+        idx = "0" if f is None else self.index(f)
+        parts: list[tuple[str, str]] = []
+        outer = (dict(self.shift), self.piece_mask, self.top, self.loop)
+        for a, start, size in pieces:
+            cond = f"(({idx} >= {start}) & ({idx} < {start + size}))"
+            if f is not None:
+                self.shift = {**outer[0], f: f"({idx} - {start})" if start else idx}
+            self.piece_mask = cond if outer[1] is None else f"{outer[1]} & {cond}"
+            self.top, self.loop = {}, None  # values at shifted indices are not shared
+            parts.append((cond, self.operand(n, a)))
+            self.shift, self.piece_mask, self.top, self.loop = outer
+        expr = self.operand(n, base) if base is not None else parts.pop()[1]
+        for cond, v in reversed(parts):
+            expr = f"tl.where({cond}, {v}, {expr})"
+        return self.top_line(expr)
 
     def index_value(self, n: fx.Node, fd: FDims, args: list[Any]) -> str:
         dtype = _tl(_val(n).dtype)
