@@ -126,9 +126,11 @@ def _inline(nodes: list[fx.Node], lower: set[fx.Node]) -> frozenset[fx.Node]:
     out: set[fx.Node] = set()
     for n in nodes:
         low = LOWERINGS.get(n.target)
-        if n not in lower or low is None or low.kind in ("reduction", "concat"):
+        if n not in lower or low is None or low.kind == "reduction":
             continue
         index_only = all(a in out for a in n.all_input_nodes)
+        if low.kind == "concat" and not index_only:
+            continue
         loads_only = all(a not in lower or a in out for a in n.all_input_nodes)
         concat_read = bool(n.users) and all(_is_concat(u) and u in lower for u in n.users)
         if index_only or (loads_only and concat_read):

@@ -250,14 +250,10 @@ class _Emitter:
         """A value made from indices alone (an ``arange`` chain), computed where it is read."""
         cache = self.cache_for(fa)
         key = ("inline", a, fa)
+        if key not in cache and LOWERINGS[a.target].kind == "concat":
+            cache[key] = self.concat(a, fa)
         if key not in cache:
-
-            def get(b: fx.Node) -> str:
-                fb = operand_fdims(b, a, fa, self.k.space)
-                assert fb is not None
-                return self.inline_value(b, fb) if b in self.inline else self.load(b, fb)
-
-            cache[key] = self.compute(a, fa, get)
+            cache[key] = self.compute(a, fa, lambda b: self.read(a, fa, b))
         return cache[key]
 
     def concat(self, n: fx.Node, fd: FDims) -> str:
@@ -274,12 +270,18 @@ class _Emitter:
                 self.shift = {**outer[0], f: f"({idx} - {start})" if start else idx}
             self.piece_mask = cond if outer[1] is None else f"{outer[1]} & {cond}"
             self.top, self.loop = {}, None  # values at shifted indices are not shared
-            parts.append((cond, self.operand(n, a)))
+            parts.append((cond, self.read(n, fd, a)))
             self.shift, self.piece_mask, self.top, self.loop = outer
-        expr = self.operand(n, base) if base is not None else parts.pop()[1]
+        expr = self.read(n, fd, base) if base is not None else parts.pop()[1]
         for cond, v in reversed(parts):
             expr = f"tl.where({cond}, {v}, {expr})"
         return self.top_line(expr)
+
+    def read(self, n: fx.Node, fd: FDims, a: fx.Node) -> str:
+        """Operand ``a`` of ``n`` (dim map ``fd``) from outside the kernel's members."""
+        fa = operand_fdims(a, n, fd, self.k.space)
+        assert fa is not None, f"{a.name} has no place in {n.name}'s iteration space"
+        return self.inline_value(a, fa) if a in self.inline else self.load(a, fa)
 
     def index_value(self, n: fx.Node, fd: FDims, args: list[Any]) -> str:
         dtype = _tl(_val(n).dtype)
