@@ -124,20 +124,28 @@ def _inline(nodes: list[fx.Node], lower: set[fx.Node]) -> frozenset[fx.Node]:
     from indices alone (``arange``, ``full`` and pointwise ops of them), and pointwise values
     only concats read (``cat([-x2, x1])``: the negation is done at the shifted read)."""
     out: set[fx.Node] = set()
+    pure: set[fx.Node] = set()  # made from indices alone: no loads at all
     for n in nodes:
         low = LOWERINGS.get(n.target)
         if n not in lower or low is None or low.kind == "reduction":
             continue
-        index_only = all(a in out for a in n.all_input_nodes)
-        if low.kind == "concat" and not index_only:
+        if all(a in pure for a in n.all_input_nodes):
+            pure.add(n)
+            out.add(n)
             continue
         loads_only = all(a not in lower or a in out for a in n.all_input_nodes)
         concat_read = bool(n.users) and all(_is_concat(u) and u in lower for u in n.users)
-        if index_only or (loads_only and concat_read):
+        if low.kind != "concat" and loads_only and concat_read:
             out.add(n)
-    for n in reversed(nodes):  # drop any whose value something other than a kernel needs
-        if n in out and any(u not in lower and u not in out for u in n.users):
-            out.discard(n)
+    changed = True
+    while changed:  # drop any whose value something else needs in memory
+        changed = False
+        for n in reversed(nodes):
+            if n in out and any(
+                (u not in lower or _is_reshape(u)) and u not in out for u in n.users
+            ):
+                out.discard(n)
+                changed = True
     return frozenset(out)
 
 

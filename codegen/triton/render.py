@@ -180,7 +180,10 @@ class _Emitter:
         dtype = _val(a).dtype
         other = "" if mask is None else f", {mask}, other=0"
         name = self.fresh()
-        expr = f"tl.load({ptr} + ({self.address(acc, fdims)}){other})"
+        address = self.address(acc, fdims)
+        if self.piece_mask is not None and all(f is None for f in fdims):
+            address += " + 0 * xindex"  # a block of pointers for the piece's block mask
+        expr = f"tl.load({ptr} + ({address}){other})"
         if compute_dtype(dtype) != dtype:
             expr += f".to({_tl(dtype)})"
         self.emit(f"{name} = {expr}")
