@@ -88,8 +88,8 @@ def llama_block(p: Params, x: torch.Tensor) -> torch.Tensor:
     """The body of :func:`benchmarks.zoo.llama_block` without its loss: ``x -> x``."""
     _, t, d = x.shape
     n_heads, dh = d // zoo.HEAD_DIM, zoo.HEAD_DIM
-    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, dh, 2, dtype=x.dtype) / dh))
-    angles = torch.arange(t, dtype=x.dtype)[:, None] * inv_freq[None, :]
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, dh, 2, dtype=x.dtype, device=x.device) / dh))
+    angles = torch.arange(t, dtype=x.dtype, device=x.device)[:, None] * inv_freq[None, :]
     emb = torch.cat((angles, angles), dim=-1)
     cos, sin = emb.cos(), emb.sin()
     h = zoo._rms_norm(x, p["norm1"])
