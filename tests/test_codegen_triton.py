@@ -239,6 +239,20 @@ def test_regression_kernel_reading_a_view_waits_for_the_extern_it_views():
         _check_partition(p, [x], "stack")
 
 
+def test_regression_empty_concat_pieces_place_nothing():
+    """Shrunk by hypothesis: softmax over an empty dim decomposes into a cat with an empty
+    piece, which had no place in the iteration space."""
+
+    def f(a, x):
+        return torch.softmax(x, 0)
+
+    args = [torch.randn(()), torch.randn(0)]
+    _check_graph(ft.trace(f)(*args), args, "empty softmax")
+    _check_partition(ft.partition(ft.joint(f)(*args), "min_cut"), args, "empty softmax")
+    cat = [torch.randn(0, 3), torch.randn(0, 3)]
+    _check_graph(ft.trace(lambda a, b: torch.cat([a, b]) * 2)(*cat), cat, "empty cat")
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_types_compute_in_float32_and_store_their_dtype(dtype):
     x = torch.randn(7, 33).to(dtype)

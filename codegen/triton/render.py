@@ -268,6 +268,8 @@ class _Emitter:
         parts: list[tuple[str, str]] = []
         outer = (dict(self.shift), self.piece_mask, self.top, self.loop)
         for a, start, size in pieces:
+            if size == 0:
+                continue  # an empty piece places nothing
             cond = f"(({idx} >= {start}) & ({idx} < {start + size}))"
             if f is not None:
                 self.shift = {**outer[0], f: f"({idx} - {start})" if start else idx}
@@ -275,7 +277,12 @@ class _Emitter:
             self.top, self.loop = {}, None  # values at shifted indices are not shared
             parts.append((cond, self.read(n, fd, a)))
             self.shift, self.piece_mask, self.top, self.loop = outer
-        expr = self.read(n, fd, base) if base is not None else parts.pop()[1]
+        if base is not None:
+            expr = self.read(n, fd, base)
+        elif parts:
+            expr = parts.pop()[1]
+        else:  # every piece is empty, and so is the result
+            expr = f"tl.full([1], 0, {_tl(_val(n).dtype)})"
         for cond, v in reversed(parts):
             expr = f"tl.where({cond}, {v}, {expr})"
         return self.top_line(expr)
