@@ -74,9 +74,9 @@ def build_problem(joint: JointGraph, cost: CostFn | None = None) -> RematProblem
         inputs=[[index[a] for a in n.all_input_nodes if a in index] for n in nodes],
         bytes=[activation_bytes(n) for n in nodes],
         cost=[cost_fn(n) if n in core else 0.0 for n in nodes],
-        can_save=[
+        can_save=[  # a random op tagged MUST_RECOMPUTE is saved: it is never recomputed
             isinstance(n.meta.get("val"), torch.Tensor)
-            and policy_of(n) is not Policy.MUST_RECOMPUTE
+            and (policy_of(n) is not Policy.MUST_RECOMPUTE or op_class(n) is OpClass.RANDOM)
             for n in nodes
         ],
         can_recompute=[

@@ -107,7 +107,9 @@ def banned(node: fx.Node, opts: MinCutOptions) -> bool:
 def save_cost(node: fx.Node, opts: MinCutOptions, weighted: bool) -> int:
     """Capacity of ``node``'s in->out edge: the activation bytes saving it costs."""
     policy = policy_of(node)
-    if policy is Policy.MUST_RECOMPUTE or not isinstance(node.meta.get("val"), torch.Tensor):
+    if not isinstance(node.meta.get("val"), torch.Tensor):
+        return INF
+    if policy is Policy.MUST_RECOMPUTE and not is_random(node):  # random ops are never redone
         return INF
     cost = activation_bytes(node)
     if weighted:  # PREFER_* tags scale the byte cost around a neutral weight
@@ -184,8 +186,13 @@ def min_cut(joint: JointGraph, **options: object) -> list[fx.Node]:
         )
     side = cut.source_side
     saved = [v for i, v in enumerate(order) if side[2 * i] and not side[2 * i + 1]]
-    # views of inputs cost nothing either way: hand them over rather than redo them
-    saved += [v for i, v in enumerate(order) if not side[2 * i] and is_free_view(v)]
+    # views of inputs cost nothing either way: hand them over rather than redo them (unless a
+    # remat policy said to recompute them)
+    saved += [
+        v
+        for i, v in enumerate(order)
+        if not side[2 * i] and is_free_view(v) and policy_of(v) is not Policy.MUST_RECOMPUTE
+    ]
     return saved
 
 
