@@ -8,7 +8,7 @@ STAMP   := $(VENV)/.installed
 TORCH   := torch==2.13.0
 export HYPOTHESIS_PROFILE ?= ci
 
-.PHONY: demo test lint typecheck unit fuzz bench bench-quick clean
+.PHONY: demo test lint typecheck unit fuzz conformance bench bench-quick clean
 
 $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -34,6 +34,11 @@ test: lint typecheck unit
 
 fuzz: $(STAMP)
 	HYPOTHESIS_PROFILE=nightly $(VPY) -m pytest -q tests -k "property"
+
+# Every OpInfo with float32 autograd on CPU through trace, joint and every strategy; rewrites
+# tests/conformance/opinfo_status.json (FUNCTRANS_CONFORMANCE_SAMPLES caps samples per op).
+conformance: $(STAMP)
+	FUNCTRANS_CONFORMANCE=full $(VPY) -m pytest -q tests/conformance -k full_sweep
 
 clean:
 	rm -rf $(VENV) *.egg-info .mypy_cache .ruff_cache

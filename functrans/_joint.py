@@ -19,7 +19,15 @@ from ._graph import JointGraph, Role, assign_phases
 from ._logs import log
 from ._passes import InputSpec, canonicalize, no_gc
 from ._pytree import NAMESPACE, Flat, flatten, unflatten
-from ._trace import Decompositions, arg_names, decomposition_table, run_traced, trace, trace_module
+from ._trace import (
+    Decompositions,
+    arg_names,
+    check_inputs,
+    decomposition_table,
+    run_traced,
+    trace,
+    trace_module,
+)
 
 __all__ = ["joint", "normalize_argnums"]
 
@@ -100,6 +108,7 @@ def joint(
     def build(*args: Any, **kwargs: Any) -> JointGraph:
         nums = normalize_argnums(argnums, len(args))
         tensors, fn_in = flatten((args, kwargs))
+        check_inputs(f, tensors, fn_in)
         wrt = _diff_leaves(args, nums)
         mask = [i in wrt for i in range(len(tensors))]
         mode = FakeTensorMode(allow_non_fake_inputs=True)

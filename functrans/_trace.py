@@ -28,7 +28,7 @@ from torch._subclasses.fake_tensor import (
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
-from ._errors import TraceError
+from ._errors import TraceError, UnsupportedOpError
 from ._format import op_name
 from ._graph import SOURCE, Graph, Role
 from ._logs import log
@@ -38,6 +38,7 @@ from ._pytree import Flat, flatten, unflatten
 __all__ = [
     "Decompositions",
     "arg_names",
+    "check_inputs",
     "decomposition_table",
     "is_tracing",
     "run_traced",
@@ -72,6 +73,14 @@ _WRONG_FOR_TRAINING = ("_scaled_dot_product_flash_attention_for_cpu",)
 _MUTATE_WITHOUT_SAYING = (torch.ops.aten.native_batch_norm.default,)
 
 
+def _take(self: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``take`` as one gather from the flattened input. Torch's own decomposition indexes with
+    Python ``[]``, which reads a 0-dim index tensor as an int (``.item()``): untraceable.
+    """
+    out: torch.Tensor = torch.ops.aten.index.Tensor(self.reshape(-1), [index])
+    return out
+
+
 @functools.cache
 def _core_table() -> Mapping[Any, Callable[..., Any]]:
     from torch._decomp import core_aten_decompositions
@@ -81,6 +90,7 @@ def _core_table() -> Mapping[Any, Callable[..., Any]]:
         table.pop(getattr(torch.ops.aten, name).default, None)
     for op in _MUTATE_WITHOUT_SAYING:
         table[op] = decomposition_table_all()[op]
+    table[torch.ops.aten.take.default] = _take
     return table
 
 
@@ -155,12 +165,46 @@ def user_frame(exc: BaseException) -> traceback.FrameSummary | None:
     return frames[-1] if frames else None
 
 
+def check_inputs(f: Callable[..., Any], tensors: Sequence[torch.Tensor], flat: Flat) -> None:
+    """Raise UnsupportedOpError for tensor inputs functrans cannot trace (sparse, mkldnn...)."""
+    for i, t in enumerate(tensors):
+        if t.layout != torch.strided:
+            where = arg_names(f, flat)[i]
+            raise UnsupportedOpError(
+                f"{getattr(f, '__qualname__', f)}: input {where} is a {t.layout} tensor; "
+                "functrans traces dense (strided) tensors only. Pass a dense tensor "
+                "(`x.to_dense()`)."
+            )
+
+
+def _culprit(exc: BaseException) -> str:
+    """Which ATen op needed a tensor's value, as `` (`aten.equal.default`, called by torch.cov
+    in the backward pass)``; empty when the traceback does not say.
+    """
+    op = getattr(exc, "func", None)
+    api, backward = None, False
+    tb = exc.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        backward = backward or frame.f_code.co_name == "_engine_run_backward"
+        func = frame.f_locals.get("func") if frame.f_code.co_name.startswith("__torch_") else None
+        if isinstance(func, torch._ops.OpOverload):
+            op = op or func
+        elif func is not None and not backward:
+            api = api or getattr(func, "__name__", None)
+        tb = tb.tb_next
+    parts = [f"`{op}`"] if op is not None else []
+    parts += [f"called by torch.{api}"] if api and not backward else []
+    parts += ["in the backward pass"] if backward else []
+    return f" ({', '.join(parts)})" if parts else ""
+
+
 def _data_dependent_error(fn: Callable[..., Any], exc: BaseException) -> TraceError:
     fr = user_frame(exc)
-    where = f"{fr.filename}:{fr.lineno}: `{(fr.line or '').strip()}`" if fr else "unknown line"
+    where = f" at {fr.filename}:{fr.lineno}: `{(fr.line or '').strip()}`" if fr else ""
     name = getattr(fn, "__qualname__", repr(fn))
     return TraceError(
-        f"{name} depends on the value of a tensor at {where}.\n"
+        f"{name} depends on the value of a tensor{where}{_culprit(exc)}.\n"
         "Tracing records one straight-line graph and cannot follow Python control flow (or "
         "output shapes) that depend on tensor values. Compute both branches and pick with "
         "torch.where(cond, a, b), or pass the value as a Python scalar marked static with "
@@ -190,6 +234,10 @@ def run_traced(fn: Callable[..., Any], user_fn: Callable[..., Any]) -> Any:
     try:
         result = fn()
     except _DATA_DEPENDENT as e:
+        raise _data_dependent_error(user_fn, e) from e
+    except RuntimeError as e:  # C++ read the data of a fake tensor: a value-dependent op
+        if "data is not allocated yet" not in str(e):
+            raise
         raise _data_dependent_error(user_fn, e) from e
     finally:
         _TRACING.reset(token)
@@ -361,6 +409,7 @@ def trace(
 
     def traced(*args: Any, **kwargs: Any) -> Graph:
         tensors, in_flat = flatten((args, kwargs), static_argnums=tuple(static_argnums))
+        check_inputs(f, tensors, in_flat)
         names = arg_names(f, in_flat)
         out_box: list[Flat] = []
 
