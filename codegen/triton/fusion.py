@@ -112,7 +112,7 @@ def lowerable(node: fx.Node) -> bool:
         return False
     if node.target is operator.getitem:
         parent = node.args[0]
-        return isinstance(parent, fx.Node) and parent.target in REDUCTIONS
+        return isinstance(parent, fx.Node) and parent.target in REDUCTIONS and lowerable(parent)
     low = LOWERINGS.get(node.target)
     if low is None or not _tensor_dtypes_ok(node):
         return False

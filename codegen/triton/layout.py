@@ -52,6 +52,8 @@ def reduced_dims(node: fx.Node, rank: int) -> tuple[list[int], bool]:
         return list(range(rank)), keepdim
     if isinstance(dims, int):
         dims = [dims]
+    if rank == 0:  # a 0-dim tensor: dim 0 / -1 name the tensor itself, nothing to reduce
+        return [], keepdim
     return sorted({d % rank for d in dims}), keepdim
 
 
@@ -120,8 +122,16 @@ def layout(nodes: Sequence[fx.Node]) -> Layout | None:
     else:
         space = max((shape(n) for n in nodes), key=_numel)
     part: dict[fx.Node, list[int | None]] = {n: [None] * len(shape(n)) for n in nodes}
+    for r in reductions:  # a reduction of an outside value: its output dims follow its input's
+        src = r.args[0]
+        if isinstance(src, fx.Node) and src not in members:
+            fa: list[int | None] = [None] * len(shape(src))
+            if _align(shape(src), space, fa):
+                for da, dr in links(src, r) or []:
+                    part[r][dr] = fa[da]
     seen: set[fx.Node] = set()
-    for start in sorted(nodes, key=lambda n: shape(n) != space):
+    anchored = [n for n in nodes if any(d is not None for d in part[n])]
+    for start in anchored + sorted(nodes, key=lambda n: shape(n) != space):
         if start in seen:
             continue
         if not _align(shape(start), space, part[start]):

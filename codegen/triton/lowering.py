@@ -122,6 +122,10 @@ def _binary(op: str, cast: Cast = "out") -> Lowering:
     return Lowering("pointwise", lambda a: f"({_e(a[0])} {op} {_e(a[1])})", cast)
 
 
+def _logical(op: str) -> Lowering:  # operands of any dtype: nonzero is true
+    return Lowering("pointwise", lambda a: f"(({_e(a[0])} != 0) {op} ({_e(a[1])} != 0))", "none")
+
+
 def _alpha(op: str) -> Lowering:
     def render(a: Sequence[Any]) -> str:
         alpha = a[2] if len(a) > 2 else 1
@@ -261,8 +265,12 @@ LOWERINGS: dict[Any, Lowering] = {
     aten.le.Scalar: _binary("<=", "promote"),
     aten.gt.Scalar: _binary(">", "promote"),
     aten.ge.Scalar: _binary(">=", "promote"),
-    aten.logical_and.default: _binary("&", "none"),
-    aten.logical_or.default: _binary("|", "none"),
+    aten.logical_and.default: Lowering(
+        "pointwise", lambda a: f"(({_e(a[0])} != 0) & ({_e(a[1])} != 0))", "none"
+    ),
+    aten.logical_or.default: Lowering(
+        "pointwise", lambda a: f"(({_e(a[0])} != 0) | ({_e(a[1])} != 0))", "none"
+    ),
     aten.logical_not.default: Lowering("pointwise", lambda a: f"({a[0]} == 0)", "none"),
     aten.where.self: Lowering("pointwise", _where, "values"),
     # copies and conversions: the value, converted to the result's dtype

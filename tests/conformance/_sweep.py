@@ -152,6 +152,7 @@ def eager(
     floating-point output, which is the order functrans' joint graphs take them in.
     """
     xs = [t.detach().requires_grad_(i < n_diff) for i, t in enumerate(tensors)]
+    torch.manual_seed(RNG_SEED)
     out = f(*xs)
     gen = torch.Generator().manual_seed(seed)
     floats = _floats(out)
@@ -207,13 +208,52 @@ def _random_ops(graph: torch.fx.Graph) -> list[str]:
     )
 
 
+RNG_SEED = 42  # every run, eager and graph, starts from this seed (OpInfo's own, too)
+
+
+def _triton_backend() -> Any:
+    """The ``"triton"`` codegen backend when triton is installed, else None."""
+    from functrans.codegen.triton import runtime
+
+    from functrans import codegen
+
+    return codegen.get_backend("triton") if runtime.available() else None
+
+
+BACKEND = _triton_backend()
+
+
+def _check_backend(
+    p: Any,
+    tensors: list[torch.Tensor],
+    tangents: tuple[torch.Tensor, ...],
+    reference: tuple[list[torch.Tensor], list[torch.Tensor]],
+) -> None:
+    """The partition's forward and backward compiled by the Triton backend (kernels run in
+    Triton's interpreter) against the reference outputs and grads."""
+    fwd = BACKEND.compile(p.forward, tensors)
+    torch.manual_seed(RNG_SEED)
+    flat = fwd(*tensors)
+    n_out = len(flat) - len(p.saved)
+    compare(flat[:n_out], reference[0], "output")
+    wanted = [n for n in p.backward.placeholders()][len(p.saved) :]
+    bwd = BACKEND.compile(p.backward, [*flat[n_out:], *tangents[: len(wanted)]])
+    compare(bwd(*flat[n_out:], *tangents[: len(wanted)]), reference[1], "grad")
+
+
 def check_sample(
     f: Callable[..., Any],
     tensors: list[torch.Tensor],
     n_diff: int,
     configs: Sequence[tuple[str, dict[str, Any]]],
 ) -> None:
-    """Raise Skip, Mismatch, a FunctransError or anything else; return if every graph agrees."""
+    """Raise Skip, Mismatch, a FunctransError or anything else; return if every graph agrees.
+
+    Random ops are compared with eager too: eager and every graph start from one seed, so a
+    graph that draws what eager draws passes. If the draws differ (OpInfo's ``wrapper_set_seed``
+    reseeds inside the op, which a graph cannot see), the sample is skipped with that reason
+    after checking that every strategy agrees with the joint graph under one seed.
+    """
     if n_diff == 0:
         raise Skip("no input requires grad")
     try:
@@ -221,41 +261,67 @@ def check_sample(
         random = _is_random(f, tensors)
     except Exception as e:
         raise Skip(f"eager reference fails: {type(e).__name__}: {_first_line(e)}") from None
-    if random:
-        raise Skip("random op: eager results change with the seed")
-    stage = "trace"
     try:
         g = ft.trace(f)(*tensors)
-        random = _random_ops(g.fx_graph)
-        if not random:
+    except ft.FunctransError as e:
+        e.args = (f"trace: {e}",)
+        raise
+    random_ops = _random_ops(g.fx_graph)
+    try:
+        _check_graphs(f, g, tensors, n_diff, configs, (e_outs, e_grads), tangents)
+    except Mismatch as e:
+        if not (random or random_ops):
+            raise
+        jg = ft.joint(f, argnums=tuple(range(n_diff)))(*tensors)
+        torch.manual_seed(RNG_SEED)
+        j_outs, j_grads = jg(tuple(tensors), tangents)
+        reference = (_tensor_leaves(j_outs), _tensor_leaves(j_grads))
+        _check_graphs(f, None, tensors, n_diff, configs, reference, tangents)
+        raise Skip(
+            f"random op ({', '.join(random_ops) or 'seeded inside'}): eager draws other numbers "
+            f"({e}); checked: every strategy agrees with the joint graph under one seed"
+        ) from None
+
+
+def _check_graphs(
+    f: Callable[..., Any],
+    g: Any,
+    tensors: list[torch.Tensor],
+    n_diff: int,
+    configs: Sequence[tuple[str, dict[str, Any]]],
+    reference: tuple[list[torch.Tensor], list[torch.Tensor]],
+    tangents: tuple[torch.Tensor, ...],
+) -> None:
+    """Trace output (when ``g`` is given), joint graph and every partition against
+    ``reference`` (outputs, grads), each run from ``RNG_SEED``."""
+    e_outs, e_grads = reference
+    stage = "trace"
+    try:
+        if g is not None:
+            torch.manual_seed(RNG_SEED)
             compare(g(*tensors), e_outs, "trace output")
         stage = "joint"
         jg = ft.joint(f, argnums=tuple(range(n_diff)))(*tensors)
         jg.verify()
-        torch.manual_seed(0)
+        torch.manual_seed(RNG_SEED)
         j_outs, j_grads = jg(tuple(tensors), tangents)
-        if random:  # OpInfo seeds random ops inside (wrapper_set_seed), graphs use the caller's
-            # generator: the reference becomes the joint graph under the same seed
-            e_outs, e_grads = _tensor_leaves(j_outs), _tensor_leaves(j_grads)
         compare(j_outs, e_outs, "joint output")
         compare(j_grads, e_grads, "joint grad")
         for name, opts in configs:
             stage = f"partition {name} {opts or ''}".strip()
             p = ft.partition(jg, name, **opts)
-            torch.manual_seed(0)
+            torch.manual_seed(RNG_SEED)
             outs, saved = p.forward(*tensors)
             compare(outs, e_outs, f"{stage}: output")
             compare(p.backward(saved, tangents), e_grads, f"{stage}: grad")
             p.forward.verify()
             p.backward.verify()
+        if BACKEND is not None:
+            stage = "triton backend (min_cut)"
+            _check_backend(ft.partition(jg, "min_cut"), tensors, tangents, reference)
     except (Mismatch, ft.FunctransError) as e:
         e.args = (f"{stage}: {e}" if not str(e).startswith(stage) else str(e),)
         raise
-    if random:
-        raise Skip(
-            f"random op ({', '.join(random)}): eager draws other numbers (checked: every "
-            "strategy agrees with the joint graph under one seed)"
-        )
 
 
 _CALL = "return _real_view(process(op(inp, *args, **kwargs)))"  # the line in bind's f
