@@ -253,6 +253,21 @@ def test_regression_empty_concat_pieces_place_nothing():
     _check_graph(ft.trace(lambda a, b: torch.cat([a, b]) * 2)(*cat), cat, "empty cat")
 
 
+@pytest.mark.parametrize(
+    "f, shapes",
+    [
+        (lambda x: torch.std_mean(x, 1), [(3, 4)]),  # getitems of a reduction of an input
+        (lambda x: x.sum(0) * x.amax(-1), [()]),  # reductions of a 0-dim tensor
+        (lambda x, y: torch.pow(x, y), [(5,), (5,)]),  # logical_and of float masks (backward)
+        (lambda x: torch.logical_and(x, x * 2).float() * x, [(6,)]),
+    ],
+)
+def test_regression_cases_the_opinfo_sweep_found(f, shapes):
+    args = [torch.rand(s) + 0.5 for s in shapes]
+    _check_graph(ft.trace(f)(*args), args, "forward")
+    _check_partition(ft.partition(ft.joint(f)(*args), "min_cut"), args, "min_cut")
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_types_compute_in_float32_and_store_their_dtype(dtype):
     x = torch.randn(7, 33).to(dtype)
