@@ -260,6 +260,9 @@ def test_regression_empty_concat_pieces_place_nothing():
         (lambda x: x.sum(0) * x.amax(-1), [()]),  # reductions of a 0-dim tensor
         (lambda x, y: torch.pow(x, y), [(5,), (5,)]),  # logical_and of float masks (backward)
         (lambda x: torch.logical_and(x, x * 2).float() * x, [(6,)]),
+        (lambda x, y: torch.view_as_real(torch.polar(x, y)) * 2, [(4,), (4,)]),  # dtype views
+        (lambda x: torch.fft.ihfft(x).abs(), [(8,)]),  # conj-bit views of complex values
+        (lambda x, w: torch.cat([x, torch.ones(0)]) * w, [(3,), (3,)]),  # legacy empty piece
     ],
 )
 def test_regression_cases_the_opinfo_sweep_found(f, shapes):

@@ -135,7 +135,7 @@ def _inline(nodes: list[fx.Node], lower: set[fx.Node]) -> frozenset[fx.Node]:
             continue
         loads_only = all(a not in lower or a in out for a in n.all_input_nodes)
         concat_read = bool(n.users) and all(_is_concat(u) and u in lower for u in n.users)
-        if low.kind != "concat" and loads_only and concat_read:
+        if low.kind == "pointwise" and loads_only and concat_read:
             out.add(n)
     changed = True
     while changed:  # drop any whose value something else needs in memory
@@ -328,7 +328,11 @@ def fuse(graph: fx.Graph) -> Plan:
 def _view_access(view: fx.Node, base: Access) -> Access | None:
     """The view read in place from ``base`` 's root, or None when the trace cannot tell."""
     v, r = _val(view), _val(base.root)
-    if isinstance(v, torch.Tensor) and isinstance(r, torch.Tensor) and _shares_storage(v, r):
+    if not (isinstance(v, torch.Tensor) and isinstance(r, torch.Tensor)) or v.dtype != r.dtype:
+        return None  # a view that reinterprets the bytes (view_as_real, view(dtype)): run it
+    if v.is_complex() or v.is_conj() or v.is_neg():
+        return None  # complex views carry conj/neg bits strides cannot express: run them
+    if _shares_storage(v, r):
         return Access(
             base.root,
             int(v.storage_offset()) - int(r.storage_offset()),

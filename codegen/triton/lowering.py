@@ -203,7 +203,8 @@ def concat_pieces(n: fx.Node) -> tuple[int, list[tuple[fx.Node, int, int]], fx.N
         dim = int(args[1]) % rank if len(args) > 1 else 0
         pieces, start = [], 0
         for a in args[0]:
-            size = int(a.meta["val"].shape[dim])
+            val = a.meta["val"]
+            size = int(val.shape[dim]) if val.dim() == rank else 0  # legacy empty 1-d pieces
             pieces.append((a, start, size))
             start += size
         return dim, pieces, None

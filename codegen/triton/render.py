@@ -91,6 +91,7 @@ class _Emitter(Reductions):
         self.loop: dict[Any, str] | None = None  # row-level values of the current loop
         self.counter = 0
         self.reads: dict[fx.Node, set[tuple[Any, ...]]] = {}
+        self.one = "[1, 1]" if self.reduce else "[1]"  # a one-element block of the kernel's rank
         self.shift: dict[int, str] = {}  # space dim -> index expression, in a concat piece
         self.piece_mask: str | None = None  # where the current concat piece is valid
 
@@ -274,7 +275,7 @@ class _Emitter(Reductions):
         elif parts:
             expr = parts.pop()[1]
         else:  # every piece is empty, and so is the result
-            expr = f"tl.full([1], 0, {_tl(_val(n).dtype)})"
+            expr = f"tl.full({self.one}, 0, {_tl(_val(n).dtype)})"
         for cond, v in reversed(parts):
             expr = f"tl.where({cond}, {v}, {expr})"
         return self.top_line(expr)
@@ -290,10 +291,10 @@ class _Emitter(Reductions):
         if n.target is torch.ops.aten.arange.start_step:
             f = fd[0]
             if f is None:  # one element: the start
-                return f"tl.full([1], {literal(args[0])}, {dtype})"
+                return f"tl.full({self.one}, {literal(args[0])}, {dtype})"
             step = literal(args[2] if len(args) > 2 else 1)
             return f"({literal(args[0])} + {self.index(f)} * {step})"
-        return f"tl.full([1], {LOWERINGS[n.target].render(args)}, {dtype})"
+        return f"tl.full({self.one}, {LOWERINGS[n.target].render(args)}, {dtype})"
 
     def operand(self, n: fx.Node, src: fx.Node) -> str:
         if src in self.members:
