@@ -313,7 +313,10 @@ def test_jit_with_the_triton_backend_trains_like_eager():
 # interpreting kernels and compiling each for two GPUs costs ~1 s per program: a quarter of the
 # profile's examples (10 in ci, 500 under make fuzz)
 @settings(max_examples=max(10, settings().max_examples // 4))
-@given(programs(dtypes=(torch.float32, torch.float64)), st.sampled_from([(1024, 1024), (8, 16)]))
+@given(
+    programs(dtypes=(torch.float32, torch.float64, torch.bfloat16)),
+    st.sampled_from([(1024, 1024), (8, 16)]),
+)
 def test_property_triton_matches_aten_on_random_programs(prog, limits):
     args = prog.example_inputs()
     flat = flatten((args, {}))[0]
