@@ -91,16 +91,14 @@ def ft_red_amax_sub_exp_0(in_ptr0, out_ptr0, XBLOCK: tl.constexpr, RBLOCK: tl.co
     x0 = xindex
     r1 = rindex
     tmp0 = tl.load(in_ptr0 + (10 * x0 + r1), xmask & rmask, other=0)
-    tmp1 = tl.where(rmask, tl.broadcast_to(tmp0, [XBLOCK, RBLOCK]), 0)
-    tmp2 = tl.sum(tmp1, 1)[:, None]
-    tmp3 = tl.where(rmask, tl.broadcast_to(tmp0, [XBLOCK, RBLOCK]), float("-inf"))
-    tmp4 = tl.max(tmp3, 1)[:, None]
-    tmp5 = ((tmp0 - tmp4)).to(tl.float32)
-    tmp6 = (tl.exp(tmp5)).to(tl.float32)
-    tmp7 = tl.where(rmask, tl.broadcast_to(tmp6, [XBLOCK, RBLOCK]), 0)
-    tmp8 = tl.sum(tmp7, 1)[:, None]
-    tmp9 = ((tmp6 / tmp8)).to(tl.float32)
-    tl.store(out_ptr0 + (10 * x0 + r1), tmp9.to(tl.float32), xmask & rmask)
+    tmp1 = tl.where(rmask, tl.broadcast_to(tmp0, [XBLOCK, RBLOCK]), float("-inf"))
+    tmp2 = tl.max(tmp1, 1)[:, None]
+    tmp3 = ((tmp0 - tmp2)).to(tl.float32)
+    tmp4 = (tl.exp(tmp3)).to(tl.float32)
+    tmp5 = tl.where(rmask, tl.broadcast_to(tmp4, [XBLOCK, RBLOCK]), 0)
+    tmp6 = tl.sum(tmp5, 1)[:, None]
+    tmp7 = ((tmp4 / tmp6)).to(tl.float32)
+    tl.store(out_ptr0 + (10 * x0 + r1), tmp7.to(tl.float32), xmask & rmask)
 """,
         )
 

@@ -88,11 +88,12 @@ class Reductions:
             parts = {"var_mean": [var, v], "var": [var]}.get(combine, [v])
             self.top[key] = parts  # type: ignore[assignment]
             return parts
+        if combine in ("max", "min"):
+            self.top[key] = [self.extreme(n, src, combine, acc_t)]  # type: ignore[assignment]
+            return self.top[key]  # type: ignore[return-value]
         total = self.sum_rows(n, src, lambda v: v, acc_t)
         if combine in ("sum", "mean"):
             parts = [total if combine == "sum" else self.top_line(f"{total} / {self.rnumel}")]
-        elif combine in ("max", "min"):
-            parts = [self.extreme(n, src, combine, acc_t)]
         else:  # var_mean / var: two passes, mean then squared deviations
             mean = self.top_line(f"{total} / {self.rnumel}")
             m2 = self.sum_rows(n, src, lambda v: f"({v} - {mean}) * ({v} - {mean})", acc_t)
