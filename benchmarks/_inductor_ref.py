@@ -58,7 +58,7 @@ import torch
 import torch.fx as fx
 from functrans.codegen.inductor import decompose_for_inductor
 
-from functrans.extend import Graph, OpClass, nbytes, op_class
+from functrans.extend import Graph, OpClass, nbytes, op_class, read_bytes
 
 __all__ = [
     "SIMULATED_GPU",
@@ -319,17 +319,6 @@ def inductor_kernels(
     )
 
 
-def _read_bytes(val: Any) -> int:
-    """Bytes an op reads from a tensor input: broadcast (stride-0) dimensions count once."""
-    if not isinstance(val, torch.Tensor):
-        return 0
-    numel = 1
-    for size, stride in zip(val.shape, val.stride(), strict=True):
-        if stride != 0:
-            numel *= int(size)
-    return numel * val.element_size()
-
-
 def _values(module: fx.GraphModule, example_inputs: Sequence[Any]) -> dict[fx.Node, Any]:
     """``meta["val"]`` of every node; where one is missing, shapes from running on fakes."""
     vals = {n: n.meta.get("val") for n in module.graph.nodes if n.op != "output"}
@@ -360,7 +349,7 @@ def aten_bytes(graph: Graph | fx.GraphModule, example_inputs: Sequence[Any] = ()
         if op_class(node) is OpClass.VIEW:
             continue
         inputs = {n: None for n in node.all_input_nodes}
-        total += sum(_read_bytes(vals.get(n)) for n in inputs)
+        total += sum(read_bytes(vals.get(n)) for n in inputs)
         total += nbytes(vals.get(node))
     return total
 

@@ -9,6 +9,7 @@ compute-intensive class is a list: those are the ops worth saving instead of red
 from __future__ import annotations
 
 import enum
+import math
 import operator
 from typing import Any
 
@@ -26,6 +27,7 @@ __all__ = [
     "is_input_alias",
     "nbytes",
     "op_class",
+    "read_bytes",
 ]
 
 aten = torch.ops.aten
@@ -64,6 +66,18 @@ class OpClass(enum.Enum):
     RANDOM = "random"  # draws from the RNG: recomputing changes the value
     EFFECTFUL = "effectful"  # mutates or has side effects
     OTHER = "other"  # everything else (copies, scatter, indexing, ...)
+
+
+def read_bytes(val: Any) -> int:
+    """Bytes an op reads from a tensor: dims broadcast with stride 0 count once.
+
+    >>> read_bytes(torch.empty(64, 1).expand(64, 64))
+    256
+    """
+    if not isinstance(val, torch.Tensor):
+        return 0
+    distinct = math.prod(int(n) for n, st in zip(val.shape, val.stride(), strict=True) if st)
+    return distinct * val.element_size()
 
 
 def nbytes(val: Any) -> int:

@@ -13,6 +13,7 @@ from ._cost import flops as flops
 from ._cost import is_input_alias as is_input_alias
 from ._cost import nbytes as nbytes
 from ._cost import op_class as op_class
+from ._cost import read_bytes as read_bytes
 from ._errors import FunctransError as FunctransError
 from ._errors import InvalidPartitionError as InvalidPartitionError
 from ._errors import UnsupportedOpError as UnsupportedOpError

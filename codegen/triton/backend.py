@@ -23,7 +23,7 @@ import torch.fx as fx
 
 from functrans._graph import RECOMPUTED
 from functrans._trace import decomposition_table_all, retrace
-from functrans.extend import Graph
+from functrans.extend import Graph, nbytes, read_bytes
 
 from . import runtime
 from .fusion import Access, Extern, Kernel, Plan, View, fuse
@@ -111,11 +111,8 @@ class Compiled:
         total = sum(r.read_bytes + r.write_bytes for r in self.rendered)
         for r in self.plan.regions:
             if isinstance(r, Extern) and r.node.target is not operator.getitem:
-                vals = [a.meta.get("val") for a in r.node.all_input_nodes]
-                out = r.node.meta.get("val")
-                outs = out if isinstance(out, (tuple, list)) else [out]
-                total += sum(_nbytes(v, distinct=True) for v in vals)
-                total += sum(_nbytes(v) for v in outs)
+                total += sum(read_bytes(a.meta.get("val")) for a in r.node.all_input_nodes)
+                total += nbytes(r.node.meta.get("val"))
         return total
 
     def __call__(self, *tensors: torch.Tensor) -> list[Any]:
@@ -126,15 +123,6 @@ class Compiled:
             for n in free:
                 del env[n]
         return list(fx.node.map_arg(self._output.args[0], env.__getitem__))  # type: ignore[arg-type]
-
-
-def _nbytes(v: Any, distinct: bool = False) -> int:
-    if not isinstance(v, torch.Tensor):
-        return 0
-    n = 1
-    for size, stride in zip(v.shape, v.stride(), strict=True):
-        n *= 1 if (distinct and stride == 0) else int(size)
-    return n * v.element_size()
 
 
 Step = Callable[[dict[fx.Node, Any], torch.device], None]

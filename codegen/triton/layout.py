@@ -19,6 +19,7 @@ per-channel value would have to index two different dims.
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Sequence
 from typing import Any
@@ -120,7 +121,7 @@ def layout(nodes: Sequence[fx.Node]) -> Layout | None:
     if reductions:
         space = shape(reductions[0].args[0])  # type: ignore[arg-type]
     else:
-        space = max((shape(n) for n in nodes), key=_numel)
+        space = max((shape(n) for n in nodes), key=math.prod)
     part: dict[fx.Node, list[int | None]] = {n: [None] * len(shape(n)) for n in nodes}
     for r in reductions:  # a reduction of an outside value: its output dims follow its input's
         src = r.args[0]
@@ -222,10 +223,3 @@ def operand_fdims(a: fx.Node, n: fx.Node, fd_n: FDims, space: Sequence[int]) -> 
     for da, dn in links(a, n) or []:
         fa[da] = fd_n[dn]
     return tuple(fa) if _align(shape(a), space, fa) else None
-
-
-def _numel(dims: Sequence[int]) -> int:
-    n = 1
-    for s in dims:
-        n *= s
-    return n

@@ -12,6 +12,7 @@ broadcasts cost nothing.
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -19,6 +20,8 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+
+from functrans.extend import nbytes
 
 from .fusion import Access, Kernel
 from .layout import FDims, operand_fdims
@@ -73,8 +76,8 @@ class _Emitter(Reductions):
         self.members = set(k.nodes)
         self.xdims = [d for d in range(len(k.space)) if d not in k.rdims]
         self.rdims = sorted(k.rdims)
-        self.xnumel = _prod(k.space[d] for d in self.xdims)
-        self.rnumel = _prod(k.space[d] for d in self.rdims)
+        self.xnumel = math.prod(k.space[d] for d in self.xdims)
+        self.rnumel = math.prod(k.space[d] for d in self.rdims)
         self.reduce = bool(self.rdims)
         self.persistent = not self.reduce or _pow2(self.rnumel) <= persistent_limit
         small = min(128, max_block, _pow2(self.rnumel))
@@ -316,13 +319,6 @@ class _Emitter(Reductions):
         self.emit(f"tl.store({ptr} + ({address}), {v}.to({dtype}), {mask})")
 
 
-def _prod(xs: Any) -> int:
-    p = 1
-    for x in xs:
-        p *= int(x)
-    return p
-
-
 def _promote(n: fx.Node) -> torch.dtype:
     vals: list[Any] = [a.meta["val"] if isinstance(a, fx.Node) else a for a in n.args]
     dtype = torch.result_type(vals[0], vals[1]) if len(vals) >= 2 else vals[0].dtype
@@ -392,7 +388,7 @@ def render(
     signature = {e.params[r]: pointer_type(_val(r).dtype) for r in (*inputs, *outputs)}
     grid = ((e.xnumel + e.xblock - 1) // e.xblock,)
     read = sum(_read_bytes(r, e.reads[r]) for r in inputs)
-    written = sum(_prod(_val(o).shape) * _val(o).element_size() for o in outputs)
+    written = sum(nbytes(_val(o)) for o in outputs)
     return Rendered(name, source, signature, constexprs, inputs, outputs, grid, read, written)
 
 
@@ -402,5 +398,5 @@ def _read_bytes(root: fx.Node, accesses: set[tuple[Any, ...]]) -> int:
     v = _val(root)
     total = 0
     for _, dims in accesses:
-        total += _prod(s for s, st in dims if st != 0 and s != 1)
-    return min(total, _prod(v.shape)) * int(v.element_size())
+        total += math.prod(s for s, st in dims if st != 0 and s != 1)
+    return min(total, int(v.numel())) * int(v.element_size())
