@@ -26,7 +26,8 @@ from functrans._trace import decomposition_table_all, retrace
 from functrans.extend import Graph, nbytes, read_bytes
 
 from . import runtime
-from .fusion import Access, Extern, Kernel, Plan, View, fuse
+from .fusion import fuse
+from .regions import Access, Extern, Kernel, Plan, View
 from .render import Rendered, render
 
 __all__ = ["Compiled", "TritonBackend"]

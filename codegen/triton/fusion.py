@@ -20,79 +20,23 @@ consume them.
 
 from __future__ import annotations
 
-import itertools
 import operator
-from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from .layout import FDims, layout
+from .layout import layout
 from .lowering import LOWERINGS, REDUCTIONS, triton_dtype
+from .regions import Access, Kernel, Plan, is_view_op
+from .schedule import order
 
-__all__ = ["Access", "Extern", "Kernel", "Plan", "View", "fuse"]
-
-
-@dataclass(frozen=True)
-class Access:
-    """Where a value lives: ``root`` 's buffer at element ``offset`` with ``strides``."""
-
-    root: fx.Node
-    offset: int
-    shape: tuple[int, ...]
-    strides: tuple[int, ...]
-
-
-@dataclass
-class Kernel:
-    """Nodes computed by one Triton kernel over ``space`` (reducing ``rdims``)."""
-
-    nodes: list[fx.Node]
-    space: tuple[int, ...] = ()
-    rdims: frozenset[int] = frozenset()
-    fdims: dict[fx.Node, FDims] = field(default_factory=dict)
-    stores: list[fx.Node] = field(default_factory=list)  # values other regions read
-
-
-@dataclass(frozen=True)
-class Extern:
-    """One node run as its ATen op."""
-
-    node: fx.Node
-
-
-@dataclass(frozen=True)
-class View:
-    """A view run as its (free) torch op, because an extern or the output needs the tensor."""
-
-    node: fx.Node
-
-
-Region = Kernel | Extern | View
-
-
-@dataclass(frozen=True)
-class Plan:
-    """The regions in execution order, and how every materialized value is addressed."""
-
-    regions: list[Region]
-    access: dict[fx.Node, Access]
-    inline: frozenset[fx.Node] = frozenset()  # index-only values: computed where read
+__all__ = ["fuse", "lowerable"]
 
 
 def _val(node: Any) -> Any:
     return node.meta.get("val") if isinstance(node, fx.Node) else None
-
-
-def _is_view_op(node: fx.Node) -> bool:
-    schema = getattr(node.target, "_schema", None)
-    if schema is None or len(schema.returns) != 1:
-        return False
-    alias = schema.returns[0].alias_info
-    return alias is not None and not alias.is_write
 
 
 def _tensor_dtypes_ok(node: fx.Node) -> bool:
@@ -281,7 +225,7 @@ def fuse(graph: fx.Graph) -> Plan:
         if k is not None:
             if n not in k.stores:
                 k.stores.append(n)
-        elif n.op == "call_function" and _is_view_op(n) and isinstance(n.args[0], fx.Node):
+        elif n.op == "call_function" and is_view_op(n) and isinstance(n.args[0], fx.Node):
             acc = _view_access(n, materialize(n.args[0]))
             if acc is not None:
                 access[n] = acc
@@ -315,13 +259,13 @@ def fuse(graph: fx.Graph) -> Plan:
         for a in n.all_input_nodes:
             if (k is None or member.get(a) is not k) and a not in fuser.inline:
                 materialize(a)
-        if k is None and n.target is not operator.getitem and not _is_view_op(n):
+        if k is None and n.target is not operator.getitem and not is_view_op(n):
             needs_tensor.update(n.all_input_nodes)
     for o in fuser.output.all_input_nodes:
         materialize(o)
         needs_tensor.add(o)
     nodes = [n for n in fuser.nodes if n not in fuser.inline]
-    regions = _order(nodes, member, access, needs_tensor, fuser.inline)
+    regions = order(nodes, member, access, needs_tensor, fuser.inline)
     return Plan(regions, access, fuser.inline)
 
 
@@ -350,78 +294,3 @@ def _view_access(view: fx.Node, base: Access) -> Access | None:
     ):
         return Access(base.root, base.offset, tuple(v.shape), tuple(v.stride()))
     return None
-
-
-def _order(
-    nodes: list[fx.Node],
-    member: dict[fx.Node, Kernel],
-    access: dict[fx.Node, Access],
-    needs_tensor: set[fx.Node],
-    inline: frozenset[fx.Node],
-) -> list[Region]:
-    """Regions in an order where every region's inputs are ready (a topological sort)."""
-    region_of: dict[fx.Node, Region] = {}
-    regions: list[Region] = []
-    for n in nodes:
-        if n in needs_tensor and n in access and access[n].root is not n:
-            region_of[n] = View(n)  # a free view some extern or the output needs as a tensor
-        elif n in member:
-            region_of[n] = member[n]
-        elif n.target is operator.getitem and n.args[0] in member:
-            region_of[n] = member[n.args[0]]  # type: ignore[index]
-        elif _is_view_op(n) and n in access and access[n].root is not n:
-            pass  # read in place by the kernels that use it
-        else:
-            region_of[n] = Extern(n)
-    seen: set[int] = set()
-    for r in region_of.values():
-        if id(r) not in seen:
-            seen.add(id(r))
-            regions.append(r)
-    deps: dict[int, set[int]] = {id(r): set() for r in regions}
-
-    def producers(n: fx.Node, own: Kernel | None) -> Iterable[fx.Node]:
-        for a in n.all_input_nodes:
-            if own is not None and member.get(a) is own:
-                continue  # computed inside the same kernel
-            if a in region_of:
-                yield a
-            elif a in inline:
-                yield from producers(a, None)  # recomputed by the reader: its inputs count
-            elif a in access and access[a].root is not a:
-                yield from producers(a, None)  # a free view: what its root depends on
-                if access[a].root in region_of:
-                    yield access[a].root
-
-    for n, r in region_of.items():
-        own = r if isinstance(r, Kernel) else None
-        for m in r.nodes if isinstance(r, Kernel) else [n]:
-            for p in producers(m, own):
-                pr = region_of[p]
-                if pr is not r:
-                    deps[id(r)].add(id(pr))
-    random = [
-        r
-        for r in regions
-        if isinstance(r, Extern)
-        and torch.Tag.nondeterministic_seeded in getattr(r.node.target, "tags", ())
-    ]
-    for a, b in itertools.pairwise(random):  # random ops keep their order: same draws
-        deps[id(b)].add(id(a))
-    ordered: list[Region] = []
-    done: set[int] = set()
-    pending = list(regions)
-    while pending:
-        progress = [r for r in pending if deps[id(r)] <= done]
-        if not progress:
-            stuck = [_describe(r) for r in pending]
-            raise AssertionError(f"fusion produced a cycle among {stuck}")
-        for r in progress:
-            ordered.append(r)
-            done.add(id(r))
-        pending = [r for r in pending if id(r) not in done]
-    return ordered
-
-
-def _describe(r: Region) -> str:
-    return str([n.name for n in r.nodes][:3]) if isinstance(r, Kernel) else r.node.name

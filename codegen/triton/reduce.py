@@ -17,9 +17,9 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from .fusion import Kernel
 from .layout import FDims
 from .lowering import LOWERINGS, REDUCTIONS, compute_dtype, literal, triton_dtype
+from .regions import Kernel
 
 __all__ = ["Reductions"]
 

@@ -1,4 +1,4 @@
-"""One fused :class:`~functrans.codegen.triton.fusion.Kernel` -> Triton source text.
+"""One fused :class:`~functrans.codegen.triton.regions.Kernel` -> Triton source text.
 
 Pointwise kernels run one program per ``XBLOCK`` elements of their iteration space. Kernels with
 reductions run one program per ``XBLOCK`` rows: when a row fits in one block (``RBLOCK`` >= the
@@ -23,7 +23,6 @@ import torch.fx as fx
 
 from functrans.extend import nbytes
 
-from .fusion import Access, Kernel
 from .layout import FDims, operand_fdims
 from .lowering import (
     LOWERINGS,
@@ -35,6 +34,7 @@ from .lowering import (
     triton_dtype,
 )
 from .reduce import Reductions, _tl, _val
+from .regions import Access, Kernel
 
 __all__ = ["Rendered", "render"]
 

@@ -1,0 +1,67 @@
+"""The pieces a graph is cut into (:mod:`.fusion`) and run in (:mod:`.schedule`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.fx as fx
+
+from .layout import FDims
+
+__all__ = ["Access", "Extern", "Kernel", "Plan", "Region", "View", "is_view_op"]
+
+
+@dataclass(frozen=True)
+class Access:
+    """Where a value lives: ``root`` 's buffer at element ``offset`` with ``strides``."""
+
+    root: fx.Node
+    offset: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+
+
+@dataclass
+class Kernel:
+    """Nodes computed by one Triton kernel over ``space`` (reducing ``rdims``)."""
+
+    nodes: list[fx.Node]
+    space: tuple[int, ...] = ()
+    rdims: frozenset[int] = frozenset()
+    fdims: dict[fx.Node, FDims] = field(default_factory=dict)
+    stores: list[fx.Node] = field(default_factory=list)  # values other regions read
+
+
+@dataclass(frozen=True)
+class Extern:
+    """One node run as its ATen op."""
+
+    node: fx.Node
+
+
+@dataclass(frozen=True)
+class View:
+    """A view run as its (free) torch op, because an extern or the output needs the tensor."""
+
+    node: fx.Node
+
+
+Region = Kernel | Extern | View
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The regions in execution order, and how every materialized value is addressed."""
+
+    regions: list[Region]
+    access: dict[fx.Node, Access]
+    inline: frozenset[fx.Node] = frozenset()  # index-only values: computed where read
+
+
+def is_view_op(node: fx.Node) -> bool:
+    """Whether ``node`` 's op returns an alias of its input (a view, per its schema)."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or len(schema.returns) != 1:
+        return False
+    alias = schema.returns[0].alias_info
+    return alias is not None and not alias.is_write
