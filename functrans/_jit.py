@@ -9,6 +9,7 @@ saves nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import threading
@@ -94,21 +95,22 @@ def _key(flat: Flat, tensors: Sequence[torch.Tensor]) -> Any:
     return (flat.spec, statics, meta, torch.is_grad_enabled())
 
 
+@dataclass(frozen=True)
+class _Options:
+    """What :func:`jit` was asked for (see its parameters)."""
+
+    partition: str | Strategy
+    backend: str
+    static_argnums: tuple[int, ...]
+    decompositions: Decompositions
+    partition_options: dict[str, Any]
+
+
 class _Jitted:
     """The callable ``jit`` returns (see :func:`jit`)."""
 
-    def __init__(
-        self,
-        f: Callable[..., Any],
-        strategy: str | Strategy,
-        backend: str,
-        static_argnums: Sequence[int],
-        decompositions: Decompositions,
-        options: dict[str, Any],
-    ) -> None:
-        self._f, self._strategy, self._backend = f, strategy, backend
-        self._static_argnums = tuple(static_argnums)
-        self._decompositions, self._options = decompositions, options
+    def __init__(self, f: Callable[..., Any], options: _Options) -> None:
+        self._f, self._opts = f, options
         self._cache: dict[Any, tuple[_Entry, list[int]]] = {}
         self._lock = threading.Lock()
         self._info = CacheInfo()
@@ -128,7 +130,7 @@ class _Jitted:
 
     def _run(self, args: Any, kwargs: Any) -> tuple[list[Any], _Entry, list[torch.Tensor]]:
         """Flat outputs, the entry that computed them and the inputs in the entry's order."""
-        tensors, flat = flatten((args, kwargs), static_argnums=self._static_argnums)
+        tensors, flat = flatten((args, kwargs), static_argnums=self._opts.static_argnums)
         key = _key(flat, tensors)
         hit = self._cache.get(key)
         if hit is None:
@@ -181,8 +183,8 @@ class _Jitted:
         return entry, diff + other
 
     def _build(self, flat_f: Callable[..., Any], example: Any, training: bool) -> _Entry:
-        backend = importlib.import_module("functrans.codegen").get_backend(self._backend)
-        decompositions = self._decompositions
+        backend = importlib.import_module("functrans.codegen").get_backend(self._opts.backend)
+        decompositions = self._opts.decompositions
         if decompositions == "auto":
             decompositions = getattr(backend, "decompositions", "core")
         inputs = [*example[0], *example[1]]
@@ -202,13 +204,13 @@ class _Jitted:
             return _Entry(fwd, None, g.out_flat, meta, 0, len(inputs), None, copies)
         jg = joint(flat_f, argnums=0, decompositions=decompositions)(*example)
         t1 = time.perf_counter()
-        p = partition(jg, self._strategy, **self._options)
+        p = partition(jg, self._opts.partition, **self._opts.partition_options)
         t2 = time.perf_counter()
         fwd = backend.compile(p.forward, inputs)
         bwd = backend.compile(p.backward, [])
         log(
             "codegen",
-            f"forward and backward compiled by {self._backend!r}",
+            f"forward and backward compiled by {self._opts.backend!r}",
             lambda: f"{p.forward.graph_module.code}\n{p.backward.graph_module.code}",
         )
         self._info.trace_s += t1 - t0
@@ -271,8 +273,6 @@ def jit(
     >>> w.grad.shape, f.cache_info().misses
     (torch.Size([3, 3]), 1)
     """
-    if isinstance(f, torch.nn.Module):
-        return JitModule(f, partition, backend, static_argnums, decompositions, partition_options)
     if f is None:
         return functools.partial(
             jit,
@@ -282,7 +282,8 @@ def jit(
             decompositions=decompositions,
             **partition_options,
         )
-    return _Jitted(f, partition, backend, static_argnums, decompositions, partition_options)
+    opts = _Options(partition, backend, tuple(static_argnums), decompositions, partition_options)
+    return JitModule(f, opts) if isinstance(f, torch.nn.Module) else _Jitted(f, opts)
 
 
 class JitModule(torch.nn.Module):
@@ -296,15 +297,7 @@ class JitModule(torch.nn.Module):
     only with ``torch.utils._pytree`` (Hugging Face's ``ModelOutput``) come back rebuilt with
     live tensors; an output object that hides tensors from both raises ``TraceError``."""
 
-    def __init__(
-        self,
-        module: torch.nn.Module,
-        strategy: str | Strategy,
-        backend: str,
-        static_argnums: Sequence[int],
-        decompositions: Decompositions,
-        options: dict[str, Any],
-    ) -> None:
+    def __init__(self, module: torch.nn.Module, options: _Options) -> None:
         super().__init__()
         self.module = module
 
@@ -319,8 +312,8 @@ class JitModule(torch.nn.Module):
             state = {k: v.detach() for k, v in fresh.items()}  # state, not differentiated
             return _take_apart(out, type(self.module).__name__), state
 
-        statics = tuple(i + 2 for i in static_argnums)
-        self._jitted = _Jitted(call, strategy, backend, statics, decompositions, options)
+        statics = tuple(i + 2 for i in options.static_argnums)  # after params and buffers
+        self._jitted = _Jitted(call, dataclasses.replace(options, static_argnums=statics))
 
     def cache_info(self) -> CacheInfo:
         return self._jitted.cache_info()
