@@ -324,6 +324,14 @@ def test_property_triton_matches_aten_on_random_programs(prog, limits):
     _check_partition(p, flat, f"{prog}\nmin_cut", **options)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine the script measures")
+def test_gpu_benchmark_exits_cleanly_without_cuda(capsys):
+    from benchmarks import gpu
+
+    assert gpu.main([]) == 0
+    assert "no CUDA device" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("arch", [90, 80])
 def test_every_generated_kernel_compiles_for_gpus(arch):
     """Runs last in this file: every kernel the tests above interpreted, compiled for sm_XX."""
