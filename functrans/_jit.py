@@ -22,12 +22,13 @@ import optree
 import torch
 import torch.utils._pytree as torch_pytree
 
+from ._decomp import Decompositions
 from ._errors import TraceError
 from ._joint import joint
 from ._logs import log
 from ._partition import Partition, Strategy, partition
 from ._pytree import NAMESPACE, Flat, flatten, unflatten
-from ._trace import Decompositions, arg_names, trace
+from ._trace import arg_names, trace
 
 __all__ = ["CacheInfo", "JitModule", "jit"]
 

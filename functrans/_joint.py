@@ -14,20 +14,13 @@ import optree
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from ._decomp import Decompositions, decomposition_table
 from ._errors import TraceError
 from ._graph import JointGraph, Role, assign_phases
 from ._logs import log
 from ._passes import InputSpec, canonicalize, no_gc
 from ._pytree import NAMESPACE, Flat, flatten, unflatten
-from ._trace import (
-    Decompositions,
-    arg_names,
-    check_inputs,
-    decomposition_table,
-    run_traced,
-    trace,
-    trace_module,
-)
+from ._trace import arg_names, check_inputs, run_traced, trace, trace_module
 
 __all__ = ["joint", "normalize_argnums"]
 

@@ -21,8 +21,9 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from functrans._decomp import decomposition_table_all
 from functrans._graph import RECOMPUTED
-from functrans._trace import decomposition_table_all, retrace
+from functrans._trace import retrace
 from functrans.extend import Graph, nbytes, read_bytes
 
 from . import runtime
