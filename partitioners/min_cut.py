@@ -8,11 +8,18 @@ the sink. A cut edge ``v_in -> v_out`` is a saved value; forward nodes on the si
 recomputed in backward.
 
 Capacities are activation bytes, so the saved set has the fewest bytes among cuts that recompute
-only allowed ops. Among minimum cuts the one closest to the inputs is taken: of equal-sized
-values it saves the earliest (a matmul output, which is written to memory anyway) and recomputes
-the cheap chain after it in backward, where it fuses into the backward kernels, instead of
-saving a pointwise value that a fused forward kernel would never have materialized. Views of
-inputs are then saved as the views (free either way). The rules are the small predicates below.
+only allowed ops. Ties between minimum cuts are broken in this order (a second max-flow on the
+first one's residual graph, see ``partitioners._maxflow``):
+
+1. save values a fused forward writes to memory anyway (:func:`is_materialized`: matmul
+   outputs and what matmuls read, forward outputs), not pointwise values a fused forward
+   kernel would never have materialized;
+2. recompute the fewest ops (views are free): of a matmul output and the contiguous copy of it
+   that the next matmul reads, both in memory, save the copy rather than redo it in backward;
+3. the cut closest to the inputs.
+
+Views of inputs are then saved as the views (free either way). The rules are the small
+predicates below.
 """
 
 from __future__ import annotations
@@ -104,6 +111,24 @@ def banned(node: fx.Node, opts: MinCutOptions) -> bool:
     )
 
 
+def is_materialized(node: fx.Node, outputs: set[fx.Node]) -> bool:
+    """Does a fused forward write ``node`` to memory anyway? Outputs of compute-intensive ops
+    (extern calls), the values they read (through views), and the forward's outputs."""
+    if node in outputs or is_compute_intensive(node):
+        return True
+    todo, seen = list(node.users), set()
+    while todo:
+        u = todo.pop()
+        if u in seen:
+            continue
+        seen.add(u)
+        if is_compute_intensive(u):
+            return True
+        if op_class(u) is OpClass.VIEW:
+            todo.extend(u.users)
+    return False
+
+
 def save_cost(node: fx.Node, opts: MinCutOptions, weighted: bool) -> int:
     """Capacity of ``node``'s in->out edge: the activation bytes saving it costs."""
     policy = policy_of(node)
@@ -118,9 +143,16 @@ def save_cost(node: fx.Node, opts: MinCutOptions, weighted: bool) -> int:
     return cost
 
 
-def _network(
-    joint: JointGraph, opts: MinCutOptions
-) -> tuple[list[fx.Node], list[int], list[int], list[int]]:
+@dataclass(frozen=True)
+class _Network:
+    nodes: list[fx.Node]  # forward node i is network nodes 2i (in) and 2i+1 (out)
+    src: list[int]
+    dst: list[int]
+    caps: list[int]
+    tiebreak: list[int]
+
+
+def _network(joint: JointGraph, opts: MinCutOptions) -> _Network:
     core = forward_core(joint)
     nodes = [
         n for n in joint.fx_graph.nodes if n.meta.get(PHASE) is Phase.FORWARD and n.op != "output"
@@ -128,12 +160,19 @@ def _network(
     index = {n: i for i, n in enumerate(nodes)}
     source, sink = 2 * len(nodes), 2 * len(nodes) + 1
     weighted = any(policy_of(n) in (Policy.PREFER_SAVE, Policy.PREFER_RECOMPUTE) for n in nodes)
+    outputs = {n for n in joint.forward_outputs() if isinstance(n, fx.Node)}
     edges: dict[tuple[int, int], int] = {}
+    ties: dict[tuple[int, int], int] = {}  # second capacities: see the module docstring
     drains = {n for n in joint.grad_outputs() if isinstance(n, fx.Node) and n in index}
     for n, i in index.items():
         edges[(2 * i, 2 * i + 1)] = save_cost(n, opts, weighted)
+        if not is_materialized(n, outputs):
+            ties[(2 * i, 2 * i + 1)] = len(nodes) + 1  # outweighs any count of recomputed ops
         if n.meta.get(ROLE) is Role.PRIMAL or (n in core and banned(n, opts)):
             edges[(source, 2 * i)] = INF
+        elif op_class(n) is not OpClass.VIEW:  # cut when n is recomputed: costs no bytes
+            edges[(source, 2 * i)] = 0
+            ties[(source, 2 * i)] = 1
         for user in n.users:
             if user in index:
                 edges[(2 * i + 1, 2 * index[user])] = INF
@@ -149,7 +188,8 @@ def _network(
     for n in drains:
         edges[(2 * index[n] + 1, sink)] = INF
     src, dst = zip(*edges, strict=True) if edges else ((), ())
-    return nodes, list(src), list(dst), list(edges.values())
+    tiebreak = [ties.get(e, 0) for e in edges]
+    return _Network(nodes, list(src), list(dst), list(edges.values()), tiebreak)
 
 
 def _feeds_backward(node: fx.Node) -> bool:
@@ -175,9 +215,9 @@ def min_cut(joint: JointGraph, **options: object) -> list[fx.Node]:
     ['mm', 'permute', 'permute_1']
     """
     opts = MinCutOptions(**options)  # type: ignore[arg-type]
-    order, src, dst, caps = _network(joint, opts)
-    n = 2 * len(order)
-    cut = solve_min_cut(n + 2, src, dst, caps, n, n + 1)
+    net = _network(joint, opts)
+    order, n = net.nodes, 2 * len(net.nodes)
+    cut = solve_min_cut(n + 2, net.src, net.dst, net.caps, n, n + 1, net.tiebreak)
     if not cut.finite:
         raise InvalidPartitionError(
             "min_cut: every cut crosses a value that may be neither saved nor recomputed: a "

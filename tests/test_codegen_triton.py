@@ -203,6 +203,35 @@ def test_cat_and_slice_scatter_read_their_pieces_at_shifted_indices():
         assert run.num_kernels == 1 and run.num_extern_calls == 0
 
 
+def test_slices_of_a_computed_value_are_recomputed_at_shifted_reads():
+    def rotate_back(g, s):  # rotary's backward: halves of g * s, negated and placed
+        y = g * s
+        return torch.cat([y[..., 4:] * 2, -y[..., :4]], -1) + g
+
+    def strided(x):
+        y = x.exp()
+        return y[:, 1::2] + y[:, -4:][:, 1:]  # a step, a negative start, a slice of a slice
+
+    for f, args in (
+        (rotate_back, [torch.randn(3, 8), torch.randn(8)]),
+        (strided, [torch.randn(4, 7)]),
+    ):
+        run, _ = _check_graph(ft.trace(f)(*args), args, f.__name__, max_block=8)
+        assert run.num_kernels == 1 and run.num_extern_calls == 0, f.__name__
+
+
+def test_contiguous_copies_of_computed_values_are_stored_in_place():
+    def f(x, w):  # the permuted copy a matmul reads: written by the kernel computing it
+        h = (x * 2).permute(0, 2, 1, 3).contiguous().view(8, 15)
+        return h @ w
+
+    args = [torch.randn(2, 3, 4, 5), torch.randn(15, 6)]
+    g = ft.trace(f)(*args)
+    run, _ = _check_graph(g, args, "relayout", max_block=8)
+    assert run.num_kernels == 1 and run.num_extern_calls == 1
+    assert "copy_strided" not in str(g.graph_module.code)  # the user's graph is untouched
+
+
 def test_matmul_is_an_extern_call_between_kernels():
     def f(x, w):
         return torch.relu(x @ w).sum(-1).exp()
@@ -286,8 +315,9 @@ def test_zoo_partitions_match_aten_and_recompute_fuses(name):
     p = ft.partition(ft.joint(model.fn, argnums=0)(*args), "min_cut")
     fwd, bwd = _check_partition(p, flatten(args)[0], name)
     assert fwd.num_kernels < sum(1 for _ in p.forward.ops())
-    if name == "mlp_stack":  # recomputed GELU shares the GELU-backward kernel
-        assert bwd.num_recompute_only_kernels == 0
+    # recompute fuses into the backward kernels (a recomputed GELU shares the GELU-backward
+    # kernel), and min_cut saves the copies matmuls read rather than redo them
+    assert bwd.num_recompute_only_kernels == 0
 
 
 def test_jit_with_the_triton_backend_trains_like_eager():

@@ -179,3 +179,42 @@ def test_property_max_flow_matches_networkx_even_with_huge_capacities(net):
     assert INF not in crossing
     assert cut.value == sum(crossing)
     assert sum(crossing) == want if cut.exact else sum(crossing) <= want * 1.01 + 1
+
+
+def test_rule_copies_matmuls_read_are_saved_rather_than_redone():
+    def f(x, w1, w2):  # the transposed copy costs what the mm output costs; both are in memory
+        return ((x @ w1).t().contiguous() @ w2).sum()
+
+    g = torch.Generator().manual_seed(0)
+    args = [torch.randn(16, 8, generator=g), torch.randn(8, 8, generator=g)]
+    p = ft.partition(ft.joint(f, argnums=(1, 2))(*args, torch.randn(16, 4, generator=g)), "min_cut")
+    assert "clone" in saved(p) and "mm" not in saved(p) and p.recomputed == ()
+
+
+@settings(max_examples=200)
+@given(networks(), st.data())
+def test_property_tiebreak_picks_the_cheapest_minimum_cut(net, data):
+    """Against brute force: the cut has the minimum value, and the least tiebreak among those."""
+    n, edges = net
+    if not edges:
+        return
+    keys = list(edges)
+    ties = [data.draw(st.integers(0, 3)) for _ in keys]
+    caps = [c if c == INF else c % 4 for c in edges.values()]  # small: many equal cuts
+    src, dst = zip(*keys, strict=True)
+    cut = min_cut(n, src, dst, caps, 0, n - 1, tiebreak=ties)
+    if not cut.finite:
+        return
+
+    def cost(side):
+        crossing = [i for i, (u, v) in enumerate(keys) if side[u] and not side[v]]
+        if any(caps[i] == INF for i in crossing):
+            return None
+        return sum(caps[i] for i in crossing), sum(ties[i] for i in crossing)
+
+    best = min(
+        c
+        for mask in range(1 << (n - 2))
+        if (c := cost([True, *((mask >> i) & 1 == 1 for i in range(n - 2)), False])) is not None
+    )
+    assert cost(list(cut.source_side)) == best

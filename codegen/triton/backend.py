@@ -29,6 +29,7 @@ from functrans.extend import Graph, nbytes, read_bytes
 from . import runtime
 from .fusion import fuse
 from .regions import Access, Extern, Kernel, Plan, View
+from .relayout import relayout
 from .render import Rendered, render
 
 __all__ = ["Compiled", "TritonBackend"]
@@ -217,7 +218,7 @@ class TritonBackend:
     decompositions: str = "core"
 
     def compile(self, graph: Graph, example_inputs: Sequence[torch.Tensor]) -> Compiled:
-        gm = decompose(graph.graph_module)
+        gm = relayout(decompose(graph.graph_module))
         plan = fuse(gm.graph)
         kernels: dict[int, tuple[Rendered, Any]] = {}
         for i, r in enumerate(x for x in plan.regions if isinstance(x, Kernel)):

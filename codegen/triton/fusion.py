@@ -29,7 +29,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from .layout import layout
 from .lowering import LOWERINGS, REDUCTIONS, triton_dtype
-from .regions import Access, Kernel, Plan, is_view_op
+from .regions import Access, Kernel, Plan, is_slice, is_view_op
 from .schedule import order
 
 __all__ = ["fuse", "lowerable"]
@@ -65,10 +65,18 @@ def lowerable(node: fx.Node) -> bool:
 
 def _inline(nodes: list[fx.Node], lower: set[fx.Node]) -> frozenset[fx.Node]:
     """Values each kernel recomputes where it reads them instead of loading them: those made
-    from indices alone (``arange``, ``full`` and pointwise ops of them), and pointwise values
-    only concats read (``cat([-x2, x1])``: the negation is done at the shifted read)."""
+    from indices alone (``arange``, ``full`` and pointwise ops of them), pointwise values
+    only concats read (``cat([-x2, x1])``: the negation is done at the shifted read), and
+    pointwise values only slices read, with those slices (rotary's backward: the halves of
+    ``g * sin`` are read at shifted indices, not stored by one kernel to be read by another)."""
     out: set[fx.Node] = set()
     pure: set[fx.Node] = set()  # made from indices alone: no loads at all
+
+    def loaded(a: fx.Node) -> bool:  # read from memory (or recomputed), not made in-kernel
+        if a not in lower or a in out:
+            return True
+        return _is_reshape(a) and all(loaded(b) for b in a.all_input_nodes)
+
     for n in nodes:
         low = LOWERINGS.get(n.target)
         if n not in lower or low is None or low.kind == "reduction":
@@ -77,10 +85,12 @@ def _inline(nodes: list[fx.Node], lower: set[fx.Node]) -> frozenset[fx.Node]:
             pure.add(n)
             out.add(n)
             continue
-        loads_only = all(a not in lower or a in out for a in n.all_input_nodes)
+        loads_only = all(loaded(a) for a in n.all_input_nodes)
         concat_read = bool(n.users) and all(_is_concat(u) and u in lower for u in n.users)
-        if low.kind == "pointwise" and loads_only and concat_read:
+        slices = _slices(n)
+        if low.kind == "pointwise" and loads_only and (concat_read or slices):
             out.add(n)
+            out.update(slices)
     changed = True
     while changed:  # drop any whose value something else needs in memory
         changed = False
@@ -91,6 +101,19 @@ def _inline(nodes: list[fx.Node], lower: set[fx.Node]) -> frozenset[fx.Node]:
                 out.discard(n)
                 changed = True
     return frozenset(out)
+
+
+def _slices(n: fx.Node) -> list[fx.Node]:
+    """The slices (and slices of them) that read ``n``, when slices are all that read it."""
+    found: list[fx.Node] = []
+    todo = list(n.users)
+    if not todo or not all(is_slice(u) and u.args[0] is n for u in todo):
+        return []
+    while todo:
+        u = todo.pop()
+        found.append(u)
+        todo.extend(w for w in u.users if is_slice(w) and w.args[0] is u)
+    return found
 
 
 def _is_concat(n: fx.Node) -> bool:
@@ -140,7 +163,13 @@ class _Fuser:
         inside = set(ga) | set(gb)
         for src, dst in ((ga, gb), (gb, ga)):
             dst_set = set(dst)
-            stack = [u for n in src for u in n.users if u not in inside]
+            # a view an inline value reads is read from memory (its root), not made here
+            stack = [
+                u
+                for n in src
+                for u in n.users
+                if u not in inside and not (u in self.inline and _is_reshape(n))
+            ]
             seen: set[fx.Node] = set()
             while stack:
                 u = stack.pop()

@@ -278,6 +278,7 @@ LOWERINGS: dict[Any, Lowering] = {
     aten.clone.default: Lowering("pointwise", _identity),
     aten._to_copy.default: Lowering("pointwise", _identity),
     aten.alias.default: Lowering("pointwise", _identity),
+    torch.ops.prims.copy_strided.default: Lowering("pointwise", _identity),  # relayout.py
     # values made from the index
     aten.full.default: _const(1),
     aten.scalar_tensor.default: _const(0),

@@ -3,12 +3,24 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
+import torch
 import torch.fx as fx
 
 from .layout import FDims
 
-__all__ = ["Access", "Extern", "Kernel", "Plan", "Region", "View", "is_view_op"]
+__all__ = [
+    "Access",
+    "Extern",
+    "Kernel",
+    "Plan",
+    "Region",
+    "View",
+    "is_slice",
+    "is_view_op",
+    "slice_params",
+]
 
 
 @dataclass(frozen=True)
@@ -65,3 +77,24 @@ def is_view_op(node: fx.Node) -> bool:
         return False
     alias = schema.returns[0].alias_info
     return alias is not None and not alias.is_write
+
+
+def slice_params(n: fx.Node) -> tuple[int, int, int] | None:
+    """``(dim, start, step)`` of a forward-stepping ``slice.Tensor`` (start clamped into its
+    input's dim), or None for anything else."""
+    if n.target is not torch.ops.aten.slice.Tensor or not isinstance(n.args[0], fx.Node):
+        return None
+    args: list[Any] = [*n.args, *[None] * 5][1:5]
+    rank = n.args[0].meta["val"].dim()
+    dim = int(args[0] or 0) % max(rank, 1)
+    size = int(n.args[0].meta["val"].shape[dim])
+    start, step = int(args[1] or 0), int(args[3] if args[3] is not None else 1)
+    start = min(max(start + size if start < 0 else start, 0), size)
+    return (dim, start, step) if step >= 1 else None
+
+
+def is_slice(n: fx.Node) -> bool:
+    """A forward-stepping ``slice`` keeping more than one element of its dim: read inside a
+    kernel at a shifted index when inline (one element has no index to shift)."""
+    params = slice_params(n)
+    return params is not None and int(n.meta["val"].shape[params[0]]) > 1

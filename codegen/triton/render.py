@@ -34,7 +34,7 @@ from .lowering import (
     triton_dtype,
 )
 from .reduce import Reductions, _tl, _val
-from .regions import Access, Kernel
+from .regions import Access, Kernel, is_slice, slice_params
 
 __all__ = ["Rendered", "render"]
 
@@ -246,9 +246,11 @@ class _Emitter(Reductions):
         return name
 
     def inline_value(self, a: fx.Node, fa: FDims) -> str:
-        """A value made from indices alone (an ``arange`` chain), computed where it is read."""
+        """A value recomputed where it is read (an ``arange`` chain, a concat's piece, ...)."""
         cache = self.cache_for(fa)
         key = ("inline", a, fa)
+        if key not in cache and is_slice(a):
+            cache[key] = self.sliced(a, fa)
         if key not in cache and LOWERINGS[a.target].kind == "concat":
             cache[key] = self.concat(a, fa)
         if key not in cache:
@@ -282,6 +284,22 @@ class _Emitter(Reductions):
         for cond, v in reversed(parts):
             expr = f"tl.where({cond}, {v}, {expr})"
         return self.top_line(expr)
+
+    def sliced(self, n: fx.Node, fd: FDims) -> str:
+        """A slice of an inline value: the value computed at the index the slice starts and
+        steps from (inside its bounds, so no mask)."""
+        params, src = slice_params(n), n.args[0]
+        assert params is not None and isinstance(src, fx.Node), f"{n.name}: not a slice"
+        dim, start, step = params
+        f = fd[dim]
+        assert f is not None, f"{n.name}: slices a dim with no place in the kernel"
+        outer = (dict(self.shift), self.top, self.loop)
+        idx = self.index(f) if step == 1 else f"{self.index(f)} * {step}"
+        self.shift = {**outer[0], f: f"({idx} + {start})" if start else idx}
+        self.top, self.loop = {}, None  # values at shifted indices are not shared
+        value = self.inline_value(src, fd)
+        self.shift, self.top, self.loop = outer
+        return self.top_line(value)
 
     def read(self, n: fx.Node, fd: FDims, a: fx.Node) -> str:
         """Operand ``a`` of ``n`` (dim map ``fd``) from outside the kernel's members."""
