@@ -1,10 +1,11 @@
 """``jit(f)``: trace on first call, partition, compile, and run as one autograd node.
 
 Each call looks up a compiled entry by everything the trace depends on (pytree structure, static
-values, shapes, dtypes, devices, which inputs require grad, grad mode). Training calls run the
-forward graph inside a ``torch.autograd.Function`` that saves exactly the partition's saved
-values; inference calls (nothing requires grad, or grad mode off) run a forward-only graph that
-saves nothing.
+values, each tensor's type, dispatch keys, shape, strides, dtype, device and requires_grad, grad
+mode): first through cheap guards (:class:`~functrans._pytree.Guards`), then by the exact key.
+Training calls run the forward graph inside a ``torch.autograd.Function`` that saves exactly the
+partition's saved values; inference calls (nothing requires grad, or grad mode off) run a
+forward-only graph that saves nothing.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from ._errors import TraceError
 from ._joint import joint
 from ._logs import log
 from ._partition import Partition, Strategy, partition
-from ._pytree import NAMESPACE, Flat, flatten, unflatten
+from ._pytree import NAMESPACE, Flat, Guards, exact_key, leaves_of, split, unflatten, wrap_tree
 from ._trace import arg_names, trace
 
 __all__ = ["CacheInfo", "JitModule", "jit"]
@@ -58,6 +59,14 @@ class _Entry:
     partition: Partition | None
     copies: dict[int, int]  # flat output -> flat input it is an unmodified copy of
 
+    @functools.cached_property
+    def frozen(self) -> tuple[int, ...]:
+        """The outputs that take no tangent (integers, booleans): not differentiable."""
+        return tuple(i for i, m in enumerate(self.out_meta) if not m[3])
+
+
+_Found = tuple[tuple[_Entry, list[int]], Sequence[torch.Tensor]]  # (entry, order), inputs
+
 
 class _Apply(torch.autograd.Function):
     """Runs a compiled forward graph; its backward runs the compiled backward graph."""
@@ -66,12 +75,11 @@ class _Apply(torch.autograd.Function):
     def forward(ctx: Any, entry: _Entry, *tensors: torch.Tensor) -> Any:  # type: ignore[override]
         n = len(entry.out_meta)
         flat = entry.forward(*tensors)
-        outs, saved = flat[:n], flat[n:]
         ctx.entry = entry
-        ctx.save_for_backward(*saved)
-        frozen = [o for o, m in zip(outs, entry.out_meta, strict=True) if not m[3]]
-        ctx.mark_non_differentiable(*frozen)
-        return tuple(outs)
+        ctx.save_for_backward(*flat[n:])
+        if entry.frozen:
+            ctx.mark_non_differentiable(*[flat[i] for i in entry.frozen])
+        return tuple(flat[:n])
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:  # type: ignore[override]
@@ -86,14 +94,9 @@ class _Apply(torch.autograd.Function):
         return (None, *flat_grads, *([None] * (entry.num_inputs - entry.num_diff)))
 
 
-def _key(flat: Flat, tensors: Sequence[torch.Tensor]) -> Any:
-    statics: Any = tuple(s for s, t in zip(flat.static, flat.is_tensor, strict=True) if not t)
-    try:
-        hash(statics)
-    except TypeError:
-        statics = tuple(repr(s) for s in statics)
-    meta = tuple((t.shape, t.stride(), t.dtype, t.device, t.requires_grad) for t in tensors)
-    return (flat.spec, statics, meta, torch.is_grad_enabled())
+# Function.apply without its Python layer, for guarded calls outside functorch transforms (the
+# layer unwraps dead functorch wrappers, which guards reject, and hands off to functorch)
+_apply: Callable[..., Any] = super(torch.autograd.Function, _Apply).apply
 
 
 @dataclass(frozen=True)
@@ -112,7 +115,8 @@ class _Jitted:
 
     def __init__(self, f: Callable[..., Any], options: _Options) -> None:
         self._f, self._opts = f, options
-        self._cache: dict[Any, tuple[_Entry, list[int]]] = {}
+        self._cache: dict[Any, tuple[_Entry, list[int]]] = {}  # exact key -> entry, order
+        self._guards: Guards[tuple[_Entry, list[int]]] = Guards()  # the same, checked faster
         self._lock = threading.Lock()
         self._info = CacheInfo()
         functools.update_wrapper(self, f)
@@ -129,10 +133,28 @@ class _Jitted:
         outs, entry, _ = self._run(args, kwargs)
         return unflatten(entry.out_flat, outs)
 
-    def _run(self, args: Any, kwargs: Any) -> tuple[list[Any], _Entry, list[torch.Tensor]]:
+    def _run(self, args: Any, kwargs: Any) -> tuple[list[Any], _Entry, Sequence[torch.Tensor]]:
         """Flat outputs, the entry that computed them and the inputs in the entry's order."""
-        tensors, flat = flatten((args, kwargs), static_argnums=self._opts.static_argnums)
-        key = _key(flat, tensors)
+        tree = wrap_tree((args, kwargs), self._opts.static_argnums)
+        grad = torch.is_grad_enabled()
+        found: _Found | None = self._guards.find(tree, grad)
+        if found is None:
+            found = self._lookup(tree, grad)
+            apply: Callable[..., Any] = _Apply.apply
+        else:
+            self._info.hits += 1
+            apply = _Apply.apply if torch._C._are_functorch_transforms_active() else _apply
+        (entry, _), ordered = found
+        if entry.backward is None:
+            return entry.forward(*ordered), entry, ordered
+        return list(apply(entry, *ordered)), entry, ordered
+
+    def _lookup(self, tree: Any, grad: bool) -> _Found:
+        """The exact path: the entry by its full key (compiled on a miss); the guarded path
+        above is the same lookup, cheaper, for trees :class:`Guards` can describe."""
+        leaves, spec = leaves_of(tree)
+        tensors, flat = split(leaves, spec, self._opts.static_argnums)
+        key = (exact_key(flat, tensors), grad)
         hit = self._cache.get(key)
         if hit is None:
             with self._lock:  # one thread compiles; the others wait and then hit
@@ -141,17 +163,13 @@ class _Jitted:
                     hit = self._compile(flat, tensors)
                     self._cache[key] = hit
                     self._info.misses += 1
+                    at = [i for i, t in enumerate(flat.is_tensor) if t]
+                    self._guards.add(tree, leaves, [at[i] for i in hit[1]], grad, hit)
                 else:
                     self._info.hits += 1
         else:
             self._info.hits += 1
-        entry, order = hit
-        ordered = [tensors[i] for i in order]
-        if entry.backward is None:
-            outs = entry.forward(*ordered)
-        else:
-            outs = list(_Apply.apply(entry, *ordered))  # type: ignore[no-untyped-call]
-        return outs, entry, ordered
+        return hit, [tensors[i] for i in hit[1]]
 
     def _compile(self, flat: Flat, tensors: list[torch.Tensor]) -> tuple[_Entry, list[int]]:
         training = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)

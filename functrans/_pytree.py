@@ -3,15 +3,19 @@
 Tensor leaves become graph inputs; every other leaf (Python scalars, strings, None-free
 containers' contents, ...) is *static*: baked into the traced graph and checked on every call.
 Dataclasses and custom containers registered with optree (globally or in the ``"functrans"``
-namespace) are understood.
+namespace) are understood. :class:`Guards` re-checks cheaply that a call flattens like an
+earlier one (``jit``'s cache hits).
 """
 
 from __future__ import annotations
 
+import enum
 import functools
-from collections.abc import Sequence
+import itertools
+import operator
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import optree
 import torch
@@ -23,11 +27,16 @@ NAMESPACE = "functrans"
 __all__ = [
     "NAMESPACE",
     "Flat",
+    "Guards",
     "check_matches",
+    "exact_key",
     "flatten",
+    "leaves_of",
+    "split",
     "unflatten",
     "unwrap_static",
     "wrap_static",
+    "wrap_tree",
 ]
 
 
@@ -49,8 +58,22 @@ class Flat:
         """Access paths of every leaf (``[0][1]['w']``); built only when a message needs them."""
         return tuple(a.codify("") for a in self.spec.accessors())
 
+    @functools.cached_property
+    def all_tensors(self) -> bool:
+        return all(self.is_tensor)
+
     def tensor_paths(self) -> list[str]:
         return [p for p, t in zip(self.paths, self.is_tensor, strict=True) if t]
+
+
+def wrap_tree(tree: Any, static_argnums: tuple[int, ...]) -> Any:
+    """``(args, kwargs)`` with the ``static_argnums`` arguments wrapped as opaque leaves."""
+    return (wrap_static(tree[0], static_argnums), tree[1]) if static_argnums else tree
+
+
+def leaves_of(tree: Any) -> tuple[list[Any], optree.PyTreeSpec]:
+    """optree's leaves and spec of ``tree`` (a :func:`wrap_tree` result), in our namespace."""
+    return optree.tree_flatten(tree, namespace=NAMESPACE)
 
 
 def flatten(tree: Any, *, static_argnums: tuple[int, ...] = ()) -> tuple[list[torch.Tensor], Flat]:
@@ -59,21 +82,52 @@ def flatten(tree: Any, *, static_argnums: tuple[int, ...] = ()) -> tuple[list[to
     With ``static_argnums``, ``tree`` is ``(args, kwargs)`` and the listed positional arguments
     become single opaque static leaves.
     """
-    if static_argnums:
-        tree = (wrap_static(tree[0], static_argnums), tree[1])
-    leaves, spec = optree.tree_flatten(tree, namespace=NAMESPACE)
-    is_tensor = tuple(isinstance(x, torch.Tensor) for x in leaves)
-    static = tuple(None if t else x for x, t in zip(leaves, is_tensor, strict=True))
-    tensors = [x for x, t in zip(leaves, is_tensor, strict=True) if t]
+    return split(*leaves_of(wrap_tree(tree, static_argnums)), static_argnums)
+
+
+def split(
+    leaves: list[Any], spec: optree.PyTreeSpec, static_argnums: tuple[int, ...] = ()
+) -> tuple[list[torch.Tensor], Flat]:
+    """:func:`flatten` from the output of :func:`leaves_of`."""
+    is_tensor = tuple([isinstance(x, torch.Tensor) for x in leaves])
+    static = tuple([None if t else x for x, t in zip(leaves, is_tensor, strict=True)])
+    tensors = list(itertools.compress(leaves, is_tensor))
     return tensors, Flat(spec, is_tensor, static, static_argnums)
 
 
 def unflatten(flat: Flat, tensors: Sequence[Any]) -> Any:
     """Inverse of :func:`flatten`: put ``tensors`` back between the static leaves."""
-    it = iter(tensors)
-    leaves = [next(it) if t else s for t, s in zip(flat.is_tensor, flat.static, strict=True)]
+    if flat.all_tensors:
+        leaves: Sequence[Any] = tensors
+    else:
+        it = iter(tensors)
+        leaves = [next(it) if t else s for t, s in zip(flat.is_tensor, flat.static, strict=True)]
     tree = optree.tree_unflatten(flat.spec, leaves)
     return (unwrap_static(tree[0]), tree[1]) if flat.static_argnums else tree
+
+
+def exact_key(flat: Flat, tensors: Sequence[torch.Tensor]) -> Any:
+    """A hashable key for everything a trace of ``flat`` depends on: the spec, the statics by
+    type and value (``1``, ``1.0``, ``True`` and ``-0.0`` differ; unhashable ones by ``repr``),
+    and each tensor's type, dispatch keys, shape, strides, dtype, device and requires_grad."""
+    statics: Any = tuple(
+        (type(s), repr(s) if isinstance(s, float | complex) else s)
+        for s, t in zip(flat.static, flat.is_tensor, strict=True)
+        if not t
+    )
+    try:
+        hash(statics)
+    except TypeError:
+        statics = tuple((k, repr(s)) for k, s in statics)
+    meta = tuple(
+        (type(t), t.shape, t.stride(), t.dtype, t.device, t.requires_grad, _dispatch_keys(t))
+        for t in tensors
+    )
+    return (flat.spec, statics, meta)
+
+
+def _dispatch_keys(t: torch.Tensor) -> int:
+    return int(torch._C._dispatch_keys(t).raw_repr())
 
 
 def check_matches(flat: Flat, tree: Any, what: str) -> list[torch.Tensor]:
@@ -152,3 +206,179 @@ def unwrap_static(tree: Any) -> Any:
     if isinstance(tree, tuple) and any(isinstance(a, _Static) for a in tree):
         return tuple(a.value if isinstance(a, _Static) else a for a in tree)
     return tree
+
+
+# Cache guards. A cache hit must be as exact as comparing ``flatten``'s spec, statics and tensor
+# metadata, but cheaper: plain containers are walked in Python (optree's C++ flatten, which
+# builds a spec, costs about twice as much), static leaves by identity (equal ints and strings
+# by value; mutable ones not at all) and tensors in one C++ call. Anything these checks cannot
+# vouch for falls back to the caller's exact path.
+_V = TypeVar("_V")
+_Node = Any  # None (a leaf), or (dict, ((key, node), ...)), (list | tuple, (node, ...)),
+# (None, ()) for None, (optree, spec) for a subtree optree flattens
+
+
+class Guards(Generic[_V]):
+    """Values stored by how a tree flattened: its containers, its static leaves (the same
+    objects, or equal ints and strings), and each tensor's Python type, dispatch keys
+    (conjugate, negative, sparse, ...), dtype, device, ``requires_grad``, sizes and strides,
+    checked in one call by torch's C++ ``TensorGuards``. :meth:`find` returns a value only
+    where all match (and ``extra``). Readers need no lock; :meth:`add` replaces lists rather
+    than mutating them."""
+
+    def __init__(self) -> None:
+        self._by_layout: list[tuple[_Node, list[tuple[Any, _Guard, _V]]]] = []
+
+    def find(self, tree: Any, extra: Any) -> tuple[_V, tuple[torch.Tensor, ...]] | None:
+        """The value whose guard ``tree`` passes, and its tensor leaves in the value's order."""
+        for layout, guards in self._by_layout:
+            leaves: list[Any] = []
+            if _walk(layout, tree, leaves):
+                for x, guard, value in guards:
+                    tensors = guard.check(leaves) if x == extra else None
+                    if tensors is not None:
+                        return value, tensors
+        return None
+
+    def add(self, tree: Any, leaves: list[Any], order: Sequence[int], extra: Any, v: _V) -> None:
+        """Store ``v`` for trees like ``tree`` (``leaves``: its :func:`leaves_of`; ``order``:
+        the tensor leaves' positions, in the order :meth:`find` returns them). Does nothing
+        where the checks cannot describe ``tree``; call it with the writers' lock held."""
+        layout, guard = _layout(tree, leaves), _Guard.make(leaves, order)
+        if layout is None or guard is None:
+            return
+        old = next((g for lay, g in self._by_layout if lay == layout), None)
+        rest = [(lay, g) for lay, g in self._by_layout if g is not old]
+        self._by_layout = [*rest, (layout, [*(old or []), (extra, guard, v)])]
+
+
+class _Guard:
+    def __init__(self, leaves: Sequence[Any], order: Sequence[int], checker: Any) -> None:
+        static_at = [i for i, x in enumerate(leaves) if not isinstance(x, torch.Tensor)]
+        self._tensors_at, self._static_at = _picker(order), _picker(static_at)
+        self._statics = self._static_at(leaves)
+        self._checker = checker
+
+    @classmethod
+    def make(cls, leaves: Sequence[Any], order: Sequence[int]) -> _Guard | None:
+        if _TENSOR_GUARDS is None:
+            return None
+        tensors = [leaves[i] for i in order]
+        if any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors):
+            return None  # torch unwraps dead functorch wrappers on every call
+        if not all(_by_identity(x) for x in leaves if not isinstance(x, torch.Tensor)):
+            return None  # a mutable static (a set, ...): compared by value every call
+        try:  # the keyword arguments are required: without them, its constructor crashes
+            checker = _TENSOR_GUARDS(*tensors, dynamic_dims_sizes=None, dynamic_dims_strides=None)
+        except Exception:
+            return None
+        return cls(leaves, order, checker) if checker.check(*tensors) else None
+
+    def check(self, leaves: Sequence[Any]) -> tuple[torch.Tensor, ...] | None:
+        if self._statics and not all(map(_same, self._static_at(leaves), self._statics)):
+            return None
+        tensors = self._tensors_at(leaves)
+        return tensors if self._checker.check(*tensors) else None
+
+
+def _tensor_guards() -> Any:
+    try:
+        from torch._C._dynamo.guards import TensorGuards
+    except ImportError:  # pragma: no cover - a torch build without dynamo's C++ guards
+        return None
+    return TensorGuards
+
+
+_TENSOR_GUARDS = _tensor_guards()
+
+
+_IMMUTABLE = (int, float, complex, bool, str, bytes, torch.dtype, torch.device, torch.Size)
+
+
+def _by_identity(x: Any) -> bool:
+    """Whether the same object means the same static value: immutable, or compared by
+    identity anyway (plain objects, functions; ``static_argnums`` values hash by ``id``)."""
+    kind = type(x)
+    if kind in _IMMUTABLE or kind is _Static or isinstance(x, enum.Enum):
+        return True
+    eq: Any = kind.__eq__
+    hash_: Any = kind.__hash__
+    return eq is object.__eq__ and hash_ is object.__hash__
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether static leaves are interchangeable: the same object, equal ints or strings, or
+    ``static_argnums`` wrappers of the same object."""
+    if a is b:
+        return True
+    kind = type(a)
+    if kind is not type(b):
+        return False
+    return a.value is b.value if kind is _Static else kind in (int, str, bytes) and a == b
+
+
+def _picker(at: Sequence[int]) -> Callable[[Sequence[Any]], tuple[Any, ...]]:
+    """``leaves -> tuple(leaves[i] for i in at)``, in C where ``itemgetter`` returns a tuple."""
+    if len(at) >= 2:
+        return operator.itemgetter(*at)
+    return lambda leaves: tuple(leaves[i] for i in at)
+
+
+def _layout(tree: Any, leaves: list[Any]) -> _Node | None:
+    """``tree``'s containers, if walking them finds exactly optree's ``leaves``."""
+    try:
+        node = _node(tree)
+    except TypeError:  # a dict key that is not a str: its order is optree's business
+        return None
+    got: list[Any] = []
+    same = _walk(node, tree, got) and len(got) == len(leaves)
+    return node if same and all(map(operator.is_, got, leaves)) else None
+
+
+def _node(o: Any) -> _Node:
+    kind = type(o)
+    if kind is dict:
+        if not all(type(k) is str for k in o):
+            raise TypeError("dict keys")
+        return (dict, tuple((k, _node(o[k])) for k in sorted(o)))  # optree's order
+    if kind is list or kind is tuple:
+        return (kind, tuple(_node(v) for v in o))
+    if o is None:
+        return (None, ())
+    spec = optree.tree_structure(o, namespace=NAMESPACE)
+    return None if spec.is_leaf() else (optree, spec)
+
+
+_MISSING = object()
+
+
+def _walk(node: _Node, o: Any, out: list[Any]) -> bool:
+    """Append ``o``'s leaves to ``out`` if ``o`` has the containers ``node`` describes."""
+    if node is None:
+        out.append(o)
+        return True
+    kind, kids = node
+    if kind is dict:
+        if type(o) is not dict or len(o) != len(kids):
+            return False
+        for key, child in kids:
+            v = o.get(key, _MISSING)
+            if child is None and v is not _MISSING:
+                out.append(v)
+            elif v is _MISSING or not _walk(child, v, out):
+                return False
+        return True
+    if kind is list or kind is tuple:
+        if type(o) is not kind or len(o) != len(kids):
+            return False
+        for child, v in zip(kids, o, strict=True):
+            if child is None:
+                out.append(v)
+            elif not _walk(child, v, out):
+                return False
+        return True
+    if kind is None:
+        return o is None
+    leaves, spec = optree.tree_flatten(o, namespace=NAMESPACE)
+    out.extend(leaves)
+    return bool(spec == kids)
