@@ -220,6 +220,17 @@ def test_slices_of_a_computed_value_are_recomputed_at_shifted_reads():
         assert run.num_kernels == 1 and run.num_extern_calls == 0, f.__name__
 
 
+def test_a_cheap_value_two_kernels_read_is_recomputed_not_stored():
+    def f(x, y):  # sums over different axes: two kernels, each adds x + y itself
+        a = x + y
+        return a.sum(0), (a * a).sum(1)
+
+    args = [torch.randn(8, 16), torch.randn(8, 16)]
+    run, _ = _check_graph(ft.trace(f)(*args), args, "shared", max_block=8)
+    assert run.num_kernels == 2
+    assert sum(len(r.outputs) for r in run.rendered) == 2  # the two sums, not x + y
+
+
 def test_contiguous_copies_of_computed_values_are_stored_in_place():
     def f(x, w):  # the permuted copy a matmul reads: written by the kernel computing it
         h = (x * 2).permute(0, 2, 1, 3).contiguous().view(8, 15)

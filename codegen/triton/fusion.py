@@ -68,7 +68,10 @@ def _inline(nodes: list[fx.Node], lower: set[fx.Node]) -> frozenset[fx.Node]:
     from indices alone (``arange``, ``full`` and pointwise ops of them), pointwise values
     only concats read (``cat([-x2, x1])``: the negation is done at the shifted read), and
     pointwise values only slices read, with those slices (rotary's backward: the halves of
-    ``g * sin`` are read at shifted indices, not stored by one kernel to be read by another)."""
+    ``g * sin`` are read at shifted indices, not stored by one kernel to be read by another),
+    and one-op pointwise values of at most two loaded inputs that several ops read (a residual
+    sum read by a gradient and by a LayerNorm recompute: each computes it, so neither is tied to
+    the other's kernel)."""
     out: set[fx.Node] = set()
     pure: set[fx.Node] = set()  # made from indices alone: no loads at all
 
@@ -88,7 +91,8 @@ def _inline(nodes: list[fx.Node], lower: set[fx.Node]) -> frozenset[fx.Node]:
         loads_only = all(loaded(a) for a in n.all_input_nodes)
         concat_read = bool(n.users) and all(_is_concat(u) and u in lower for u in n.users)
         slices = _slices(n)
-        if low.kind == "pointwise" and loads_only and (concat_read or slices):
+        shared = len(n.users) > 1 and len(n.all_input_nodes) <= 2
+        if low.kind == "pointwise" and loads_only and (concat_read or slices or shared):
             out.add(n)
             out.update(slices)
     changed = True

@@ -51,7 +51,11 @@ def order(
         for a in n.all_input_nodes:
             if own is not None and member.get(a) is own:
                 continue  # computed inside the same kernel
-            if a in region_of:
+            if a in member and a in access and access[a].root is not a:
+                yield from producers(a, None)  # another kernel's view of memory: read in place
+                if access[a].root in region_of:
+                    yield access[a].root
+            elif a in region_of:
                 yield a
             elif a in inline:
                 yield from producers(a, None)  # recomputed by the reader: its inputs count
