@@ -231,6 +231,23 @@ def test_a_cheap_value_two_kernels_read_is_recomputed_not_stored():
     assert sum(len(r.outputs) for r in run.rendered) == 2  # the two sums, not x + y
 
 
+def test_reductions_read_through_reshapes():
+    def bias_grad(g, w):  # the matmul reads g * 2 as (6, 4); its column sum is the same kernel
+        h = (g * 2).view(6, 4)
+        return h @ w, h.sum(0)
+
+    def split(x):  # a reshape that splits dims, summed over whole groups and over a part
+        y = x.exp().view(2, 3, 4)
+        return y.sum((0, 1)), y.sum(1, keepdim=True), y.amax(2)
+
+    for f, args, kernels in (
+        (bias_grad, [torch.randn(2, 3, 4), torch.randn(4, 5)], 1),
+        (split, [torch.randn(6, 4)], 3),
+    ):
+        run, _ = _check_graph(ft.trace(f)(*args), args, f.__name__, max_block=8)
+        assert run.num_kernels == kernels, f.__name__
+
+
 def test_contiguous_copies_of_computed_values_are_stored_in_place():
     def f(x, w):  # the permuted copy a matmul reads: written by the kernel computing it
         h = (x * 2).permute(0, 2, 1, 3).contiguous().view(8, 15)

@@ -31,6 +31,7 @@ from .fusion import fuse
 from .regions import Access, Extern, Kernel, Plan, View
 from .relayout import relayout
 from .render import Rendered, render
+from .unview import unview
 
 __all__ = ["Compiled", "TritonBackend"]
 
@@ -218,7 +219,7 @@ class TritonBackend:
     decompositions: str = "core"
 
     def compile(self, graph: Graph, example_inputs: Sequence[torch.Tensor]) -> Compiled:
-        gm = relayout(decompose(graph.graph_module))
+        gm = unview(relayout(decompose(graph.graph_module)))
         plan = fuse(gm.graph)
         kernels: dict[int, tuple[Rendered, Any]] = {}
         for i, r in enumerate(x for x in plan.regions if isinstance(x, Kernel)):
