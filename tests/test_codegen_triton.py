@@ -390,6 +390,22 @@ def test_gpu_benchmark_exits_cleanly_without_cuda(capsys):
     assert "no CUDA device" in capsys.readouterr().out
 
 
+def test_gpu_benchmark_records_a_failing_variant_and_measures_the_rest(monkeypatch):
+    from benchmarks import gpu
+
+    def broken(fn, **options):
+        def run(*args):
+            raise RuntimeError("compiler exploded")
+
+        return run
+
+    monkeypatch.setattr(gpu.ft, "jit", broken)
+    name, fn, params, x = gpu.models("small")[0]
+    row = gpu.run_model(name, fn, params, x, 1, torch.device("cpu"))
+    assert "compiler exploded" in row["functrans_triton_error"]
+    assert row["eager_time_ratio"] == 1.0 and "functrans_triton_ms" not in row
+
+
 @pytest.mark.parametrize("arch", [90, 80])
 def test_every_generated_kernel_compiles_for_gpus(arch):
     """Runs last in this file: every kernel the tests above interpreted, compiled for sm_XX."""
