@@ -248,6 +248,16 @@ def test_reductions_read_through_reshapes():
         assert run.num_kernels == kernels, f.__name__
 
 
+def test_reshape_groups_pair_consecutive_dims_of_equal_product():
+    from functrans.codegen.triton.unview import _groups
+
+    assert _groups((2, 3, 4), (6, 4)) == [([0, 1], [0]), ([2], [1])]
+    assert _groups((2, 1, 3), (2, 3)) == [([0], [0]), ([1, 2], [1])]
+    assert _groups((6, 1), (6,)) == [([0], [0]), ([1], [])]
+    assert _groups((4, 6), (8, 3)) == [([0, 1], [0, 1])]  # 8 straddles 4 x 6: one group
+    assert _groups((0, 3), (0,)) is None  # zero-size: products cannot tell the grouping
+
+
 def test_contiguous_copies_of_computed_values_are_stored_in_place():
     def f(x, w):  # the permuted copy a matmul reads: written by the kernel computing it
         h = (x * 2).permute(0, 2, 1, 3).contiguous().view(8, 15)
