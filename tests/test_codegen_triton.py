@@ -258,6 +258,20 @@ def test_reshape_groups_pair_consecutive_dims_of_equal_product():
     assert _groups((0, 3), (0,)) is None  # zero-size: products cannot tell the grouping
 
 
+def test_regression_a_permute_of_another_kernels_view_is_read_in_place():
+    """Found by hand this session: the traced values of ``view`` and ``permute`` do not share
+    storage, so the permute had no address, ran as an ATen call, and found no tensor for the
+    view (a KeyError at run time). Views of views are now addressed by replaying the op."""
+
+    def f(x):
+        v = (x * 2).view(2, 3, 4)
+        return v.sum(1) + v.permute(0, 2, 1).contiguous().sum(2)
+
+    args = [torch.randn(6, 4)]
+    run, _ = _check_graph(ft.trace(f)(*args), args, "permute of a view", max_block=4)
+    assert run.num_extern_calls == 0
+
+
 def test_contiguous_copies_of_computed_values_are_stored_in_place():
     def f(x, w):  # the permuted copy a matmul reads: written by the kernel computing it
         h = (x * 2).permute(0, 2, 1, 3).contiguous().view(8, 15)

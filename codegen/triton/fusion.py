@@ -316,14 +316,21 @@ def _view_access(view: fx.Node, base: Access) -> Access | None:
             tuple(v.shape),
             tuple(v.stride()),
         )
-    src = view.args[0]
-    s = _val(src)
-    if (
-        isinstance(v, torch.Tensor)
-        and isinstance(s, torch.Tensor)
-        and s.is_contiguous()
-        and base.strides == tuple(s.stride())
-        and v.is_contiguous()  # a reshape of a contiguous value: same memory order
-    ):
-        return Access(base.root, base.offset, tuple(v.shape), tuple(v.stride()))
-    return None
+    return _replay(view, base, tuple(v.shape))
+
+
+def _replay(view: fx.Node, base: Access, want: tuple[int, ...]) -> Access | None:
+    """The view op run on an empty meta tensor laid out like ``base``: where its elements are
+    (None when the op cannot view that layout, e.g. merging dims a permute interleaved)."""
+    if any(isinstance(a, fx.Node) for a in (*view.args[1:], *view.kwargs.values())):
+        return None
+    extent = 1 + sum((n - 1) * st for n, st in zip(base.shape, base.strides, strict=True))
+    size = base.offset + (extent if all(base.shape) else 0)
+    try:
+        t = torch.empty(size, device="meta").as_strided(base.shape, base.strides, base.offset)
+        out = view.target(t, *view.args[1:], **view.kwargs)  # type: ignore[operator]
+    except (RuntimeError, TypeError, ValueError, IndexError):
+        return None
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != want:
+        return None
+    return Access(base.root, int(out.storage_offset()), want, tuple(int(x) for x in out.stride()))
