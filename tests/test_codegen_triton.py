@@ -272,6 +272,21 @@ def test_regression_a_permute_of_another_kernels_view_is_read_in_place():
     assert run.num_extern_calls == 0
 
 
+def test_regression_copies_of_copies_and_sums_of_sums_through_views():
+    """Found by hand this session: relayout rewrote a copy whose source was another copy it
+    had just replaced, and the graph read a node it had erased (a KeyError at run time)."""
+
+    def copies(x):
+        a = (x * 2).t().contiguous()
+        return a.sum(0), a.t().contiguous() * 3
+
+    def sums(x):
+        return (x * x).view(2, 3, 4).sum(1).view(8).view(2, 4).sum(0)
+
+    for f, args in ((copies, [torch.randn(3, 4)]), (sums, [torch.randn(6, 4)])):
+        _check_graph(ft.trace(f)(*args), args, f.__name__, max_block=4)
+
+
 def test_contiguous_copies_of_computed_values_are_stored_in_place():
     def f(x, w):  # the permuted copy a matmul reads: written by the kernel computing it
         h = (x * 2).permute(0, 2, 1, 3).contiguous().view(8, 15)

@@ -115,6 +115,8 @@ def relayout(gm: fx.GraphModule) -> fx.GraphModule:
         found = _chain(c)
         if found is not None and (strides := _strides(c, *found)) is not None:
             todo.append((c, found[0], found[1], strides))
+    rewritten = {c for c, *_ in todo}  # a copy of a copy stays a copy: its source is a view
+    todo = [t for t in todo if t[1] not in rewritten]
     if not todo:
         return gm
     graph = fx.Graph()
