@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 import functrans as ft
 from benchmarks import zoo
 from functrans._pytree import flatten
-from functrans.testing import programs
+from functrans.testing import check_backend, programs
 from functrans.testing._check import tolerances
 
 pytest.importorskip("triton")
@@ -41,6 +41,20 @@ def _same(actual, expected, what):
         torch.testing.assert_close(
             a, e, rtol=rtol, atol=atol, msg=lambda m, i=i: f"{what}[{i}]: {m}"
         )
+
+
+class _Recording:
+    """A backend that records the kernels it generates (for the ahead-of-time compile test)."""
+
+    def __init__(self, backend):
+        self.backend = backend
+
+    def compile(self, graph, inputs):
+        run = self.backend.compile(graph, inputs)
+        for r in run.rendered:
+            src = runtime.KernelSource(r.name, r.source, r.signature, r.constexprs)
+            GENERATED[src.sha256] = src
+        return run
 
 
 def _check_graph(graph, inputs, what, **options):
@@ -412,13 +426,26 @@ def test_jit_with_the_triton_backend_trains_like_eager():
     programs(dtypes=(torch.float32, torch.float64, torch.bfloat16)),
     st.sampled_from([(1024, 1024), (8, 16)]),
 )
-def test_property_triton_matches_aten_on_random_programs(prog, limits):
-    args = prog.example_inputs()
-    flat = flatten((args, {}))[0]
-    options = {"persistent_limit": limits[0], "max_block": limits[1]}
-    _check_graph(ft.trace(prog)(*args), flat, f"{prog}\nforward graph", **options)
-    p = ft.partition(ft.joint(prog)(*args), "min_cut")
-    _check_partition(p, flat, f"{prog}\nmin_cut", **options)
+def test_property_triton_matches_eager_on_random_programs(prog, limits):
+    """Forward-only graph and min_cut forward + backward, against eager autograd. bfloat16
+    results computed in float32 inside a kernel may differ from eager's by more than eager's
+    rounding where an op jumps (a clamp at its bound): they pass when they are as close to the
+    float64 result as eager is (``functrans.testing``'s comparison)."""
+    backend = TritonBackend(persistent_limit=limits[0], max_block=limits[1])
+    check_backend(prog, prog.example_inputs(), _Recording(backend), "min_cut")
+
+
+def test_regression_bf16_clamp_at_its_bound_is_judged_against_float64():
+    """Shrunk by the property above: ``sqrt(1 + a * a)`` rounds to exactly 1.0 in bfloat16, so
+    eager's clamp passes the gradient; computed in float32 the value is just above 1 and the
+    gradient is 0, which is what float64 says too. Compared with eager alone, that is a
+    mismatch; compared as :func:`check_backend` does, it is the more accurate answer."""
+
+    def prog(a):
+        return torch.sqrt(1 + a * a).clone().clamp(-1.0, 1.0).clone().sum()
+
+    a = torch.tensor([0.05, -0.06, 0.3], dtype=torch.bfloat16)
+    check_backend(prog, (a,), _Recording(TritonBackend(max_block=8)), "min_cut")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine the script measures")
