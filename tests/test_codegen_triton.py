@@ -448,6 +448,22 @@ def test_regression_bf16_clamp_at_its_bound_is_judged_against_float64():
     check_backend(prog, (a,), _Recording(TritonBackend(max_block=8)), "min_cut")
 
 
+def test_regression_bf16_recompute_rounds_like_eager():
+    """Found by an ad-hoc bf16 fuzz this session (and present before it): amax's backward
+    compares the saved bf16 max with the recomputed input, which a kernel kept in float32, so
+    no element matched, the count was 0 and the gradient NaN. Kernels now round every
+    half-precision result to its dtype, as eager does."""
+
+    def prog(x):
+        v = x - x.var(0, keepdim=True)
+        w = torch.where(v > 0, v, v * 0.1)
+        m = w.amax(1, keepdim=True)
+        return x.var(0, keepdim=True), m, ((w - m) ** 2).sum()
+
+    x = torch.randn(6, 6, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    check_backend(prog, (x,), _Recording(TritonBackend(max_block=4)), "min_cut")
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine the script measures")
 def test_gpu_benchmark_exits_cleanly_without_cuda(capsys):
     from benchmarks import gpu

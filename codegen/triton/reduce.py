@@ -33,6 +33,15 @@ def _tl(dtype: torch.dtype) -> str:
     return triton_dtype(compute_dtype(dtype))
 
 
+def as_dtype(expr: str, dtype: torch.dtype) -> str:
+    """``expr`` as a value of ``dtype``, held in its compute dtype. Half types are rounded to
+    ``dtype`` first, as eager rounds every op's result: a recomputed value must equal the
+    stored one bit for bit (``eq`` against a saved ``amax``, a clamp at its bound)."""
+    if compute_dtype(dtype) != dtype:
+        return f"({expr}).to({triton_dtype(dtype)}).to({_tl(dtype)})"
+    return f"({expr}).to({_tl(dtype)})"
+
+
 def _correction(n: fx.Node) -> float:
     corr: Any = n.kwargs.get("correction", 1)
     return 1.0 if corr is None else float(corr)
@@ -99,6 +108,8 @@ class Reductions:
             m2 = self.sum_rows(n, src, lambda v: f"({v} - {mean}) * ({v} - {mean})", acc_t)
             var = self.top_line(f"{m2} / {literal(float(self.rnumel - _correction(n)))}")
             parts = [var, mean] if combine == "var_mean" else [var]
+        if compute_dtype(_val(n).dtype) != _val(n).dtype:  # rounded like eager's result
+            parts = [self.top_line(as_dtype(p, _val(n).dtype)) for p in parts]
         self.top[key] = parts  # type: ignore[assignment]
         return parts
 

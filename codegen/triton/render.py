@@ -33,7 +33,7 @@ from .lowering import (
     pointer_type,
     triton_dtype,
 )
-from .reduce import Reductions, _tl, _val
+from .reduce import Reductions, _tl, _val, as_dtype
 from .regions import Access, Kernel, is_slice, slice_params
 
 __all__ = ["Rendered", "render"]
@@ -242,7 +242,7 @@ class _Emitter(Reductions):
         if low.kind == "reshape":
             self.emit(f"{name} = {expr}")
         else:
-            self.emit(f"{name} = ({expr}).to({_tl(out_dtype)})")
+            self.emit(f"{name} = {as_dtype(expr, out_dtype)}")
         return name
 
     def inline_value(self, a: fx.Node, fa: FDims) -> str:
