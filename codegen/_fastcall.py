@@ -90,9 +90,10 @@ def use_fast_calls(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
-def copy_module(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy of ``gm`` whose graph can be rewritten without touching ``gm``'s."""
+def copy_module(gm: fx.GraphModule, env: dict[fx.Node, fx.Node] | None = None) -> fx.GraphModule:
+    """A copy of ``gm`` whose graph can be rewritten without touching ``gm``'s; ``env``, when
+    given, is filled with each node of ``gm`` and its copy."""
     graph = fx.Graph()
-    out = graph.graph_copy(gm.graph, {})
+    out = graph.graph_copy(gm.graph, {} if env is None else env)
     graph.output(out)
     return fx.GraphModule(gm, graph)

@@ -19,12 +19,12 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-__all__ = ["cancel_transposes"]
+__all__ = ["cancel_transposes", "permutation"]
 
 aten = torch.ops.aten
 
 
-def _perm(node: fx.Node) -> list[int] | None:
+def permutation(node: fx.Node) -> list[int] | None:
     """The dim permutation a transposing node applies, or None."""
     val = node.meta.get("val")
     rank = val.dim() if isinstance(val, torch.Tensor) else None
@@ -49,11 +49,11 @@ def cancel_transposes(gm: fx.GraphModule) -> fx.GraphModule:
     output = next(n for n in gm.graph.nodes if n.op == "output")
     changed = False
     for node in list(gm.graph.nodes):
-        outer = _perm(node) if node.op == "call_function" else None
+        outer = permutation(node) if node.op == "call_function" else None
         inner_node = node.args[0] if outer is not None else None
         if outer is None or not isinstance(inner_node, fx.Node):
             continue
-        inner = _perm(inner_node) if inner_node.op == "call_function" else None
+        inner = permutation(inner_node) if inner_node.op == "call_function" else None
         if inner is None or len(inner) != len(outer):
             continue
         if [inner[o] for o in outer] != list(range(len(outer))):

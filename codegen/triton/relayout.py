@@ -14,12 +14,12 @@ contiguous. So the clone becomes ``copy_strided(v, strides)`` (a pointwise copy 
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.fx as fx
 
-from .fusion import lowerable
+from .._fastcall import copy_module
+from .._peephole import permutation
+from .fusion import _val, lowerable
 from .regions import is_view_op
 
 __all__ = ["relayout"]
@@ -37,10 +37,6 @@ _RESHAPES = (
 )
 
 
-def _val(n: Any) -> Any:
-    return n.meta.get("val") if isinstance(n, fx.Node) else None
-
-
 def _chain(clone: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
     """``(v, [views from v to the clone's input])`` when the clone copies views of ``v``."""
     chain: list[fx.Node] = []
@@ -53,23 +49,6 @@ def _chain(clone: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
     return x, list(reversed(chain))
 
 
-def _inverse_permutation(view: fx.Node) -> list[int]:
-    """The dim order that undoes ``view`` (a permute, transpose or t) on its output."""
-    rank = _val(view).dim()
-    dims = list(range(rank))
-    if view.target is aten.permute.default:
-        dims = [d % rank if rank else 0 for d in view.args[1]]  # type: ignore[union-attr]
-    elif view.target is aten.transpose.int:
-        a, b = (int(d) % rank for d in view.args[1:3])  # type: ignore[arg-type]
-        dims[a], dims[b] = dims[b], dims[a]
-    elif rank == 2:  # t
-        dims = [1, 0]
-    inverse = [0] * rank
-    for pos, d in enumerate(dims):
-        inverse[d] = pos
-    return inverse
-
-
 def _strides(clone: fx.Node, v: fx.Node, chain: list[fx.Node]) -> list[int] | None:
     """Strides for ``v`` under which the views make it the clone's contiguous layout: undo the
     chain on a contiguous tensor of the clone's shape; None when a step cannot be undone."""
@@ -77,7 +56,9 @@ def _strides(clone: fx.Node, v: fx.Node, chain: list[fx.Node]) -> list[int] | No
     for view, src in zip(reversed(chain), reversed([v, *chain[:-1]]), strict=True):
         try:
             if view.target in _PERMUTES:
-                cur = cur.permute(_inverse_permutation(view))
+                order = permutation(view)
+                assert order is not None, f"{view.name}: a permute of unknown rank"
+                cur = cur.permute(sorted(range(len(order)), key=order.__getitem__))
             else:
                 cur = cur.view(tuple(_val(src).shape))
         except RuntimeError:  # a reshape that splits dims the permutes interleaved
@@ -119,10 +100,9 @@ def relayout(gm: fx.GraphModule) -> fx.GraphModule:
     todo = [t for t in todo if t[1] not in rewritten]
     if not todo:
         return gm
-    graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
-    graph.output(graph.graph_copy(gm.graph, env))
-    out = fx.GraphModule(gm, graph)
+    out = copy_module(gm, env)
+    graph = out.graph
     for c, v, chain, strides in todo:
         c, v, chain = env[c], env[v], [env[n] for n in chain]
         with graph.inserting_before(c):

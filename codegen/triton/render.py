@@ -28,13 +28,13 @@ from .lowering import (
     LOWERINGS,
     REDUCTIONS,
     compute_dtype,
-    concat_pieces,
     literal,
     pointer_type,
     triton_dtype,
 )
 from .reduce import Reductions, _tl, _val, as_dtype
-from .regions import Access, Kernel, is_slice, slice_params
+from .regions import Access, Kernel, is_slice
+from .shifted import ShiftedReads
 
 __all__ = ["Rendered", "render"]
 
@@ -63,7 +63,7 @@ def _pow2(n: int) -> int:
     return p
 
 
-class _Emitter(Reductions):
+class _Emitter(Reductions, ShiftedReads):
     def __init__(
         self,
         k: Kernel,
@@ -256,50 +256,6 @@ class _Emitter(Reductions):
         if key not in cache:
             cache[key] = self.compute(a, fa, lambda b: self.read(a, fa, b))
         return cache[key]
-
-    def concat(self, n: fx.Node, fd: FDims) -> str:
-        """``cat`` / ``slice_scatter``: each piece read at the index shifted by its start,
-        where it is valid; elsewhere the next piece (or the base)."""
-        dim, pieces, base = concat_pieces(n)
-        f = fd[dim]
-        idx = "0" if f is None else self.index(f)
-        parts: list[tuple[str, str]] = []
-        outer = (dict(self.shift), self.piece_mask, self.top, self.loop)
-        for a, start, size in pieces:
-            if size == 0:
-                continue  # an empty piece places nothing
-            cond = f"(({idx} >= {start}) & ({idx} < {start + size}))"
-            if f is not None:
-                self.shift = {**outer[0], f: f"({idx} - {start})" if start else idx}
-            self.piece_mask = cond if outer[1] is None else f"{outer[1]} & {cond}"
-            self.top, self.loop = {}, None  # values at shifted indices are not shared
-            parts.append((cond, self.read(n, fd, a)))
-            self.shift, self.piece_mask, self.top, self.loop = outer
-        if base is not None:
-            expr = self.read(n, fd, base)
-        elif parts:
-            expr = parts.pop()[1]
-        else:  # every piece is empty, and so is the result
-            expr = f"tl.full({self.one}, 0, {_tl(_val(n).dtype)})"
-        for cond, v in reversed(parts):
-            expr = f"tl.where({cond}, {v}, {expr})"
-        return self.top_line(expr)
-
-    def sliced(self, n: fx.Node, fd: FDims) -> str:
-        """A slice of an inline value: the value computed at the index the slice starts and
-        steps from (inside its bounds, so no mask)."""
-        params, src = slice_params(n), n.args[0]
-        assert params is not None and isinstance(src, fx.Node), f"{n.name}: not a slice"
-        dim, start, step = params
-        f = fd[dim]
-        assert f is not None, f"{n.name}: slices a dim with no place in the kernel"
-        outer = (dict(self.shift), self.top, self.loop)
-        idx = self.index(f) if step == 1 else f"{self.index(f)} * {step}"
-        self.shift = {**outer[0], f: f"({idx} + {start})" if start else idx}
-        self.top, self.loop = {}, None  # values at shifted indices are not shared
-        value = self.inline_value(src, fd)
-        self.shift, self.top, self.loop = outer
-        return self.top_line(value)
 
     def read(self, n: fx.Node, fd: FDims, a: fx.Node) -> str:
         """Operand ``a`` of ``n`` (dim map ``fd``) from outside the kernel's members."""

@@ -14,11 +14,11 @@ dims), and then one kernel computes ``grad``, stores it for the matmul and sums 
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.fx as fx
 
+from .._fastcall import copy_module
+from .fusion import _val
 from .layout import reduced_dims
 
 __all__ = ["unview"]
@@ -26,10 +26,6 @@ __all__ = ["unview"]
 aten = torch.ops.aten
 _RESHAPES = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 _REDUCTIONS = (aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default)
-
-
-def _val(n: Any) -> Any:
-    return n.meta.get("val") if isinstance(n, fx.Node) else None
 
 
 def _groups(a: tuple[int, ...], b: tuple[int, ...]) -> list[tuple[list[int], list[int]]] | None:
@@ -77,7 +73,7 @@ def unview(gm: fx.GraphModule) -> fx.GraphModule:
     """``gm`` with reductions of reshapes reading the reshape's input (a copy; ``gm`` itself
     when nothing changes)."""
     todo = [
-        n
+        (n, dims)
         for n in gm.graph.nodes
         if n.op == "call_function"
         and n.target in _REDUCTIONS
@@ -85,18 +81,17 @@ def unview(gm: fx.GraphModule) -> fx.GraphModule:
         and n.args[0].target in _RESHAPES
         and isinstance(n.args[0].args[0], fx.Node)
         and isinstance(_val(n), torch.Tensor)
-        and _through(n) is not None
+        and (dims := _through(n)) is not None
     ]
     if not todo:
         return gm
-    graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
-    graph.output(graph.graph_copy(gm.graph, env))
-    out = fx.GraphModule(gm, graph)
-    for r0 in todo:
-        r, dims = env[r0], _through(r0)
+    out = copy_module(gm, env)
+    graph = out.graph
+    for r0, dims in todo:
+        r = env[r0]
         view = r.args[0]
-        assert isinstance(view, fx.Node) and dims is not None
+        assert isinstance(view, fx.Node)
         src = view.args[0]
         with graph.inserting_before(r):
             s = graph.call_function(r.target, (src, dims, False), dict(r.kwargs))  # type: ignore[arg-type]
