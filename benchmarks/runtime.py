@@ -4,9 +4,12 @@
    zoo's 8-block MLP stack and of a stack of 4 GPT blocks (separate parameters per block, built
    as ``benchmarks.remat`` builds its stacks), float32, ``size="bench"``, for eager,
    ``ft.jit(fn, partition="min_cut")`` (aten backend), ``ft.jit(fn, partition="default")``
-   (no recompute) and ``torch.compile(fn, backend="aot_eager")``. Warm-up rounds (the first,
-   compiling call included) are untimed; then steps run interleaved (eager, jit, ..., eager,
-   ...), gradients set to None before each step, the garbage collector off. Steps are timed in
+   (no recompute), ``min_cut`` on the aten backend's Python executor instead of its native one
+   (``jit_python``) and ``torch.compile(fn, backend="aot_eager")``. Warm-up rounds (the first,
+   compiling call included) are untimed; then steps run interleaved, each round running every
+   variant once in a freshly shuffled order (seeded: a fixed order favours some variants by
+   what ran just before them), gradients set to None before each step, the garbage collector
+   off. Steps are timed in
    the calling thread's CPU time (``time.thread_time``; torch runs one intra-op thread and
    CPU autograd runs on the calling thread), so other processes on a shared machine do not
    distort the ratios. Gradients of every compiled variant are checked against eager first.
@@ -36,6 +39,7 @@ import gc
 import io
 import json
 import pstats
+import random
 import statistics
 import sys
 import time
@@ -48,6 +52,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 
 import torch
 import torch.fx as fx
+from functrans.codegen.aten import AtenBackend
 from torch._functorch._aot_autograd.utils import make_boxed_func  # = aot_autograd.make_boxed_func
 from torch._functorch.aot_autograd import aot_function
 from torch._functorch.partitioners import min_cut_rematerialization_partition
@@ -55,12 +60,15 @@ from torch.utils._pytree import tree_leaves
 
 import functrans as ft
 from benchmarks import output_path, remat, zoo
+from functrans import codegen
 from functrans._pytree import flatten
 
 RESULTS = Path(__file__).resolve().parent / "results" / "runtime.json"
 STEP_TARGET = 1.05  # jit step / eager step
 OVERHEAD_TARGET_US = 30.0
-VARIANTS = ("eager", "jit", "jit_default", "aot_eager")
+VARIANTS = ("eager", "jit", "jit_default", "jit_python", "aot_eager")
+# min_cut on the "aten" backend's Python executor: what the native executor saves
+codegen.register_backend("aten-python", AtenBackend(executor="python"), replace=True)
 Fn = Callable[..., torch.Tensor]
 Case = tuple[str, Callable[[], Fn], Any, torch.Tensor]  # name, fresh-fn factory, params, x
 
@@ -101,14 +109,17 @@ def _nop(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
 def interleaved(
     variants: dict[str, Fn], params: Any, x: torch.Tensor, steps: int, warmup: int
 ) -> dict[str, float]:
-    """Median ms of a fwd+bwd step per variant; rounds run every variant once, in order,
-    the first ``warmup`` rounds untimed, gradients reset before each step, gc off."""
+    """Median ms of a fwd+bwd step per variant; rounds run every variant once, in a shuffled
+    order, the first ``warmup`` rounds untimed, gradients reset before each step, gc off."""
     times: dict[str, list[float]] = {v: [] for v in variants}
+    order, rng = list(variants), random.Random(0)
     gc.collect()
     gc.disable()
     try:
         for r in range(-warmup, steps):
-            for v, fn in variants.items():
+            rng.shuffle(order)
+            for v in order:
+                fn = variants[v]
                 _zero(params)
                 t0 = time.thread_time()
                 fn(params, x).backward()  # type: ignore[no-untyped-call]
@@ -127,6 +138,7 @@ def steady_state(case: Case, steps: int, warmup: int) -> dict[str, Any]:
         "eager": fn,
         "jit": ft.jit(fn, partition="min_cut"),
         "jit_default": ft.jit(fn, partition="default"),
+        "jit_python": ft.jit(fn, partition="min_cut", backend="aten-python"),
         "aot_eager": torch.compile(fn, backend="aot_eager"),
     }
     ref = _grads(fn, params, x)
@@ -143,6 +155,7 @@ def steady_state(case: Case, steps: int, warmup: int) -> dict[str, Any]:
         **{f"{v}_ms": ms[v] for v in VARIANTS},
         "jit_ratio": ms["jit"] / ms["eager"],
         "jit_default_ratio": ms["jit_default"] / ms["eager"],
+        "jit_python_ratio": ms["jit_python"] / ms["eager"],
         "aot_eager_ratio": ms["aot_eager"] / ms["eager"],
         "jit_misses": info.misses,
         "target_met": ms["jit"] <= STEP_TARGET * ms["eager"],
@@ -377,7 +390,8 @@ def main(argv: list[str] | None = None) -> int:
     steady = [steady_state(c, steps, warmup=3) for c in all_cases]
     print(f"steady-state fwd+bwd step, ms (median of {steps}, interleaved, {args.threads} thread)")
     step_cols = {"model": "model", **{v: f"{v}_ms" for v in VARIANTS}}
-    step_cols |= {"jit/eager": "jit_ratio", "aot/eager": "aot_eager_ratio"}
+    step_cols |= {"jit/eager": "jit_ratio", "default/eager": "jit_default_ratio"}
+    step_cols |= {"python/eager": "jit_python_ratio", "aot/eager": "aot_eager_ratio"}
     step_cols[f"target <={STEP_TARGET}"] = "target_met"
     print(_table(steady, step_cols), end="\n\n", flush=True)
 

@@ -12,20 +12,30 @@ from functrans.extend import Graph
 
 from . import register_backend
 from ._fastcall import copy_module, use_fast_calls
+from ._native import native_function
 from ._peephole import cancel_transposes
 from ._pycode import flat_function
 
 __all__ = ["AtenBackend"]
+
+_EXECUTORS = ("native", "python", "fx")
 
 
 @dataclass(frozen=True)
 class AtenBackend:
     """Runs the graph's ATen ops as they are, one after the other.
 
-    ``fast_calls``: common ops go through torch's fast Python bindings
-    (:mod:`functrans.codegen._fastcall`) and the graph runs as one flat function
-    (:mod:`functrans.codegen._pycode`); False runs ``graph.graph_module`` itself. The results
-    are the same bit for bit; only the per-op overhead differs.
+    ``executor`` says how, with the same results bit for bit and different per-op overhead:
+
+    - ``"native"`` (default): a program of boxed dispatcher calls run from C++
+      (:mod:`functrans.codegen._native`); graphs it cannot run, or machines where its
+      extension cannot be built, get ``"python"``;
+    - ``"python"``: one flat Python function whose common ops go through torch's fast Python
+      bindings (:mod:`functrans.codegen._fastcall`, :mod:`functrans.codegen._pycode`);
+    - ``"fx"``: ``graph.graph_module`` itself.
+
+    Transposes that undo each other are dropped first (:mod:`functrans.codegen._peephole`),
+    except under ``"fx"``.
 
     >>> import torch, functrans as ft
     >>> g = ft.trace(lambda x: x * 2)(torch.ones(2))
@@ -33,14 +43,22 @@ class AtenBackend:
     [tensor([2., 2.])]
     """
 
-    fast_calls: bool = True
+    executor: str = "native"
     #: ``jit(decompositions="auto")`` traces with this table: ATen's fused composite kernels
     #: (``gelu_backward``, ``native_layer_norm_backward``) beat their decompositions run op by op
     decompositions: str = "minimal"
 
+    def __post_init__(self) -> None:
+        if self.executor not in _EXECUTORS:
+            raise ValueError(
+                f"AtenBackend: executor must be one of {_EXECUTORS}, not {self.executor!r}"
+            )
+
     def compile(self, graph: Graph, example_inputs: Sequence[torch.Tensor]) -> Callable[..., Any]:
-        if self.fast_calls:
-            return flat_function(use_fast_calls(cancel_transposes(copy_module(graph.graph_module))))
+        if self.executor != "fx":
+            gm = cancel_transposes(copy_module(graph.graph_module))
+            native = native_function(gm) if self.executor == "native" else None
+            return native or flat_function(use_fast_calls(gm))
         module = graph.graph_module
 
         def run(*tensors: torch.Tensor) -> list[Any]:

@@ -35,7 +35,7 @@ def test_fast_calls_dispatch_the_same_overloads_with_identical_results(name):
     inputs = [t.detach() for t in ft._pytree.flatten(((params, args[1]), {}))[0]]
     order = next(iter(jitted._cache.values()))[1]
     inputs = [inputs[i] for i in order]
-    slow, fast = AtenBackend(fast_calls=False), AtenBackend()
+    slow, fast = AtenBackend(executor="fx"), AtenBackend(executor="python")
     rewritten = _fastcall.use_fast_calls(p.forward.graph_module)
     before = [n.target for n in p.forward.graph_module.graph.nodes]
     assert [n.target for n in rewritten.graph.nodes] != before  # something was rewritten
@@ -68,7 +68,7 @@ def test_transposes_that_cancel_are_dropped_and_outputs_keep_their_strides():
         return (x @ w.t().t()).t().t(), x.permute(1, 0).permute(1, 0)
 
     args = [torch.randn(3, 4), torch.randn(4, 5)]
-    run = AtenBackend().compile(ft.trace(f)(*args), args)
+    run = AtenBackend(executor="python").compile(ft.trace(f)(*args), args)
     out = run(*args)
     assert run.__functrans_source__.count(" = f") == 3  # mm, and the permutes of an input
     torch.testing.assert_close(out[0], args[0] @ args[1])

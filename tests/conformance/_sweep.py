@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+from functrans.codegen import _native
 from torch.utils import _pytree as pytree
 
 import functrans as ft
@@ -241,6 +242,41 @@ def _check_backend(
     compare(bwd(*flat[n_out:], *tangents[: len(wanted)]), reference[1], "grad")
 
 
+def _check_native(p: Any, tensors: list[torch.Tensor], tangents: tuple[torch.Tensor, ...]) -> None:
+    """The ``"aten"`` backend's native executor runs the partition's forward and backward bit
+    for bit as the FX graphs do (a graph it declines runs in Python: nothing to compare)."""
+    flat = None
+    for label, graph in (("forward", p.forward), ("backward", p.backward)):
+        if flat is None:
+            ins = list(tensors)
+        else:
+            n_out = len(flat) - len(p.saved)
+            n_tangents = len(graph.placeholders()) - len(p.saved)
+            ins = [*flat[n_out:], *tangents[:n_tangents]]
+        torch.manual_seed(RNG_SEED)
+        want = list(graph.graph_module(*ins))
+        native = _native.native_function(graph.graph_module)
+        if native is not None:
+            torch.manual_seed(RNG_SEED)
+            got = native(*ins)
+            if len(got) != len(want) or not all(map(_identical, got, want)):
+                raise Mismatch(f"native executor differs from the FX graph in the {label}")
+        flat = flat if flat is not None else want
+
+
+def _identical(a: Any, b: Any) -> bool:
+    """Same type, layout and bits (NaNs where the other has NaNs)."""
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        return type(a) is type(b) and bool(a == b)
+    if (a.shape, a.dtype, a.stride()) != (b.shape, b.dtype, b.stride()):
+        return False
+    try:
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+    except AssertionError:
+        return False
+    return True
+
+
 def check_sample(
     f: Callable[..., Any],
     tensors: list[torch.Tensor],
@@ -316,6 +352,8 @@ def _check_graphs(
             compare(p.backward(saved, tangents), e_grads, f"{stage}: grad")
             p.forward.verify()
             p.backward.verify()
+        stage = "aten native executor (min_cut)"
+        _check_native(ft.partition(jg, "min_cut"), tensors, tangents)
         if BACKEND is not None:
             stage = "triton backend (min_cut)"
             _check_backend(ft.partition(jg, "min_cut"), tensors, tangents, reference)

@@ -1,0 +1,240 @@
+"""The ``"aten"`` backend's native executor: a graph as a program of boxed dispatcher calls.
+
+The Python executor (:mod:`functrans.codegen._pycode`) pays Python's argument parsing on every
+op, about a microsecond each; on small tensors that is a large part of a step. The native
+executor (``csrc/executor.cpp``) turns the graph into a flat list of calls to the very
+operator handles ``OpOverload.__call__`` calls, with constant arguments converted once, and
+runs the list from C++. Results are bit for bit the Python executor's.
+
+The extension is compiled on first use with torch's C++ extension tooling (a C++ compiler and
+ninja; about half a minute, once per machine) into ``$FUNCTRANS_CACHE_DIR/native/<hash>``.
+Without a compiler, or with ``FUNCTRANS_NATIVE=0``, :func:`native_function` returns None and
+the backend runs the Python executor.
+
+>>> import torch, functrans as ft
+>>> g = ft.trace(lambda x: (x * 2).sin())(torch.ones(2))
+>>> run = native_function(g.graph_module)
+>>> run is None or torch.equal(run(torch.ones(2))[0], torch.ones(2).mul(2).sin())
+True
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import operator
+import os
+import shutil
+import sys
+import threading
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+__all__ = ["native_function", "native_module"]
+
+_SOURCE = Path(__file__).resolve().parent / "csrc" / "executor.cpp"
+_LOCK = threading.Lock()
+
+
+class _Unsupported(Exception):
+    """The graph holds something the native executor does not run."""
+
+
+def _cache_root() -> Path:
+    root = os.environ.get("FUNCTRANS_CACHE_DIR")
+    return Path(root).expanduser() if root else Path.home() / ".cache" / "functrans"
+
+
+@functools.cache
+def _build() -> Any | None:
+    source = _SOURCE.read_bytes()
+    tag = f"{torch.__version__}|{sys.version}".encode()
+    digest = hashlib.sha256(source + tag).hexdigest()[:16]
+    name = f"functrans_executor_{digest}"
+    build_dir = _cache_root() / "native" / digest
+    built = build_dir / f"{name}.so"
+    # the digest names the source, torch and Python: a built library needs no rebuild (unless
+    # another process holds the build lock: it may still be writing it)
+    if built.exists() and not (build_dir / "lock").exists():
+        spec = importlib.util.spec_from_file_location(name, built)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    build_dir.mkdir(parents=True, exist_ok=True)
+    from torch.utils import cpp_extension
+
+    path = os.environ.get("PATH", "")
+    if shutil.which("ninja") is None:  # the venv's ninja (a pip dependency), not activated
+        os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), path])
+    try:
+        return cpp_extension.load(
+            name=name,
+            sources=[str(_SOURCE)],
+            build_directory=str(build_dir),
+            extra_cflags=["-O2"],
+            verbose=False,
+        )
+    finally:
+        os.environ["PATH"] = path
+
+
+def native_module() -> Any | None:
+    """The compiled extension, built on first use; None when disabled or it cannot be built."""
+    if os.environ.get("FUNCTRANS_NATIVE", "1") == "0":
+        return None
+    with _LOCK:
+        try:
+            return _build()
+        except Exception as e:  # no compiler, no ninja, ...: run the Python executor
+            _build.cache_clear()
+            os.environ["FUNCTRANS_NATIVE"] = "0"  # warn once, don't retry the build
+            warnings.warn(
+                f"functrans: the native executor could not be built ({type(e).__name__}: "
+                f"{str(e).strip().splitlines()[-1] if str(e).strip() else e}); the 'aten' "
+                "backend runs graphs through its Python executor. Set FUNCTRANS_NATIVE=0 to "
+                "skip the build.",
+                stacklevel=2,
+            )
+            return None
+
+
+def native_function(gm: fx.GraphModule) -> Callable[..., list[Any]] | None:
+    """``gm`` as a native program (flat inputs, a list of outputs), or None when the extension
+    is unavailable or the graph holds a node it does not run (non-ATen calls, graph values
+    inside non-tensor lists, submodules)."""
+    ext = native_module()
+    if ext is None:
+        return None
+    try:
+        program = _Builder(ext.Program(), gm).build()
+    except (_Unsupported, RuntimeError):
+        return None
+    run: Callable[..., list[Any]] = program.run
+    return run
+
+
+class _Builder:
+    """Registers for the graph's values, then one program step per node."""
+
+    def __init__(self, program: Any, gm: fx.GraphModule) -> None:
+        self.program, self.gm = program, gm
+        self.reg: dict[fx.Node, int] = {}  # single values
+        self.multi: dict[fx.Node, list[int]] = {}  # ops with several returns
+        self.lists: dict[fx.Node, int] = {}  # ops returning one list of tensors
+        self.steps: list[tuple[str, tuple[Any, ...], list[int]]] = []  # kind, args, reads
+
+    def new(self) -> int:
+        r: int = self.program.num_registers
+        self.program.num_registers = r + 1
+        return r
+
+    def build(self) -> Any:
+        users = {n: set(n.users) for n in self.gm.graph.nodes}
+        outputs: list[Any] = []
+        for n in self.gm.graph.nodes:
+            if n.op == "placeholder":
+                self.reg[n] = self.new()
+                self.program.inputs = [*self.program.inputs, self.reg[n]]
+            elif n.op == "get_attr":
+                self.reg[n] = self.new()
+                self.program.constant_register(self.reg[n], _attr(self.gm, str(n.target)))
+            elif n.op == "call_function" and n.target is operator.getitem:
+                self._getitem(n)
+            elif n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
+                self._call(n, users[n])
+            elif n.op == "output":
+                outs = n.args[0]
+                outputs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
+            else:
+                raise _Unsupported(f"{n.op} {n.target}")
+        out_specs = [self._value(o) for o in outputs]
+        kept = {s[1] for s in out_specs if s[0] == "r"}
+        self._emit(kept)
+        self.program.set_outputs(out_specs)
+        return self.program
+
+    def _getitem(self, n: fx.Node) -> None:
+        src, index = n.args
+        if not isinstance(src, fx.Node) or not isinstance(index, int) or n.kwargs:
+            raise _Unsupported("getitem")
+        if src in self.multi:
+            self.reg[n] = self.multi[src][index]
+        elif src in self.lists:
+            self.reg[n] = self.new()
+            self.steps.append(("item", (n.name, index, self.reg[n]), [self.lists[src]]))
+        else:
+            raise _Unsupported("getitem of a single value")
+
+    def _call(self, n: fx.Node, users: set[fx.Node]) -> None:
+        schema = n.target._schema  # type: ignore[union-attr]
+        specs, reads = [], []
+        for i, formal in enumerate(schema.arguments):
+            if i < len(n.args) and not formal.kwarg_only:
+                spec = self._value(n.args[i])
+            elif formal.name in n.kwargs:
+                spec = self._value(n.kwargs[formal.name])
+            else:
+                spec = ("d",)
+            specs.append(spec)
+            reads += _registers(spec)
+        returns = schema.returns
+        if len(returns) == 1 and isinstance(returns[0].type, torch.ListType):
+            outs = [self.new()]
+            self.lists[n] = outs[0]
+        elif len(returns) == 1:
+            outs = [self.new()]
+            self.reg[n] = outs[0]
+        else:
+            read = {u.args[1] for u in users if u.target is operator.getitem}
+            outs = [self.new() if i in read else -1 for i in range(len(returns))]
+            self.multi[n] = outs
+        call = (schema.name, schema.overload_name, n.name, specs, outs)
+        self.steps.append(("call", call, reads))
+
+    def _value(self, v: Any) -> tuple[Any, ...]:
+        if isinstance(v, fx.Node):
+            if v not in self.reg:
+                raise _Unsupported(f"{v.name} is not a single value")
+            return ("r", self.reg[v])
+        if isinstance(v, (list, tuple)) and any(isinstance(e, fx.Node) for e in v):
+            return ("l", [self._value(e) for e in v])
+        return ("c", v)
+
+    def _emit(self, kept: set[int]) -> None:
+        """Add the steps, each freeing the registers it reads last (outputs are kept)."""
+        last: dict[int, int] = {}
+        for i, (_, _, reads) in enumerate(self.steps):
+            for r in reads:
+                last[r] = i
+        for i, (kind, args, _) in enumerate(self.steps):
+            written = args[4] if kind == "call" else [args[2]]
+            dead = {r for r, at in last.items() if at == i}
+            dead |= {r for r in written if r >= 0 and r not in last}  # never read
+            frees = sorted(dead - kept)
+            if kind == "call":
+                self.program.call(*args, frees)
+            else:
+                src = self.steps[i][2][0]
+                self.program.item(src, args[1], args[2], frees, args[0])
+
+
+def _registers(spec: tuple[Any, ...]) -> list[int]:
+    if spec[0] == "r":
+        return [spec[1]]
+    if spec[0] == "l":
+        return [r for s in spec[1] for r in _registers(s)]
+    return []
+
+
+def _attr(gm: fx.GraphModule, target: str) -> Any:
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
