@@ -40,6 +40,7 @@ __all__ = ["native_function", "native_module"]
 
 _SOURCE = Path(__file__).resolve().parent / "csrc" / "executor.cpp"
 _LOCK = threading.Lock()
+_FAILED = False  # the build failed once in this process
 
 
 class _Unsupported(Exception):
@@ -86,15 +87,16 @@ def _build() -> Any | None:
 
 
 def native_module() -> Any | None:
-    """The compiled extension, built on first use; None when disabled or it cannot be built."""
-    if os.environ.get("FUNCTRANS_NATIVE", "1") == "0":
+    """The compiled extension, built on first use; None when disabled or it cannot be built
+    (which warns once; the build is not retried in this process)."""
+    global _FAILED
+    if os.environ.get("FUNCTRANS_NATIVE", "1") == "0" or _FAILED:
         return None
     with _LOCK:
         try:
             return _build()
         except Exception as e:  # no compiler, no ninja, ...: run the Python executor
-            _build.cache_clear()
-            os.environ["FUNCTRANS_NATIVE"] = "0"  # warn once, don't retry the build
+            _FAILED = True
             warnings.warn(
                 f"functrans: the native executor could not be built ({type(e).__name__}: "
                 f"{str(e).strip().splitlines()[-1] if str(e).strip() else e}); the 'aten' "
