@@ -36,6 +36,9 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from ._cache import cache_root
+from ._pycode import _attr
+
 __all__ = ["native_function", "native_module"]
 
 _SOURCE = Path(__file__).resolve().parent / "csrc" / "executor.cpp"
@@ -47,18 +50,13 @@ class _Unsupported(Exception):
     """The graph holds something the native executor does not run."""
 
 
-def _cache_root() -> Path:
-    root = os.environ.get("FUNCTRANS_CACHE_DIR")
-    return Path(root).expanduser() if root else Path.home() / ".cache" / "functrans"
-
-
 @functools.cache
 def _build() -> Any | None:
     source = _SOURCE.read_bytes()
     tag = f"{torch.__version__}|{sys.version}".encode()
     digest = hashlib.sha256(source + tag).hexdigest()[:16]
     name = f"functrans_executor_{digest}"
-    build_dir = _cache_root() / "native" / digest
+    build_dir = cache_root() / "native" / digest
     built = build_dir / f"{name}.so"
     # the digest names the source, torch and Python: a built library needs no rebuild (unless
     # another process holds the build lock: it may still be writing it)
@@ -233,10 +231,3 @@ def _registers(spec: tuple[Any, ...]) -> list[int]:
     if spec[0] == "l":
         return [r for s in spec[1] for r in _registers(s)]
     return []
-
-
-def _attr(gm: fx.GraphModule, target: str) -> Any:
-    obj: Any = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj

@@ -43,13 +43,29 @@ def _run_both(graph, inputs):
 
 
 def _partition_both(f, args, strategy="min_cut", argnums=None):
+    """Forward outputs and grads, each side's backward fed its own saved values (a saved value
+    may hold memory nobody wrote, e.g. from ``empty``, that no backward reads)."""
     argnums = tuple(range(len(args))) if argnums is None else argnums
     jg = ft.joint(f, argnums=argnums)(*args)
     p = ft.partition(jg, strategy)
-    flat = _run_both(p.forward, list(args))
-    n_out = len(flat) - len(p.saved)
-    tangents = [torch.ones_like(t) for t in flat[:n_out]]
-    return _run_both(p.backward, [*flat[n_out:], *tangents])
+    sides = []
+    for fwd, bwd in (
+        (
+            _native.native_function(p.forward.graph_module),
+            _native.native_function(p.backward.graph_module),
+        ),
+        (FX.compile(p.forward, args), FX.compile(p.backward, [])),
+    ):
+        assert fwd is not None and bwd is not None, "the native executor declined a graph"
+        torch.manual_seed(0)
+        flat = fwd(*args)
+        n_out = len(flat) - len(p.saved)
+        metas = [n.meta["val"] for n in p.backward.placeholders()[len(p.saved) :]]
+        tangents = [torch.ones(m.shape, dtype=m.dtype) for m in metas]
+        sides.append([*flat[:n_out], *bwd(*flat[n_out:], *tangents)])
+    for a, b in zip(*sides, strict=True):
+        _same(a, b)
+    return sides[0]
 
 
 @pytest.mark.parametrize("name", ["mlp_stack", "gpt_block", "llama_block", "conv_block"])
@@ -78,12 +94,9 @@ def test_argument_kinds_lists_defaults_numbers_and_list_returns():
 
     args = [torch.randn(4, 3), torch.tensor([0, 2]), torch.randn(3)]
     _run_both(ft.trace(f)(*args), args)
-    x, w = args[0].requires_grad_(), args[2].requires_grad_()
-    jg = ft.joint(lambda x, w: f(x, args[1], w), argnums=(0, 1))(x, w)
+    x, w = args[0], args[2]
     for strategy in ("default", "min_cut", "full_remat"):
-        p = ft.partition(jg, strategy)
-        flat = _run_both(p.forward, [x.detach(), w.detach()])
-        _run_both(p.backward, [*flat[1:], torch.ones(())])
+        _partition_both(lambda x, w: f(x, args[1], w), [x.detach(), w.detach()], strategy)
 
 
 def test_constants_and_constant_outputs():
@@ -193,3 +206,10 @@ def test_regression_random_ops_draw_what_the_fx_graph_draws():
     program draws the numbers the FX graph draws; the test had compared unseeded runs."""
     g = ft.trace(lambda x: torch.nn.functional.dropout(x, 0.5))(torch.ones(64))
     _run_both(g, [torch.ones(64)])
+
+
+def test_regression_saved_memory_nobody_wrote_is_not_compared():
+    """Found by the conformance sweep's native stage: eval-mode rrelu saves the ``noise`` it got
+    from ``aten.empty`` without writing it, so two runs save different garbage. No backward
+    reads it; outputs and grads are what must match (and do)."""
+    _partition_both(lambda x: torch.nn.functional.rrelu(x, training=False), [torch.randn(3, 4)])

@@ -39,6 +39,7 @@ import torch
 
 from functrans._errors import FunctransError
 
+from .._cache import cache_root
 from ._interpreter import _interpreter_scope
 from .aot import CompiledArtifact, compile_for_gpu
 from .aot import _ptxas_missing as _ptxas_missing  # re-exported: compile_for_gpu looks it up here
@@ -107,9 +108,7 @@ def cache_dir() -> Path:
     >>> cache_dir().name
     'triton'
     """
-    root = os.environ.get("FUNCTRANS_CACHE_DIR")
-    base = Path(root).expanduser() if root else Path.home() / ".cache" / "functrans"
-    return base / "triton"
+    return cache_root() / "triton"
 
 
 @dataclass(frozen=True)

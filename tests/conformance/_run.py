@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
-from _sweep import BACKEND, RANK, op_key, run_op, select_ops, strategies
+from _sweep import BACKEND, NATIVE, RANK, op_key, run_op, select_ops, strategies
 
 import functrans as ft
 
@@ -72,6 +72,7 @@ def report(
             "samples_per_op": "all" if max_samples is None else f"first {max_samples}",
             "strategies": [f"{n} {o}" if o else n for n, o in strategies()],
             "backends": ["aten (every strategy)"]
+            + (["aten native executor (min_cut; bit for bit vs the FX graphs)"] if NATIVE else [])
             + (["triton (min_cut; kernels interpreted on CPU)"] if BACKEND is not None else []),
             "seconds": round(seconds, 1),
             "workers": workers,
