@@ -114,8 +114,14 @@ def native_function(gm: fx.GraphModule) -> Callable[..., list[Any]] | None:
         return None
     try:
         program = _Builder(ext.Program(), gm).build()
-    except (_Unsupported, RuntimeError):
+    except Exception:  # _Unsupported, or a constant the schema refuses: run it in Python
         return None
+
+    def fallback(*args: Any) -> list[Any]:  # inputs __torch_function__ would intercept
+        out = gm(*args)
+        return list(out) if isinstance(out, (list, tuple)) else [out]
+
+    program.set_fallback(fallback)
     run: Callable[..., list[Any]] = program.run
     return run
 
@@ -138,10 +144,11 @@ class _Builder:
     def build(self) -> Any:
         users = {n: set(n.users) for n in self.gm.graph.nodes}
         outputs: list[Any] = []
+        inputs: list[int] = []
         for n in self.gm.graph.nodes:
             if n.op == "placeholder":
                 self.reg[n] = self.new()
-                self.program.inputs = [*self.program.inputs, self.reg[n]]
+                inputs.append(self.reg[n])
             elif n.op == "get_attr":
                 self.reg[n] = self.new()
                 self.program.constant_register(self.reg[n], _attr(self.gm, str(n.target)))
@@ -154,6 +161,7 @@ class _Builder:
                 outputs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
             else:
                 raise _Unsupported(f"{n.op} {n.target}")
+        self.program.inputs = inputs
         out_specs = [self._value(o) for o in outputs]
         kept = {s[1] for s in out_specs if s[0] == "r"}
         self._emit(kept)
@@ -165,8 +173,11 @@ class _Builder:
         if not isinstance(src, fx.Node) or not isinstance(index, int) or n.kwargs:
             raise _Unsupported("getitem")
         if src in self.multi:
-            self.reg[n] = self.multi[src][index]
-        elif src in self.lists:
+            outs = self.multi[src]
+            if not -len(outs) <= index < len(outs):
+                raise _Unsupported(f"getitem {index} of {len(outs)} returns")
+            self.reg[n] = outs[index % len(outs)]
+        elif src in self.lists and index >= 0:  # C++ indexes lists from the front only
             self.reg[n] = self.new()
             self.steps.append(("item", (n.name, index, self.reg[n]), [self.lists[src]]))
         else:
@@ -174,6 +185,9 @@ class _Builder:
 
     def _call(self, n: fx.Node, users: set[fx.Node]) -> None:
         schema = n.target._schema  # type: ignore[union-attr]
+        positional = [a for a in schema.arguments if not a.kwarg_only]
+        if len(n.args) > len(positional) or not set(n.kwargs) <= {a.name for a in schema.arguments}:
+            raise _Unsupported(f"{n.name}: arguments its schema does not take")  # gm raises
         specs, reads = [], []
         for i, formal in enumerate(schema.arguments):
             if i < len(n.args) and not formal.kwarg_only:
@@ -192,8 +206,15 @@ class _Builder:
             outs = [self.new()]
             self.reg[n] = outs[0]
         else:
-            read = {u.args[1] for u in users if u.target is operator.getitem}
-            outs = [self.new() if i in read else -1 for i in range(len(returns))]
+            k = len(returns)
+            read = {
+                u.args[1] % k
+                for u in users
+                if u.target is operator.getitem
+                and isinstance(u.args[1], int)
+                and -k <= u.args[1] < k
+            }
+            outs = [self.new() if i in read else -1 for i in range(k)]
             self.multi[n] = outs
         call = (schema.name, schema.overload_name, n.name, specs, outs)
         self.steps.append(("call", call, reads))
@@ -213,9 +234,12 @@ class _Builder:
         for i, (_, _, reads) in enumerate(self.steps):
             for r in reads:
                 last[r] = i
+        dies: dict[int, set[int]] = {}
+        for r, i in last.items():
+            dies.setdefault(i, set()).add(r)
         for i, (kind, args, _) in enumerate(self.steps):
             written = args[4] if kind == "call" else [args[2]]
-            dead = {r for r, at in last.items() if at == i}
+            dead = dies.get(i, set())
             dead |= {r for r in written if r >= 0 and r not in last}  # never read
             frees = sorted(dead - kept)
             if kind == "call":

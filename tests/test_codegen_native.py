@@ -1,14 +1,17 @@
 """The ``"aten"`` backend's native executor (``codegen/csrc/executor.cpp``): the same overloads,
 the same bits, the same strides as the FX graph, and a clear way out when it cannot run."""
 
+import operator
 import threading
 import warnings
 
 import pytest
 import torch
+import torch.fx as fx
 from functrans.codegen import _native
 from functrans.codegen.aten import AtenBackend
 from hypothesis import given, settings
+from torch.overrides import TorchFunctionMode
 
 import functrans as ft
 from benchmarks import zoo
@@ -18,6 +21,7 @@ pytestmark = pytest.mark.skipif(
     _native.native_module() is None, reason="the native executor could not be built here"
 )
 FX, NATIVE = AtenBackend(executor="fx"), AtenBackend(executor="native")
+aten, prims = torch.ops.aten, torch.ops.prims
 
 
 def _same(a, b):
@@ -213,3 +217,84 @@ def test_regression_saved_memory_nobody_wrote_is_not_compared():
     from ``aten.empty`` without writing it, so two runs save different garbage. No backward
     reads it; outputs and grads are what must match (and do)."""
     _partition_both(lambda x: torch.nn.functional.rrelu(x, training=False), [torch.randn(3, 4)])
+
+
+# Found by a review of the executor (each failed before its fix): hand-built or unusual graphs
+
+
+def _graph(build):
+    g = fx.Graph()
+    g.output(build(g, g.placeholder("a")))
+    return fx.GraphModule(torch.nn.Module(), g)
+
+
+def _same_as_gm(gm, *inputs):
+    run = _native.native_function(gm)
+    assert run is not None
+    for a, b in zip(run(*inputs), gm(*inputs), strict=True):
+        _same(a, b)
+
+
+def test_regression_negative_getitem_of_a_multi_return_op():
+    """``getitem(max.dim(a, 0), -2)`` was given no register: a silent None, then a write to
+    register -1 that aborted the process. Indices are normalised; bad registers are refused."""
+
+    def build(g, a):
+        values = g.call_function(operator.getitem, (g.call_function(aten.max.dim, (a, 0)), -2))
+        ln = g.call_function(aten.native_layer_norm.default, (a, [6], values, None, 1e-5))
+        return [g.call_function(operator.getitem, (ln, 0))]
+
+    _same_as_gm(_graph(build), torch.randn(4, 6))
+    program = _native.native_module().Program()
+    with pytest.raises(RuntimeError, match="register"):
+        program.call("aten::neg", "", "bad", [("r", 3)], [0], [])
+
+
+def test_regression_torch_function_subclasses_and_modes_are_honoured():
+    """``OpOverload.__call__`` lets ``__torch_function__`` intercept; ``callBoxed`` does not, so
+    such inputs (and an active mode) run the graph module instead."""
+
+    class Shift(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            out = super().__torch_function__(func, types, args, kwargs)
+            return out + 100 if func is aten.sin.default else out
+
+    class Double(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            return out * 2 if func is aten.sin.default else out
+
+    gm = ft.trace(lambda x: x.sin())(torch.ones(2)).graph_module
+    _same_as_gm(gm, torch.ones(2).as_subclass(Shift))
+    with Double():
+        _same_as_gm(gm, torch.ones(2))
+    _same_as_gm(gm, torch.nn.Parameter(torch.ones(2)))  # no override: runs natively
+
+
+def test_regression_numbers_as_tensors_reach_python_kernels():
+    """prims' Python kernel redispatches the number it was given: the numbers-as-tensors rule
+    must hold while the op runs, not only while the program is built."""
+    _same_as_gm(
+        ft.trace(lambda x: prims.mul.default(x, 2.0))(torch.ones(2)).graph_module, torch.ones(2)
+    )
+
+
+def test_regression_a_number_is_a_fresh_tensor_on_every_run():
+    """``to.dtype(2.5, float64)`` returns the number's tensor itself and ``add_`` changes it: one
+    tensor shared by every run leaked 3.5, 4.5, 5.5; each run now gets its own, like Python."""
+    gm = _graph(
+        lambda g, a: [
+            g.call_function(
+                aten.add_.Tensor, (g.call_function(aten.to.dtype, (2.5, torch.float64)), a)
+            )
+        ]
+    )
+    run = _native.native_function(gm)
+    one = torch.tensor(1.0, dtype=torch.float64)
+    assert [float(run(one)[0]) for _ in range(3)] == [3.5, 3.5, 3.5]
+
+
+def test_regression_arguments_the_schema_does_not_take_are_not_dropped():
+    gm = _graph(lambda g, a: [g.call_function(aten.add.Tensor, (a, a), {"alpah": 3})])
+    assert _native.native_function(gm) is None  # the graph module raises; so does Python

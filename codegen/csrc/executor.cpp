@@ -11,6 +11,7 @@
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/csrc/utils/python_arg_parser.h>
+#include <ATen/ScalarOps.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #include <optional>
@@ -22,12 +23,24 @@ namespace py = pybind11;
 
 namespace {
 
-// A register (reg >= 0) or a constant
+// A register (reg >= 0) or a constant. A Python number passed where the schema says Tensor
+// becomes a fresh wrapped-number tensor on every run, as OpOverload.__call__ makes one per
+// call: an op that returns its input as is must not hand one run's tensor to the next.
 struct Source {
   int reg = -1;
   c10::IValue value;
-  const c10::IValue& get(const std::vector<c10::IValue>& regs) const {
-    return reg >= 0 ? regs[reg] : value;
+  std::optional<c10::Scalar> number;  // set: make a fresh tensor like `value` per run
+  c10::IValue get(const std::vector<c10::IValue>& regs) const {
+    if (reg >= 0) {
+      return regs[reg];
+    }
+    if (!number) {
+      return value;
+    }
+    const auto& t = value.toTensor();
+    auto copy = at::detail::scalar_tensor_static(*number, t.scalar_type(), t.device());
+    copy.unsafeGetTensorImpl()->set_wrapped_number(t.unsafeGetTensorImpl()->is_wrapped_number());
+    return copy;
   }
 };
 
@@ -45,6 +58,7 @@ struct Step {
   std::vector<int> outs;   // a register per return, -1 for returns nobody reads
   std::vector<int> frees;  // registers whose last use is this step
   std::string name;        // the FX node, for error messages
+  bool numbers = false;    // numbers may stand for tensors (also in kernels it redispatches to)
 };
 
 // A tensor, None, bool, int or float (graph inputs, get_attr values, constant outputs)
@@ -69,6 +83,11 @@ c10::IValue from_python(py::handle value) {
 Source constant(py::handle value, const c10::TypePtr& type) {
   Source s;
   s.value = torch::jit::toIValue(value, type);
+  if (s.value.isTensor() && !THPVariable_Check(value.ptr())) {
+    const auto& t = s.value.toTensor();
+    TORCH_CHECK(t.device().is_cpu() && t.dim() == 0, "a number as a tensor: ", t);
+    s.number = t.item();
+  }
   return s;
 }
 
@@ -78,6 +97,7 @@ Source element(py::handle spec, const c10::TypePtr& type) {
   if (t[0].cast<std::string>() == "r") {
     Source s;
     s.reg = t[1].cast<int>();
+    TORCH_CHECK(s.reg >= 0, "register ", s.reg);
     return s;
   }
   return constant(t[1], type);
@@ -100,10 +120,10 @@ class Program {
                 " outputs for ", schema);
     // Python numbers where the schema says Tensor, exactly where OpOverload.__call__ takes them
     auto symbol = c10::Symbol::fromQualString(schema.name());
-    torch::jit::ToIValueAllowNumbersAsTensors numbers(
-        symbol.is_prims() ||
-        (symbol.is_aten() && torch::should_allow_numbers_as_tensors(symbol.toUnqualString())));
     Step step;
+    step.numbers = symbol.is_prims() || (symbol.is_aten() && torch::should_allow_numbers_as_tensors(
+                                                                 symbol.toUnqualString()));
+    torch::jit::ToIValueAllowNumbersAsTensors numbers(step.numbers);
     step.op = op;
     step.outs = std::move(outs);
     step.frees = std::move(frees);
@@ -137,6 +157,7 @@ class Program {
       }
       step.args.push_back(std::move(arg));
     }
+    check(step);
     steps_.push_back(std::move(step));
   }
 
@@ -150,6 +171,7 @@ class Program {
     step.outs = {out};
     step.frees = std::move(frees);
     step.name = node;
+    check(step);
     steps_.push_back(std::move(step));
   }
 
@@ -160,12 +182,16 @@ class Program {
 
   // ("r", reg) | ("c", value) per output
   void set_outputs(const py::list& outs) {
+    for (int r : inputs) {
+      check_register(r, "an input");
+    }
     outputs_.clear();
     for (auto o : outs) {
       auto t = py::reinterpret_borrow<py::tuple>(o);
       Source s;
       if (t[0].cast<std::string>() == "r") {
         s.reg = t[1].cast<int>();
+        check_register(s.reg, "an output");
       } else {
         s.value = from_python(t[1]);
       }
@@ -173,15 +199,23 @@ class Program {
     }
   }
 
-  py::list run(const py::args& values) {
+  // What runs the graph when the program must not: inputs that are not tensors, or that
+  // __torch_function__ (a subclass override, a mode) would intercept as OpOverload calls are
+  void set_fallback(py::object fallback) { fallback_ = std::move(fallback); }
+
+  py::object run(const py::args& values) {
     TORCH_CHECK(values.size() == inputs.size(), "the graph takes ", inputs.size(),
                 " inputs, got ", values.size());
+    if (!plain_tensors(values)) {
+      TORCH_CHECK(fallback_, "the native executor has no fallback for these inputs");
+      return fallback_(*values);
+    }
     std::vector<c10::IValue> regs(num_registers);
     for (const auto& [reg, value] : constants_) {
       regs[reg] = value;
     }
     for (size_t i = 0; i < inputs.size(); ++i) {
-      regs[inputs[i]] = from_python(values[i]);
+      regs[inputs[i]] = THPVariable_Unpack(values[i].ptr());
     }
     {
       py::gil_scoped_release no_gil;
@@ -203,6 +237,49 @@ class Program {
   }
 
  private:
+  // Every register a step names exists: a bad index is a build error, never a stray write
+  void check_register(int r, const char* what) const {
+    TORCH_CHECK(r >= 0 && r < num_registers, what, " names register ", r, " of ",
+                num_registers);
+  }
+
+  void check(const Step& s) const {
+    for (const auto& a : s.args) {
+      if (a.kind == Arg::kValue && a.one.reg >= 0) {
+        check_register(a.one.reg, s.name.c_str());
+      }
+      for (const auto& i : a.items) {
+        if (i.reg >= 0) {
+          check_register(i.reg, s.name.c_str());
+        }
+      }
+    }
+    if (!s.op) {
+      check_register(s.args.at(0).one.reg, s.name.c_str());
+    }
+    for (int r : s.outs) {
+      if (r != -1 || !s.op) {
+        check_register(r, s.name.c_str());
+      }
+    }
+    for (int r : s.frees) {
+      check_register(r, s.name.c_str());
+    }
+  }
+
+  static bool plain_tensors(const py::args& values) {
+    for (auto v : values) {
+      if (!THPVariable_Check(v.ptr())) {
+        return false;
+      }
+    }
+    // torch._C._has_torch_function: subclass overrides and torch function modes (leaked on
+    // purpose: it must outlive the interpreter's teardown of this module)
+    static auto* has_torch_function =
+        new py::object(py::module_::import("torch._C").attr("_has_torch_function"));
+    return !(*has_torch_function)(values).cast<bool>();
+  }
+
   void execute(std::vector<c10::IValue>& regs) const {
     torch::jit::Stack stack;
     for (const auto& s : steps_) {
@@ -214,6 +291,7 @@ class Program {
           push(a, regs, stack);
         }
         try {
+          torch::jit::ToIValueAllowNumbersAsTensors numbers(s.numbers);
           s.op->callBoxed(stack);
         } catch (c10::Error& e) {
           e.add_context(c10::str("functrans: while running node ", s.name));
@@ -255,6 +333,7 @@ class Program {
   std::vector<Step> steps_;
   std::vector<std::pair<int, c10::IValue>> constants_;
   std::vector<Source> outputs_;
+  py::object fallback_;
 };
 
 }  // namespace
@@ -268,8 +347,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("item", &Program::item)
       .def("constant_register", &Program::constant_register)
       .def("set_outputs", &Program::set_outputs)
+      .def("set_fallback", &Program::set_fallback)
       .def("listing", &Program::listing)
-      .def("run", [](Program& p, const py::args& values) {
+      .def("run", [](Program& p, const py::args& values) -> py::object {
         HANDLE_TH_ERRORS
         return p.run(values);
         END_HANDLE_TH_ERRORS_PYBIND
