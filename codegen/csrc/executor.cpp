@@ -11,6 +11,7 @@
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/csrc/utils/python_arg_parser.h>
+#include <ATen/PythonTorchFunctionTLS.h>
 #include <ATen/ScalarOps.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
@@ -268,12 +269,20 @@ class Program {
   }
 
   static bool plain_tensors(const py::args& values) {
+    bool subclass = false;
     for (auto v : values) {
       if (!THPVariable_Check(v.ptr())) {
         return false;
       }
+      subclass = subclass || !THPVariable_CheckExact(v.ptr());
     }
-    // torch._C._has_torch_function: subclass overrides and torch function modes (leaked on
+    if (at::impl::torch_function_mode_enabled()) {
+      return false;
+    }
+    if (!subclass) {
+      return true;
+    }
+    // torch._C._has_torch_function: does a subclass override __torch_function__? (leaked on
     // purpose: it must outlive the interpreter's teardown of this module)
     static auto* has_torch_function =
         new py::object(py::module_::import("torch._C").attr("_has_torch_function"));
