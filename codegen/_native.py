@@ -57,7 +57,7 @@ def _build() -> Any | None:
     digest = hashlib.sha256(source + tag).hexdigest()[:16]
     name = f"functrans_executor_{digest}"
     build_dir = cache_root() / "native" / digest
-    built = build_dir / f"{name}.so"
+    built = build_dir / f"{name}{'.pyd' if sys.platform == 'win32' else '.so'}"
     # the digest names the source, torch and Python: a built library needs no rebuild (unless
     # another process holds the build lock: it may still be writing it)
     if built.exists() and not (build_dir / "lock").exists():
