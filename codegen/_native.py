@@ -51,7 +51,7 @@ class _Unsupported(Exception):
 
 
 @functools.cache
-def _build() -> Any | None:
+def _build() -> Any:
     source = _SOURCE.read_bytes()
     tag = f"{torch.__version__}|{sys.version}".encode()
     digest = hashlib.sha256(source + tag).hexdigest()[:16]
@@ -134,7 +134,8 @@ class _Builder:
         self.reg: dict[fx.Node, int] = {}  # single values
         self.multi: dict[fx.Node, list[int]] = {}  # ops with several returns
         self.lists: dict[fx.Node, int] = {}  # ops returning one list of tensors
-        self.steps: list[tuple[str, tuple[Any, ...], list[int]]] = []  # kind, args, reads
+        # (program method, its arguments before `frees`, registers read, registers written)
+        self.steps: list[tuple[str, tuple[Any, ...], list[int], list[int]]] = []
 
     def new(self) -> int:
         r: int = self.program.num_registers
@@ -142,7 +143,6 @@ class _Builder:
         return r
 
     def build(self) -> Any:
-        users = {n: set(n.users) for n in self.gm.graph.nodes}
         outputs: list[Any] = []
         inputs: list[int] = []
         for n in self.gm.graph.nodes:
@@ -155,7 +155,7 @@ class _Builder:
             elif n.op == "call_function" and n.target is operator.getitem:
                 self._getitem(n)
             elif n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
-                self._call(n, users[n])
+                self._call(n)
             elif n.op == "output":
                 outs = n.args[0]
                 outputs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
@@ -178,12 +178,13 @@ class _Builder:
                 raise _Unsupported(f"getitem {index} of {len(outs)} returns")
             self.reg[n] = outs[index % len(outs)]
         elif src in self.lists and index >= 0:  # C++ indexes lists from the front only
-            self.reg[n] = self.new()
-            self.steps.append(("item", (n.name, index, self.reg[n]), [self.lists[src]]))
+            self.reg[n] = out = self.new()
+            item = (self.lists[src], index, out, n.name)
+            self.steps.append(("item", item, [self.lists[src]], [out]))
         else:
             raise _Unsupported("getitem of a single value")
 
-    def _call(self, n: fx.Node, users: set[fx.Node]) -> None:
+    def _call(self, n: fx.Node) -> None:
         schema = n.target._schema  # type: ignore[union-attr]
         positional = [a for a in schema.arguments if not a.kwarg_only]
         if len(n.args) > len(positional) or not set(n.kwargs) <= {a.name for a in schema.arguments}:
@@ -209,7 +210,7 @@ class _Builder:
             k = len(returns)
             read = {
                 u.args[1] % k
-                for u in users
+                for u in n.users
                 if u.target is operator.getitem
                 and isinstance(u.args[1], int)
                 and -k <= u.args[1] < k
@@ -217,7 +218,7 @@ class _Builder:
             outs = [self.new() if i in read else -1 for i in range(k)]
             self.multi[n] = outs
         call = (schema.name, schema.overload_name, n.name, specs, outs)
-        self.steps.append(("call", call, reads))
+        self.steps.append(("call", call, reads, outs))
 
     def _value(self, v: Any) -> tuple[Any, ...]:
         if isinstance(v, fx.Node):
@@ -231,22 +232,16 @@ class _Builder:
     def _emit(self, kept: set[int]) -> None:
         """Add the steps, each freeing the registers it reads last (outputs are kept)."""
         last: dict[int, int] = {}
-        for i, (_, _, reads) in enumerate(self.steps):
+        for i, (_, _, reads, _) in enumerate(self.steps):
             for r in reads:
                 last[r] = i
         dies: dict[int, set[int]] = {}
         for r, i in last.items():
             dies.setdefault(i, set()).add(r)
-        for i, (kind, args, _) in enumerate(self.steps):
-            written = args[4] if kind == "call" else [args[2]]
-            dead = dies.get(i, set())
-            dead |= {r for r in written if r >= 0 and r not in last}  # never read
-            frees = sorted(dead - kept)
-            if kind == "call":
-                self.program.call(*args, frees)
-            else:
-                src = self.steps[i][2][0]
-                self.program.item(src, args[1], args[2], frees, args[0])
+        for i, (method, args, _, written) in enumerate(self.steps):
+            unread = {r for r in written if r >= 0 and r not in last}
+            frees = sorted((dies.get(i, set()) | unread) - kept)
+            getattr(self.program, method)(*args, frees)
 
 
 def _registers(spec: tuple[Any, ...]) -> list[int]:

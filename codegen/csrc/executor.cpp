@@ -16,7 +16,6 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #include <optional>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -62,7 +61,7 @@ struct Step {
   bool numbers = false;    // numbers may stand for tensors (also in kernels it redispatches to)
 };
 
-// A tensor, None, bool, int or float (graph inputs, get_attr values, constant outputs)
+// A tensor, None, bool, int or float (get_attr values, constant outputs)
 c10::IValue from_python(py::handle value) {
   PyObject* obj = value.ptr();
   if (THPVariable_Check(obj)) {
@@ -163,7 +162,7 @@ class Program {
   }
 
   // out = src[index], for ops that return a list of tensors
-  void item(int src, int64_t index, int out, std::vector<int> frees, const std::string& node) {
+  void item(int src, int64_t index, int out, const std::string& node, std::vector<int> frees) {
     Step step;
     step.index = index;
     Arg arg;
@@ -227,14 +226,6 @@ class Program {
       out.append(torch::jit::toPyObject(s.get(regs)));
     }
     return out;
-  }
-
-  std::string listing() const {
-    std::ostringstream os;
-    for (const auto& s : steps_) {
-      os << s.name << " = " << (s.op ? s.op->schema().operator_name().name : "item") << "\n";
-    }
-    return os.str();
   }
 
  private:
@@ -357,7 +348,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("constant_register", &Program::constant_register)
       .def("set_outputs", &Program::set_outputs)
       .def("set_fallback", &Program::set_fallback)
-      .def("listing", &Program::listing)
       .def("run", [](Program& p, const py::args& values) -> py::object {
         HANDLE_TH_ERRORS
         return p.run(values);

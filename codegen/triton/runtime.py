@@ -40,6 +40,7 @@ import torch
 from functrans._errors import FunctransError
 
 from .._cache import cache_root
+from ._arguments import argument_problem
 from ._interpreter import _interpreter_scope
 from .aot import CompiledArtifact, compile_for_gpu
 from .aot import _ptxas_missing as _ptxas_missing  # re-exported: compile_for_gpu looks it up here
@@ -274,55 +275,6 @@ def load(kernel: KernelSource) -> Kernel:
 # --------------------------------------------------------------------------------------------
 # Launching
 
-_TORCH_TO_TRITON = {
-    torch.bool: "i1",
-    torch.int8: "i8",
-    torch.uint8: "u8",
-    torch.int16: "i16",
-    torch.uint16: "u16",
-    torch.int32: "i32",
-    torch.uint32: "u32",
-    torch.int64: "i64",
-    torch.uint64: "u64",
-    torch.float16: "fp16",
-    torch.bfloat16: "bf16",
-    torch.float32: "fp32",
-    torch.float64: "fp64",
-    torch.float8_e4m3fn: "fp8e4nv",
-    torch.float8_e5m2: "fp8e5",
-}
-_INT_RANGES = {
-    "i1": (0, 1),
-    "u1": (0, 1),
-    "i8": (-(2**7), 2**7 - 1),
-    "u8": (0, 2**8 - 1),
-    "i16": (-(2**15), 2**15 - 1),
-    "u16": (0, 2**16 - 1),
-    "i32": (-(2**31), 2**31 - 1),
-    "u32": (0, 2**32 - 1),
-    "i64": (-(2**63), 2**63 - 1),
-    "u64": (0, 2**64 - 1),
-}
-
-
-def _argument_problem(ty: str, arg: object) -> str | None:
-    """Why ``arg`` cannot be passed for a parameter of Triton type ``ty`` (None: it can)."""
-    if isinstance(arg, torch.Tensor):
-        have = "*" + _TORCH_TO_TRITON.get(arg.dtype, str(arg.dtype))
-        if ty in (have, "*u1" if have == "*i1" else have):
-            return None
-        return f"a {arg.dtype} tensor for a {ty!r} parameter"
-    if ty.startswith("*"):
-        return f"{type(arg).__name__} for a pointer parameter {ty!r}; pass a tensor"
-    if ty in _INT_RANGES:
-        lo, hi = _INT_RANGES[ty]
-        if isinstance(arg, int) and lo <= arg <= hi:
-            return None
-        return f"{arg!r} for a {ty!r} parameter (an int in [{lo}, {hi}])"
-    if ty.startswith(("fp", "bf")):
-        return None if isinstance(arg, (int, float)) else f"{arg!r} for a {ty!r} parameter"
-    return None
-
 
 class Kernel:
     """A loaded kernel: ``kernel(grid, *args)`` launches it.
@@ -358,7 +310,7 @@ class Kernel:
             )  # fmt: skip
         device: torch.device | None = None
         for param, ty, arg in zip(self._params, self._types, args, strict=True):
-            if (problem := _argument_problem(ty, arg)) is not None:
+            if (problem := argument_problem(ty, arg)) is not None:
                 raise KernelError(name, f"kernel {name!r}, parameter {param!r}: got {problem}")
             if isinstance(arg, torch.Tensor):
                 if device is None:
