@@ -265,7 +265,7 @@ def overhead(requires_grad: bool, calls: int, repeats: int) -> dict[str, Any]:
     x = torch.ones(1, requires_grad=requires_grad)
     jitted = ft.jit(double)
     jitted(x)  # compile
-    entry = next(iter(jitted._cache.values()))[0]
+    entry = next(iter(jitted._cache.by_key.values())).entry
     fns: dict[str, Callable[..., Any]] = {"jit": jitted, "direct": entry.forward, "eager": double}
     us: dict[str, list[float]] = {k: [] for k in fns}
     gc.collect()
@@ -331,7 +331,8 @@ def attribution(case: Case, steps: int) -> dict[str, Any]:
     variants["jit_nodecomp"] = ft.jit(fn, partition="min_cut", decompositions=None)
     variants["jit_default"] = ft.jit(fn, partition="default")
     ms = interleaved(variants, params, x, steps, warmup=3)
-    entry, order = next(iter(jitted._cache.values()))
+    slot = next(iter(jitted._cache.by_key.values()))
+    entry, order = slot.entry, slot.order
     tensors, _ = flatten(((params, x), {}))
     ordered = [tensors[i] for i in order]
     with torch.no_grad():

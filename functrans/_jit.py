@@ -1,11 +1,19 @@
 """``jit(f)``: trace on first call, partition, compile, and run as one autograd node.
 
-Each call looks up a compiled entry by everything the trace depends on (pytree structure, static
-values, each tensor's type, dispatch keys, shape, strides, dtype, device and requires_grad, grad
-mode): first through cheap guards (:class:`~functrans._pytree.Guards`), then by the exact key.
+A compiled entry is reused only when eager would compute the same thing. Its key holds
+everything the trace read: the arguments' pytree structure and static values; each tensor's
+type, dispatch keys, shape, strides, dtype, device and ``requires_grad``; the global state
+(grad and inference mode, autocast per device, default dtype, deterministic algorithms: see
+:mod:`functrans._state`); the ``training`` flag of every module the function reaches; and the
+tensors it captures (closures, globals, module attributes), which are lifted to graph inputs and
+re-read on every call (:mod:`functrans._capture`). Calls are looked up through cheap guards
+first (:class:`~functrans._pytree.Guards`), then by the exact key; the cache keeps the
+``cache_size`` most recently used entries (:mod:`functrans._jit_cache`).
+
 Training calls run the forward graph inside a ``torch.autograd.Function`` that saves exactly the
 partition's saved values; inference calls (nothing requires grad, or grad mode off) run a
-forward-only graph that saves nothing.
+forward-only graph that saves nothing. Under torch.func transforms (``vmap``, ``grad``, ``jvp``)
+and inside other functrans traces the function runs as written, so the transform sees its ops.
 """
 
 from __future__ import annotations
@@ -15,23 +23,31 @@ import functools
 import importlib
 import threading
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import optree
 import torch
-import torch.utils._pytree as torch_pytree
 
+from ._capture import Path, Reader, captured_constants, reach, swapped
 from ._decomp import Decompositions
-from ._errors import TraceError
+from ._errors import FunctransError, TraceError
+from ._jit_cache import Cache, Signature, Slot, leaves_order
 from ._joint import joint
 from ._logs import log
 from ._partition import Partition, Strategy, partition
-from ._pytree import NAMESPACE, Flat, Guards, exact_key, leaves_of, split, unflatten, wrap_tree
-from ._trace import arg_names, trace
+from ._pytree import Flat, exact_key, leaves_of, split, unflatten, wrap_static
+from ._state import State, capture, grad_enabled, no_autocast
+from ._trace import arg_names, is_tracing, trace
 
-__all__ = ["CacheInfo", "JitModule", "jit"]
+__all__ = ["CacheInfo", "jit"]
+
+#: Default number of compiled entries a jitted function keeps (least recently used out).
+CACHE_SIZE = 32
+
+# the keyword under which captured tensors travel with the arguments
+_CAPTURED = "__functrans_captured__"
 
 
 @dataclass
@@ -41,6 +57,7 @@ class CacheInfo:
     hits: int = 0
     misses: int = 0
     entries: int = 0
+    evictions: int = 0
     trace_s: float = 0.0
     partition_s: float = 0.0
     compile_s: float = 0.0
@@ -65,9 +82,6 @@ class _Entry:
         return tuple(i for i, m in enumerate(self.out_meta) if not m[3])
 
 
-_Found = tuple[tuple[_Entry, list[int]], Sequence[torch.Tensor]]  # (entry, order), inputs
-
-
 class _Apply(torch.autograd.Function):
     """Runs a compiled forward graph; its backward runs the compiled backward graph."""
 
@@ -90,12 +104,13 @@ class _Apply(torch.autograd.Function):
             for g, (shape, dtype, device, wants) in zip(grads, entry.out_meta, strict=True)
             if wants
         ]
-        flat_grads = entry.backward(*ctx.saved_tensors, *tangents)
+        with no_autocast(capture(())):  # the backward graph holds its own casts
+            flat_grads = entry.backward(*ctx.saved_tensors, *tangents)
         return (None, *flat_grads, *([None] * (entry.num_inputs - entry.num_diff)))
 
 
-# Function.apply without its Python layer, for guarded calls outside functorch transforms (the
-# layer unwraps dead functorch wrappers, which guards reject, and hands off to functorch)
+# Function.apply without its Python layer, for guarded calls (functorch transforms never reach
+# them: those calls run the function as written)
 _apply: Callable[..., Any] = super(torch.autograd.Function, _Apply).apply
 
 
@@ -108,78 +123,206 @@ class _Options:
     static_argnums: tuple[int, ...]
     decompositions: Decompositions
     partition_options: dict[str, Any]
+    cache_size: int = CACHE_SIZE
+
+
+class _Retry(Exception):
+    """A compile found captured tensors to lift: read them and look the call up again."""
+
+
+class _AsWritten(Exception):
+    """The call cannot be compiled (tensor subclasses): run the function as written."""
+
+
+def inline() -> bool:
+    """Whether a jitted call should run its function as written: under torch.func transforms
+    (``vmap``, ``grad``, ``jvp``: they must see the ops) and inside another functrans trace
+    (the outer graph records the ops, as a nested ``jax.jit`` inlines)."""
+    return bool(torch._C._are_functorch_transforms_active()) or is_tracing()
+
+
+def _plain(t: torch.Tensor) -> bool:
+    return type(t) is torch.Tensor or type(t) is torch.nn.Parameter
 
 
 class _Jitted:
     """The callable ``jit`` returns (see :func:`jit`)."""
 
-    def __init__(self, f: Callable[..., Any], options: _Options) -> None:
+    def __init__(
+        self,
+        f: Callable[..., Any],
+        options: _Options,
+        module_names: Callable[[], Sequence[str]] | None = None,
+    ) -> None:
+        """``module_names``: for a caller that passes the module flags itself (``jit(module)``
+        does), the names of the modules behind them."""
         self._f, self._opts = f, options
-        self._cache: dict[Any, tuple[_Entry, list[int]]] = {}  # exact key -> entry, order
-        self._guards: Guards[tuple[_Entry, list[int]]] = Guards()  # the same, checked faster
-        self._lock = threading.Lock()
-        self._info = CacheInfo()
+        self._owner = f"jit({getattr(f, '__qualname__', type(f).__name__)})"
+        self._cache: Cache[_Entry] = Cache(self._owner, options.cache_size)
+        self._lock = threading.RLock()
+        self._times = CacheInfo()
+        self._captures: tuple[Path, ...] = ()  # captured tensors lifted to inputs
+        self._captured = Reader(())
+        self._modules: Reader | None = None  # the modules it reaches (None: not walked yet)
+        self._module_names: tuple[str, ...] = ()
+        self._given_names = module_names
+        self._warned: set[str] = set()
         functools.update_wrapper(self, f)
 
     def cache_info(self) -> CacheInfo:
-        """Hits, misses, entries and time spent tracing, partitioning and compiling."""
-        return CacheInfo(**{**self._info.__dict__, "entries": len(self._cache)})
+        """Hits, misses, entries, evictions and time spent tracing, partitioning, compiling."""
+        c = self._cache
+        counts = {"hits": c.hits, "misses": c.misses, "evictions": c.evictions}
+        return dataclasses.replace(self._times, entries=len(c.by_key), **counts)
 
     def partitions(self) -> list[Partition]:
         """The partition of every cached training specialization (saved values, bytes, ...)."""
-        return [e.partition for e, _ in self._cache.values() if e.partition is not None]
+        return [s.entry.partition for s in self._cache.by_key.values() if s.entry.partition]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        outs, entry, _ = self._run(args, kwargs)
+        if torch._C._are_functorch_transforms_active() or is_tracing():
+            return self._f(*args, **kwargs)  # see inline()
+        try:
+            outs, entry, _ = self._run(args, kwargs, None)
+        except _AsWritten:
+            return self._f(*args, **kwargs)
         return unflatten(entry.out_flat, outs)
 
-    def _run(self, args: Any, kwargs: Any) -> tuple[list[Any], _Entry, Sequence[torch.Tensor]]:
-        """Flat outputs, the entry that computed them and the inputs in the entry's order."""
-        tree = wrap_tree((args, kwargs), self._opts.static_argnums)
-        grad = torch.is_grad_enabled()
-        found: _Found | None = self._guards.find(tree, grad)
-        if found is None:
-            found = self._lookup(tree, grad)
-            apply: Callable[..., Any] = _Apply.apply
-        else:
-            self._info.hits += 1
-            apply = _Apply.apply if torch._C._are_functorch_transforms_active() else _apply
-        (entry, _), ordered = found
-        if entry.backward is None:
-            return entry.forward(*ordered), entry, ordered
-        return list(apply(entry, *ordered)), entry, ordered
+    def run_or_none(
+        self, args: Any, kwargs: Any, module_flags: tuple[Any, ...]
+    ) -> tuple[list[Any], _Entry, Sequence[torch.Tensor]] | None:
+        """For callers that check :func:`inline` and read the module flags themselves: flat
+        outputs, the entry that computed them and the inputs in the entry's order; None where
+        the call must run as written (tensor subclasses)."""
+        try:
+            return self._run(args, kwargs, module_flags)
+        except _AsWritten:
+            return None
 
-    def _lookup(self, tree: Any, grad: bool) -> _Found:
+    def _run(
+        self, args: Any, kwargs: Any, module_flags: tuple[Any, ...] | None
+    ) -> tuple[list[Any], _Entry, Sequence[torch.Tensor]]:
+        """Flat outputs, the entry that computed them and the inputs in the entry's order."""
+        statics = self._opts.static_argnums
+        tree_args = wrap_static(args, statics) if statics else args
+        for _ in range(4):  # a retry follows a compile that found captured tensors to lift
+            if module_flags is None:
+                module_flags = self._module_flags()
+            state = capture(module_flags)
+            if self._captured.size:
+                captured = self._captured.read(self._f)
+                if captured is None:  # a path no longer leads anywhere: walk again
+                    self._forget()
+                    continue
+                tree = (tree_args, {**kwargs, _CAPTURED: captured})
+            else:
+                tree = (tree_args, kwargs)
+            found = self._cache.guards.find(tree, state)
+            ordered: Sequence[torch.Tensor]
+            if found is not None:
+                slot, ordered = found
+                self._cache.touch(slot)
+                apply = _apply
+            else:
+                try:
+                    slot, ordered = self._lookup(tree, state)
+                except _Retry:
+                    continue
+                apply = _Apply.apply
+            entry = slot.entry
+            if state[4] is not None or state[5] is not None:  # autocast: see no_autocast
+                with no_autocast(state):
+                    return _execute(apply, entry, ordered), entry, ordered
+            return _execute(apply, entry, ordered), entry, ordered
+        raise TraceError(f"{self._owner}: the captured tensors keep changing while compiling")
+
+    def _module_flags(self) -> tuple[Any, ...]:
+        """``(module, training)`` of every module the function reaches, read now."""
+        if self._modules is None:
+            found = reach(self._f)
+            self._modules = Reader([p for p, _ in found.modules])
+            self._module_names = tuple(p.name for p, _ in found.modules)
+        modules = self._modules.read(self._f)
+        if modules is None:
+            self._forget()
+            return self._module_flags()
+        return tuple([(m, m.training) for m in modules])
+
+    def _forget(self) -> None:
+        """A captured tensor or module moved: forget the paths and entries, walk again."""
+        with self._lock:
+            self._captures, self._captured, self._modules = (), Reader(()), None
+            self._cache.clear()
+
+    def _lookup(self, tree: Any, state: State) -> tuple[Slot[_Entry], list[torch.Tensor]]:
         """The exact path: the entry by its full key (compiled on a miss); the guarded path
         above is the same lookup, cheaper, for trees :class:`Guards` can describe."""
         leaves, spec = leaves_of(tree)
         tensors, flat = split(leaves, spec, self._opts.static_argnums)
-        key = (exact_key(flat, tensors), grad)
-        hit = self._cache.get(key)
-        if hit is None:
+        if not all(map(_plain, tensors)):
+            self._as_written(flat, tensors)
+        key = (exact_key(flat, tensors), state)
+        slot = self._cache.by_key.get(key)
+        if slot is None:
             with self._lock:  # one thread compiles; the others wait and then hit
-                hit = self._cache.get(key)
-                if hit is None:
-                    hit = self._compile(flat, tensors)
-                    self._cache[key] = hit
-                    self._info.misses += 1
-                    at = [i for i, t in enumerate(flat.is_tensor) if t]
-                    self._guards.add(tree, leaves, [at[i] for i in hit[1]], grad, hit)
+                slot = self._cache.by_key.get(key)
+                if slot is None:
+                    slot = self._compile(flat, tensors, state, key)
+                    positions = leaves_order(flat, slot.order)
+                    self._cache.insert(tree, leaves, positions, slot)
                 else:
-                    self._info.hits += 1
+                    self._cache.touch(slot)
         else:
-            self._info.hits += 1
-        return hit, [tensors[i] for i in hit[1]]
+            self._cache.touch(slot)
+        return slot, [tensors[i] for i in slot.order]
 
-    def _compile(self, flat: Flat, tensors: list[torch.Tensor]) -> tuple[_Entry, list[int]]:
-        training = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    def _as_written(self, flat: Flat, tensors: list[torch.Tensor]) -> None:
+        """Tensor subclasses (DTensor, fake tensors of another tracer...) are not compiled."""
+        names = self._names(flat)
+        odd = [(n, type(t)) for n, t in zip(names, tensors, strict=True) if not _plain(t)]
+        name, kind = odd[0]
+        fake = isinstance(tensors[0], torch._subclasses.FakeTensor)
+        if not fake and kind.__qualname__ not in self._warned:
+            self._warned.add(kind.__qualname__)
+            warnings.warn(
+                f"{self._owner}: argument {name} is a {kind.__qualname__}; jit compiles plain "
+                "tensors only, so this call runs the function as written (not compiled).",
+                stacklevel=4,
+            )
+        raise _AsWritten
+
+    def _names(self, flat: Flat, *, every_leaf: bool = False) -> list[str]:
+        """Readable names of the tensor leaves (every leaf), captured tensors included."""
+        names = arg_names(self._f, flat, every_leaf=every_leaf)
+        prefix = f"{_CAPTURED}["
+        out = []
+        for n in names:
+            if n.startswith(prefix):
+                i = int(n[len(prefix) :].split("]", 1)[0])
+                n = f"{self._captures[i].name} (captured)"
+            out.append(n)
+        return out
+
+    def _call(self, *args: Any, **kwargs: Any) -> Any:
+        """The user's function, with captured tensors swapped for the traced ones."""
+        captured = kwargs.pop(_CAPTURED, None)
+        if captured is None:
+            return self._f(*args, **kwargs)
+        with swapped(self._captures, self._f, captured):
+            return self._f(*args, **kwargs)
+
+    def _compile(
+        self, flat: Flat, tensors: list[torch.Tensor], state: State, key: Any
+    ) -> Slot[_Entry]:
+        training = grad_enabled(state) and any(t.requires_grad for t in tensors)
         diff = [
             i
             for i, t in enumerate(tensors)
             if training and t.requires_grad and t.is_floating_point()
         ]
-        other = [i for i in range(len(tensors)) if i not in set(diff)]
-        f = self._f
+        chosen = set(diff)
+        other = [i for i in range(len(tensors)) if i not in chosen]
+        call = self._call
 
         def flat_f(
             diff_leaves: tuple[torch.Tensor, ...], other_leaves: tuple[torch.Tensor, ...]
@@ -190,18 +333,71 @@ class _Jitted:
             for i, t in zip(other, other_leaves, strict=True):
                 leaves[i] = t
             a, kw = unflatten(flat, leaves)
-            return f(*a, **kw)
+            return call(*a, **kw)
 
-        names = arg_names(f, flat)
+        names = self._names(flat)
         flat_f.__functrans_paths__ = [names[i] for i in diff + other]  # type: ignore[attr-defined]
+        flat_f.__qualname__ = getattr(self._f, "__qualname__", self._owner)
+        flat_f.__wrapped__ = self._f  # type: ignore[attr-defined]
         example = (
             tuple(tensors[i].detach() for i in diff),
             tuple(tensors[i].detach() for i in other),
         )
-        entry = self._build(flat_f, example, training)
-        return entry, diff + other
+        entry, gm = self._build(flat_f, example, training)
+        self._lift_captures(gm)
+        modules = self._module_names if self._given_names is None else self._given_names()
+        signature = Signature.of(flat, self._names(flat, every_leaf=True), tensors, state, modules)
+        return Slot(entry, diff + other, signature, key)
 
-    def _build(self, flat_f: Callable[..., Any], example: Any, training: bool) -> _Entry:
+    def _lift_captures(self, gm: torch.fx.GraphModule) -> None:
+        """Lift the captured tensors the trace baked in as constants (raises :class:`_Retry`
+        to trace again with them as inputs); tell the user about those it cannot lift."""
+        constants = captured_constants(gm)
+        if not constants:
+            return
+        found = reach(self._f)
+        lifted = {p.steps for p in self._captures}
+        new: list[Path] = []
+        for t, where in constants:
+            path = found.tensors.get(id(t))
+            if path is not None and path.writable and path.steps not in lifted:
+                lifted.add(path.steps)
+                new.append(path)
+            else:
+                self._baked(t, path, where)
+        if new:
+            self._captures = (*self._captures, *new)
+            self._captured = Reader(self._captures)
+            self._cache.clear()  # entries compiled before take fewer inputs
+            raise _Retry
+
+    def _baked(self, t: torch.Tensor, path: Path | None, where: str) -> None:
+        what = (
+            f"captured tensor {path.name} (inside a tuple or an object functrans cannot "
+            "write to while tracing)"
+            if path is not None
+            else f"a captured tensor ({_describe(t)}) that functrans cannot find a path to"
+        )
+        hint = (
+            "Pass it as an argument (or keep it in a list, dict, closure variable, module "
+            "attribute or parameter, where it is lifted to a graph input automatically)."
+        )
+        if t.requires_grad:
+            raise TraceError(
+                f"{self._owner} reads {what}{where}, and it requires grad: compiled as a "
+                f"constant it would get no gradient. {hint}"
+            )
+        if what not in self._warned:
+            self._warned.add(what)
+            warnings.warn(
+                f"{self._owner} reads {what}{where}; it is compiled in as a constant, so "
+                f"replacing that tensor later will not be seen. {hint}",
+                stacklevel=6,
+            )
+
+    def _build(
+        self, flat_f: Callable[..., Any], example: Any, training: bool
+    ) -> tuple[_Entry, torch.fx.GraphModule]:
         backend = importlib.import_module("functrans.codegen").get_backend(self._opts.backend)
         decompositions = self._opts.decompositions
         if decompositions == "auto":
@@ -212,15 +408,16 @@ class _Jitted:
             g = trace(flat_f, decompositions=decompositions)(*example)
             t1 = time.perf_counter()
             fwd = backend.compile(g, inputs)
-            self._info.trace_s += t1 - t0
-            self._info.compile_s += time.perf_counter() - t1
+            self._times.trace_s += t1 - t0
+            self._times.compile_s += time.perf_counter() - t1
             vals = [n for n in g.output_nodes()]
             meta = tuple(
                 (v.meta["val"].shape, v.meta["val"].dtype, v.meta["val"].device, False)
                 for v in vals
             )
             copies = _copies(g.placeholders(), vals)
-            return _Entry(fwd, None, g.out_flat, meta, 0, len(inputs), None, copies)
+            entry = _Entry(fwd, None, g.out_flat, meta, 0, len(inputs), None, copies)
+            return entry, g.graph_module
         jg = joint(flat_f, argnums=0, decompositions=decompositions)(*example)
         t1 = time.perf_counter()
         p = partition(jg, self._opts.partition, **self._opts.partition_options)
@@ -232,9 +429,9 @@ class _Jitted:
             f"forward and backward compiled by {self._opts.backend!r}",
             lambda: f"{p.forward.graph_module.code}\n{p.backward.graph_module.code}",
         )
-        self._info.trace_s += t1 - t0
-        self._info.partition_s += t2 - t1
-        self._info.compile_s += time.perf_counter() - t2
+        self._times.trace_s += t1 - t0
+        self._times.partition_s += t2 - t1
+        self._times.compile_s += time.perf_counter() - t2
         wants = _tangent_mask(jg)
         meta = tuple(
             (v.meta["val"].shape, v.meta["val"].dtype, v.meta["val"].device, w)
@@ -243,7 +440,18 @@ class _Jitted:
         tangents = set(jg.tangents())
         primals = [n for n in jg.placeholders() if n not in tangents]
         copies = _copies(primals, jg.forward_outputs())
-        return _Entry(fwd, bwd, jg.fn_out, meta, len(example[0]), len(inputs), p, copies)
+        entry = _Entry(fwd, bwd, jg.fn_out, meta, len(example[0]), len(inputs), p, copies)
+        return entry, jg.graph_module
+
+
+def _execute(apply: Callable[..., Any], entry: _Entry, ordered: Sequence[torch.Tensor]) -> Any:
+    if entry.backward is None:
+        return entry.forward(*ordered)
+    return list(apply(entry, *ordered))
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}"
 
 
 _COPY_OPS = (torch.ops.aten.clone.default, torch.ops.aten.alias.default)
@@ -273,10 +481,19 @@ def jit(
     backend: str = "aten",
     static_argnums: Sequence[int] = (),
     decompositions: Decompositions = "auto",
+    cache_size: int = CACHE_SIZE,
     **partition_options: Any,
 ) -> Any:
     """Compile ``f``: trace on first call per input signature, partition with ``partition``,
     compile forward and backward with ``backend``; results are ordinary autograd tensors.
+
+    A compiled entry is reused only where eager would compute the same thing (see the module
+    docs): new shapes, dtypes, static values, grad mode, autocast, default dtype or a module's
+    ``training`` flag compile a new entry (``FUNCTRANS_LOGS=recompiles`` says why); tensors
+    ``f`` captures (closures, globals, module parameters) are graph inputs re-read on every
+    call. Python numbers are static: a float that changes every call recompiles every call
+    (it warns on the second change; pass a tensor instead). At most ``cache_size`` entries are
+    kept, least recently used out.
 
     ``decompositions="auto"`` uses the table the backend asks for (its ``decompositions``
     attribute, ``"core"`` when it has none): ``"aten"`` runs ATen's own fused kernels and keeps
@@ -299,101 +516,16 @@ def jit(
             backend=backend,
             static_argnums=static_argnums,
             decompositions=decompositions,
+            cache_size=cache_size,
             **partition_options,
         )
-    opts = _Options(partition, backend, tuple(static_argnums), decompositions, partition_options)
-    return JitModule(f, opts) if isinstance(f, torch.nn.Module) else _Jitted(f, opts)
+    if not isinstance(cache_size, int) or isinstance(cache_size, bool) or cache_size < 1:
+        raise FunctransError(f"jit: cache_size must be a positive int, got {cache_size!r}")
+    opts = _Options(
+        partition, backend, tuple(static_argnums), decompositions, partition_options, cache_size
+    )
+    if isinstance(f, torch.nn.Module):
+        from ._jit_module import JitModule
 
-
-class JitModule(torch.nn.Module):
-    """``jit(module)``: the module's parameters and buffers are lifted to graph inputs on every
-    call (``functional_call``), so an optimizer updating them in place keeps working and nothing
-    is baked in as a constant. Buffers the module updates in place (BatchNorm's running
-    statistics in training mode) are updated on copies inside the graph, returned as extra
-    outputs and written back after the call: the same values as eager.
-
-    Outputs are taken apart with torch's pytree as well as optree's, so containers registered
-    only with ``torch.utils._pytree`` (Hugging Face's ``ModelOutput``) come back rebuilt with
-    live tensors; an output object that hides tensors from both raises ``TraceError``."""
-
-    def __init__(self, module: torch.nn.Module, options: _Options) -> None:
-        super().__init__()
-        self.module = module
-
-        def call(
-            params: dict[str, torch.Tensor],
-            buffers: dict[str, torch.Tensor],
-            *args: Any,
-            **kwargs: Any,
-        ) -> Any:
-            fresh = {k: v.clone() for k, v in buffers.items()}  # in-place updates land here
-            out = torch.func.functional_call(self.module, {**params, **fresh}, args, kwargs)
-            state = {k: v.detach() for k, v in fresh.items()}  # state, not differentiated
-            return _take_apart(out, type(self.module).__name__), state
-
-        statics = tuple(i + 2 for i in options.static_argnums)  # after params and buffers
-        self._jitted = _Jitted(call, dataclasses.replace(options, static_argnums=statics))
-
-    def cache_info(self) -> CacheInfo:
-        return self._jitted.cache_info()
-
-    def partitions(self) -> list[Partition]:
-        return self._jitted.partitions()
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        params = dict(self.module.named_parameters())
-        buffers = dict(self.module.named_buffers())
-        outs, entry, ordered = self._jitted._run((params, buffers, *args), kwargs)
-        (spec, leaves), updated = unflatten(entry.out_flat, outs)
-        _, slots = unflatten(entry.out_flat, range(len(outs)))  # buffer name -> flat output
-        with torch.no_grad():
-            for name, value in updated.items():
-                source = entry.copies.get(slots[name])
-                if source is None or ordered[source] is not buffers[name]:
-                    # only buffers the module changed: a copy_ bumps the version counter, and
-                    # the backward may have saved the buffer itself
-                    buffers[name].copy_(value)
-        return torch_pytree.tree_unflatten(leaves, spec.spec)
-
-
-class _TorchSpec:
-    """A torch pytree spec carried through the trace as one static output leaf."""
-
-    def __init__(self, spec: torch_pytree.TreeSpec) -> None:
-        self.spec = spec
-
-    def __repr__(self) -> str:
-        return f"_TorchSpec({self.spec})"
-
-
-def _take_apart(out: Any, owner: str) -> tuple[_TorchSpec, list[Any]]:
-    """Flatten a module's output with torch's pytree (which knows ``ModelOutput`` and friends);
-    what torch leaves whole optree flattens next. An object left opaque to both that holds
-    tensors would return the trace's fake tensors, so it is an error."""
-    leaves, spec = torch_pytree.tree_flatten(out)
-    for i, leaf in enumerate(leaves):
-        for inner in optree.tree_leaves(leaf, namespace=NAMESPACE):
-            if not isinstance(inner, torch.Tensor) and _holds_tensor(inner):
-                raise TraceError(
-                    f"jit({owner}): output leaf {i} is a {type(inner).__qualname__} that holds "
-                    "tensors functrans cannot see, so they would not be computed on later calls. "
-                    "Register its type as a pytree (optree namespace 'functrans' or "
-                    "torch.utils._pytree), return plain tensors, or turn it off (for Hugging Face "
-                    "models: use_cache=False)."
-                )
-    return _TorchSpec(spec), leaves
-
-
-def _holds_tensor(obj: Any, depth: int = 4) -> bool:
-    """Whether ``obj`` reaches a tensor through its attributes and containers (a few levels)."""
-    if isinstance(obj, torch.Tensor):
-        return True
-    if depth == 0 or isinstance(obj, (str, bytes, int, float, bool, type(None), torch.nn.Module)):
-        return False
-    if isinstance(obj, dict):
-        children: list[Any] = list(obj.values())
-    elif isinstance(obj, (list, tuple, set, frozenset)):
-        children = list(obj)
-    else:
-        children = list(getattr(obj, "__dict__", {}).values())
-    return any(_holds_tensor(c, depth - 1) for c in children)
+        return JitModule(f, opts)
+    return _Jitted(f, opts)

@@ -1,6 +1,6 @@
 """Stage logs: print the graphs each transform produces (like ``TORCH_LOGS="aot_joint_graph"``).
 
-Enable with the environment variable ``FUNCTRANS_LOGS=trace,joint,partition,codegen`` (or
+Enable with the environment variable ``FUNCTRANS_LOGS=trace,joint,partition,codegen,recompiles`` (or
 ``all``) or at run time with :func:`set_logs`.
 """
 
@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable
 
 __all__ = ["STAGES", "log", "set_logs"]
 
-STAGES = ("trace", "joint", "partition", "codegen")
+STAGES = ("trace", "joint", "partition", "codegen", "recompiles")
 _enabled: set[str] = set()
 
 

@@ -251,6 +251,11 @@ class Guards(Generic[_V]):
         rest = [(lay, g) for lay, g in self._by_layout if g is not old]
         self._by_layout = [*rest, (layout, [*(old or []), (extra, guard, v)])]
 
+    def remove(self, v: _V) -> None:
+        """Forget ``v`` (an evicted entry); call it with the writers' lock held."""
+        kept = [(lay, [g for g in gs if g[2] is not v]) for lay, gs in self._by_layout]
+        self._by_layout = [(lay, gs) for lay, gs in kept if gs]
+
 
 class _Guard:
     def __init__(self, leaves: Sequence[Any], order: Sequence[int], checker: Any) -> None:

@@ -12,6 +12,7 @@ import contextlib
 import contextvars
 import inspect
 import os
+import threading
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -34,6 +35,7 @@ from ._graph import SOURCE, Graph, Role
 from ._logs import log
 from ._passes import InputSpec, canonicalize, identifier
 from ._pytree import Flat, flatten, unflatten
+from ._rng import tracing_guard
 
 __all__ = [
     "Decompositions",
@@ -57,10 +59,11 @@ _LIBRARY_DIRS = (
 )
 
 
-def arg_names(f: Callable[..., Any], flat: Flat) -> list[str]:
-    """Readable paths (``x``, ``params['w']``) for the tensor leaves of ``(args, kwargs)``."""
+def arg_names(f: Callable[..., Any], flat: Flat, *, every_leaf: bool = False) -> list[str]:
+    """Readable paths (``x``, ``params['w']``) for the tensor leaves of ``(args, kwargs)``
+    (for all leaves with ``every_leaf``)."""
     given = getattr(f, "__functrans_paths__", None)  # set by transforms that re-pack arguments
-    if given is not None:
+    if given is not None and not every_leaf:
         return list(given)
     try:
         params = list(inspect.signature(f).parameters.values())
@@ -69,7 +72,7 @@ def arg_names(f: Callable[..., Any], flat: Flat) -> list[str]:
     positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     star = next((p.name for p in params if p.kind is p.VAR_POSITIONAL), "args")
     out = []
-    for path in flat.tensor_paths():
+    for path in flat.paths if every_leaf else flat.tensor_paths():
         # paths look like "[0][1]..." (args) or "[1]['key']..." (kwargs)
         head, _, rest = path[1:].partition("]")
         index, _, tail = rest[1:].partition("]")
@@ -142,6 +145,10 @@ def _data_dependent_error(fn: Callable[..., Any], exc: BaseException) -> TraceEr
 
 _TRACING: contextvars.ContextVar[bool] = contextvars.ContextVar("functrans_tracing", default=False)
 
+# make_fx is not thread-safe (torch.fx keeps its patcher in a global): one trace at a time,
+# process-wide; compiled graphs still run in parallel
+TRACE_LOCK = threading.RLock()
+
 
 def is_tracing() -> bool:
     """True while functrans traces a function (transforms like ``remat`` switch to graph mode)."""
@@ -158,9 +165,9 @@ def run_traced(fn: Callable[..., Any], user_fn: Callable[..., Any]) -> Any:
             torch.fx.proxy._STACK_TRACE_ANCHORS.add((code.co_filename, code.co_name))
         fn_or_wrapper = getattr(fn_or_wrapper, "__wrapped__", None)
     token = _TRACING.set(True)
-    rng = torch.random.get_rng_state()
     try:
-        result = fn()
+        with TRACE_LOCK, tracing_guard(lambda: getattr(user_fn, "__qualname__", repr(user_fn))):
+            result = fn()
     except _DATA_DEPENDENT as e:
         raise _data_dependent_error(user_fn, e) from e
     except RuntimeError as e:  # C++ read the data of a fake tensor: a value-dependent op
@@ -169,14 +176,6 @@ def run_traced(fn: Callable[..., Any], user_fn: Callable[..., Any]) -> Any:
         raise _data_dependent_error(user_fn, e) from e
     finally:
         _TRACING.reset(token)
-    if not torch.equal(rng, torch.random.get_rng_state()):
-        torch.random.set_rng_state(rng)
-        name = getattr(user_fn, "__qualname__", repr(user_fn))
-        raise TraceError(
-            f"{name} changed the global random number generator while being traced (e.g. "
-            "torch.manual_seed inside it). Traced graphs draw random numbers from the caller's "
-            "generator and cannot record such side effects: seed before calling the function."
-        )
     return result
 
 
@@ -193,10 +192,17 @@ def check_no_input_mutation(gm: fx.GraphModule, paths: Sequence[str]) -> None:
                 continue
             value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
             base = _view_base(value)
-            if base in where:
+            captured = isinstance(base, fx.Node) and base.op == "get_attr"
+            if base in where or captured:
                 src = node.meta.get(SOURCE) or _src(node)
+                what = (
+                    f"input {where[base]}"
+                    if base in where
+                    else "a tensor the function captures (a closure, global or module "
+                    "attribute, not an argument)"
+                )
                 raise TraceError(
-                    f"`{op_name(target)}` mutates input {where[base]} in place"
+                    f"`{op_name(target)}` mutates {what} in place"
                     f"{f' at {src}' if src else ''}. functrans traces pure functions: use the "
                     "out-of-place op (e.g. `y = x.add(1)` instead of `x.add_(1)`, "
                     "`torch.where`/`index_put` instead of item assignment) and return the result."
@@ -268,7 +274,7 @@ def retrace(
         return fx.Interpreter(gm).run(*args)
 
     pure = torch.func.functionalize(run, remove="mutations") if functional else run
-    with fx_traceback.preserve_node_meta():
+    with TRACE_LOCK, fx_traceback.preserve_node_meta():
         out: fx.GraphModule = make_fx(pure, table, tracing_mode="fake", record_stack_traces=True)(
             *vals
         )

@@ -1,0 +1,329 @@
+"""Tensors and modules a function reaches without taking them as arguments.
+
+A function closing over a tensor (``w`` in ``lambda x: x @ w``), a global, or a module it calls
+reads state the trace would otherwise bake in as a constant: replaced later (``w =
+torch.randn(...)``), the graph would keep the old one; a parameter requiring grad would get no
+gradient. :func:`reach` walks from the function to what it can read (closure cells, the
+globals its code names, ``self`` of bound methods, ``functools.partial`` arguments, module
+parameters, buffers and submodules, containers and plain objects' attributes) and records a
+:class:`Path` to each tensor and module. ``jit`` lifts the captured tensors its trace actually
+used to graph inputs, re-reads them through their paths on every call (so a replaced or
+updated tensor is seen, and gradients reach captured parameters), and guards the ``training``
+flags of the modules found.
+
+>>> import torch
+>>> w = torch.ones(2)
+>>> found = reach(lambda x: x * w)
+>>> [(p.name, p.read(found.root) is w) for p in found.tensors.values()]
+[('w', True)]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import types
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ._graph import SOURCE
+
+__all__ = ["Path", "Reach", "Reader", "captured_constants", "reach", "swapped"]
+
+# a step from one object to the next: (kind, key); kinds are the rows of _READ
+Step = tuple[str, Any]
+
+_READ: dict[str, Callable[[Any, Any], Any]] = {
+    "cell": lambda f, i: f.__closure__[i].cell_contents,
+    "global": lambda f, name: f.__globals__[name],
+    "self": lambda m, _: m.__self__,
+    "func": lambda m, _: m.__func__ if isinstance(m, types.MethodType) else m.func,
+    "item": lambda c, k: c[k],  # dict, list, tuple
+    "attr": lambda o, name: o.__dict__[name],
+    "param": lambda m, name: m._parameters[name],
+    "buffer": lambda m, name: m._buffers[name],
+    "child": lambda m, name: m._modules[name],
+}
+
+
+def _set_cell(f: Any, i: int, v: Any) -> None:
+    f.__closure__[i].cell_contents = v
+
+
+def _set_global(f: Any, name: str, v: Any) -> None:
+    f.__globals__[name] = v
+
+
+def _set_item(c: Any, k: Any, v: Any) -> None:
+    c[k] = v
+
+
+def _set_attr(o: Any, name: str, v: Any) -> None:
+    o.__dict__[name] = v
+
+
+def _set_param(m: Any, name: str, v: Any) -> None:
+    m._parameters[name] = v
+
+
+def _set_buffer(m: Any, name: str, v: Any) -> None:
+    m._buffers[name] = v
+
+
+# how the last step of a path is written (swapped during tracing); tuples have no row
+_WRITE: dict[str, Callable[[Any, Any, Any], None]] = {
+    "cell": _set_cell,
+    "global": _set_global,
+    "item": _set_item,
+    "attr": _set_attr,
+    "param": _set_param,
+    "buffer": _set_buffer,
+}
+
+
+@dataclass(frozen=True)
+class Path:
+    """How to reach one object from the root function, and its readable name."""
+
+    steps: tuple[Step, ...]
+    name: str
+    writable: bool  # the last container can be written (not a tuple, not a method's self)
+
+    def read(self, root: Any) -> Any:
+        obj = root
+        for kind, key in self.steps:
+            obj = _READ[kind](obj, key)
+        return obj
+
+    def write(self, root: Any, value: Any) -> None:
+        parent = root
+        for kind, key in self.steps[:-1]:
+            parent = _READ[kind](parent, key)
+        kind, key = self.steps[-1]
+        _WRITE[kind](parent, key, value)
+
+
+@dataclass
+class Reach:
+    """What :func:`reach` found: tensors by ``id`` and modules, each with the first (shortest)
+    path to it."""
+
+    root: Any
+    tensors: dict[int, Path] = field(default_factory=dict)
+    modules: list[tuple[Path, torch.nn.Module]] = field(default_factory=list)
+
+
+# Bounds on the walk: state hidden deeper than this is not found (and a trace that uses such a
+# tensor is told so); they keep the walk to milliseconds on large models.
+_MAX_DEPTH = 16
+_MAX_OBJECTS = 50_000
+_MAX_ITEMS = 4_096  # items looked at per container
+
+_ATOMS = (str, bytes, int, float, complex, bool, type(None), torch.dtype, torch.device)
+_MODULE_INTERNALS = frozenset(torch.nn.Module().__dict__) | {"_compiled_call_impl"}
+
+
+def _library(obj: Any) -> bool:
+    """Objects of torch's (and Python's) own types, which hold no user state worth walking."""
+    module = getattr(type(obj), "__module__", "") or ""
+    return module.split(".", 1)[0] in ("torch", "builtins", "numpy", "optree", "functrans")
+
+
+def reach(f: Any) -> Reach:
+    """Walk breadth-first from ``f`` to the tensors and modules it can read (see the module
+    docstring); the first path found to an object is the shortest."""
+    found = Reach(f)
+    seen: set[int] = {id(f)}
+    frontier: list[tuple[Any, tuple[Step, ...], str]] = [(f, (), "")]
+    budget = _MAX_OBJECTS
+    for _ in range(_MAX_DEPTH):
+        nxt: list[tuple[Any, tuple[Step, ...], str]] = []
+        for obj, steps, name in frontier:
+            for step, child, child_name, child_writable in _children(obj, name):
+                if isinstance(child, _ATOMS) or id(child) in seen:
+                    continue
+                seen.add(id(child))
+                budget -= 1
+                path = (*steps, step)
+                if isinstance(child, torch.Tensor):
+                    found.tensors[id(child)] = Path(path, child_name, child_writable)
+                    continue
+                if isinstance(child, torch.nn.Module):
+                    found.modules.append((Path(path, child_name, child_writable), child))
+                nxt.append((child, path, child_name))
+        frontier = nxt
+        if not frontier or budget <= 0:
+            break
+    return found
+
+
+_Child = tuple[Step, Any, str, bool]
+
+
+def _children(obj: Any, name: str) -> Iterator[_Child]:
+    """The objects one step from ``obj``: (step, child, child's name, writable)."""
+    if isinstance(obj, types.FunctionType):
+        yield from _function_children(obj, name)
+    elif isinstance(obj, types.MethodType):
+        yield ("self", None), obj.__self__, name.rpartition(".")[0] or "self", False
+        yield ("func", None), obj.__func__, name, False
+    elif isinstance(obj, functools.partial):
+        yield ("func", None), obj.func, name, False
+        yield from _items(obj.args, name, writable=False)
+        yield from _items(obj.keywords, name, writable=True)
+    elif isinstance(obj, torch.nn.Module):
+        yield from _module_children(obj, name)
+    elif isinstance(obj, (dict, list)):
+        yield from _items(obj, name, writable=True)
+    elif isinstance(obj, tuple):
+        yield from _items(obj, name, writable=False)
+    elif not isinstance(obj, type | types.ModuleType) and not _library(obj):
+        attrs = getattr(obj, "__dict__", None)
+        if isinstance(attrs, dict):
+            for key, value in list(attrs.items())[:_MAX_ITEMS]:
+                yield ("attr", key), value, f"{name}.{key}", True
+
+
+def _function_children(f: types.FunctionType, name: str) -> Iterator[_Child]:
+    code = f.__code__
+    for i, (var, cell) in enumerate(zip(code.co_freevars, f.__closure__ or (), strict=True)):
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell: the variable is not bound yet
+            continue
+        yield ("cell", i), value, var, True
+    for var in _global_names(code):
+        if var in f.__globals__:
+            yield ("global", var), f.__globals__[var], var, True
+
+
+@functools.lru_cache(maxsize=4096)
+def _global_names(code: types.CodeType) -> tuple[str, ...]:
+    """Names a code object (and the functions, lambdas and comprehensions inside it) may look
+    up as globals."""
+    names = list(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names.extend(_global_names(const))
+    return tuple(dict.fromkeys(names))
+
+
+def _module_children(m: torch.nn.Module, name: str) -> Iterator[_Child]:
+    prefix = f"{name}." if name else ""
+    for key, p in m._parameters.items():
+        if p is not None:
+            yield ("param", key), p, prefix + key, True
+    for key, b in m._buffers.items():
+        if b is not None:
+            yield ("buffer", key), b, prefix + key, True
+    for key, child in m._modules.items():
+        if child is not None:
+            yield ("child", key), child, prefix + key, False
+    for key, value in m.__dict__.items():
+        if key not in _MODULE_INTERNALS:
+            yield ("attr", key), value, prefix + key, True
+    forward = type(m).forward
+    if isinstance(forward, types.FunctionType) and not _library(m):
+        # the globals a user module's forward reads (a module-level tensor, say)
+        yield from (c for c in _function_children(forward, name) if c[0][0] == "global")
+
+
+def _items(c: Any, name: str, *, writable: bool) -> Iterator[_Child]:
+    pairs = c.items() if isinstance(c, dict) else enumerate(c)
+    for n, (key, value) in enumerate(pairs):
+        if n >= _MAX_ITEMS:
+            return
+        yield ("item", key), value, f"{name}[{key!r}]", writable
+
+
+class Reader:
+    """Reads the objects at many paths at once, walking each shared prefix once (a model's
+    modules share most of their paths).
+
+    >>> import torch
+    >>> net = torch.nn.Sequential(torch.nn.Linear(1, 1))
+    >>> found = reach(lambda x: net(x))
+    >>> Reader([p for p, _ in found.modules]).read(found.root) == (net, net[0])
+    True
+    """
+
+    def __init__(self, paths: Sequence[Path]) -> None:
+        self.size = len(paths)
+        trie: dict[Any, Any] = {}
+        for i, p in enumerate(paths):
+            node = trie
+            for step in p.steps:
+                node = node.setdefault(step, {})
+            node.setdefault(None, []).append(i)
+        self._plan = _plan(trie)
+
+    def read(self, root: Any) -> tuple[Any, ...] | None:
+        """The objects at the paths now, or None when one of them no longer exists."""
+        if not self.size:
+            return ()
+        out: list[Any] = [None] * self.size
+        try:
+            _visit(self._plan, root, out)
+        except (LookupError, AttributeError, ValueError, TypeError):
+            return None
+        return tuple(out)
+
+
+_Plan = list[tuple[Callable[[Any, Any], Any], Any, list[int], Any]]
+
+
+def _plan(trie: dict[Any, Any]) -> _Plan:
+    return [
+        (_READ[step[0]], step[1], node.get(None, []), _plan(node))
+        for step, node in trie.items()
+        if step is not None
+    ]
+
+
+def _visit(plan: _Plan, obj: Any, out: list[Any]) -> None:
+    for read, key, leaves, children in plan:
+        child = read(obj, key)
+        for i in leaves:
+            out[i] = child
+        if children:
+            _visit(children, child, out)
+
+
+@contextlib.contextmanager
+def swapped(paths: Sequence[Path], root: Any, values: Sequence[Any]) -> Iterator[None]:
+    """Temporarily put ``values`` where ``paths`` lead (the trace then reads its own inputs
+    there, as ``torch.func.functional_call`` does for module parameters); restored after."""
+    old = [p.read(root) for p in paths]
+    done: list[tuple[Path, Any]] = []
+    try:
+        for p, v, o in zip(paths, values, old, strict=True):
+            p.write(root, v)
+            done.append((p, o))
+        yield
+    finally:
+        for p, o in reversed(done):
+            p.write(root, o)
+
+
+def captured_constants(gm: Any) -> list[tuple[torch.Tensor, str]]:
+    """Tensors a trace baked into ``gm`` as constants that it read from outside (not the fresh
+    ones ``torch.tensor(...)`` makes while tracing, which ``make_fx`` copies through
+    ``lift_fresh_copy``), each once, with where the trace first used it (`` at file:line``)."""
+    fresh = torch.ops.aten.lift_fresh_copy.default
+    out: list[tuple[torch.Tensor, str]] = []
+    seen: set[int] = set()
+    for node in gm.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        value = getattr(gm, node.target, None)
+        if not isinstance(value, torch.Tensor) or id(value) in seen:
+            continue
+        if node.users and all(u.target is fresh for u in node.users):
+            continue
+        seen.add(id(value))
+        source = next((u.meta.get(SOURCE) for u in node.users), None)
+        out.append((value, f" at {source}" if source else ""))
+    return out

@@ -1,0 +1,220 @@
+"""``jit``'s cache: bounded (least recently used out), with reasons for every recompile.
+
+Each entry remembers what it was compiled for (:class:`Signature`: structure, static values,
+tensor metadata, global state). A miss after the first names what differs from the most
+recently used entry ("x: shape[1] 32 -> 48", "model.drop.training True -> False") in the
+``recompiles`` log; a function recompiled again and again warns once, and a Python float
+argument whose value keeps changing (a learning rate, a temperature) warns on its second new
+value, since every value is baked into the graph.
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import torch
+
+from ._logs import log
+from ._pytree import Flat, Guards
+from ._state import State, describe
+
+__all__ = ["RECOMPILE_WARNING", "Cache", "RecompileWarning", "Signature", "Slot"]
+
+#: Misses after which a jitted function warns that it keeps recompiling (torch's limit is 8).
+RECOMPILE_WARNING = 8
+
+_E = TypeVar("_E")
+
+
+class RecompileWarning(UserWarning):
+    """A jitted function recompiles often (each recompile traces and compiles again)."""
+
+
+@dataclass(frozen=True)
+class Signature:
+    """What one entry was compiled for, kept to explain later misses."""
+
+    flat: Flat
+    names: tuple[str, ...]  # every leaf's name (``x``, ``params['w']``), in flat order
+    tensors: tuple[tuple[Any, ...], ...]  # (type, shape, stride, dtype, device, requires_grad)
+    state: State
+    module_names: tuple[str, ...]
+
+    @classmethod
+    def of(
+        cls,
+        flat: Flat,
+        names: Sequence[str],
+        tensors: Sequence[torch.Tensor],
+        state: State,
+        module_names: Sequence[str],
+    ) -> Signature:
+        meta = tuple(
+            (type(t), tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad)
+            for t in tensors
+        )
+        return cls(flat, tuple(names), meta, state, tuple(module_names))
+
+
+_FIELDS = ("type", "shape", "stride", "dtype", "device", "requires_grad")
+
+
+def differences(old: Signature, new: Signature) -> list[str]:
+    """What changed from ``old`` to ``new``, one phrase each (empty when nothing did)."""
+    if old.flat.spec != new.flat.spec:
+        return [f"the argument structure changed: {old.flat.spec} -> {new.flat.spec}"]
+    out = []
+    old_meta, new_meta = iter(old.tensors), iter(new.tensors)
+    leaves = zip(
+        new.names,
+        old.flat.is_tensor,
+        new.flat.is_tensor,
+        old.flat.static,
+        new.flat.static,
+        strict=True,
+    )
+    for name, was_t, is_t, a, b in leaves:
+        before = next(old_meta) if was_t else None
+        after = next(new_meta) if is_t else None
+        if was_t != is_t:
+            out.append(f"{name}: {_leaf(was_t, a)} -> {_leaf(is_t, b)}")
+        elif not is_t and not _same(a, b):
+            out.append(f"{name}: {a!r} -> {b!r}")
+        elif is_t:
+            changes = [
+                _tensor_change(field, x, y)
+                for field, x, y in zip(_FIELDS, before or (), after or (), strict=True)
+                if x != y
+            ]
+            out.extend(f"{name}: {c}" for c in changes)
+    return out + describe(old.state, new.state, new.module_names)
+
+
+def _leaf(is_tensor: bool, value: Any) -> str:
+    return "a tensor" if is_tensor else repr(value)
+
+
+def _tensor_change(field: str, a: Any, b: Any) -> str:
+    if field == "shape" and len(a) == len(b):
+        dims = [
+            f"shape[{i}] {x} -> {y}" for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y
+        ]
+        return ", ".join(dims)
+    fmt = (lambda v: v.__qualname__) if field == "type" else str
+    return f"{field} {fmt(a)} -> {fmt(b)}".replace("torch.", "")
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return type(a) is type(b) and (a is b or bool(a == b) or (a != a and b != b))
+    except Exception:
+        return a is b
+
+
+@dataclass(eq=False)
+class Slot(Generic[_E]):
+    """One cache entry: the compiled value, the tensor order it takes, what it was compiled
+    for, its exact key and when it was last used."""
+
+    entry: _E
+    order: list[int]
+    signature: Signature
+    key: Any
+    used: int = 0
+
+
+class Cache(Generic[_E]):
+    """Entries by exact key and by guards (see :class:`~functrans._pytree.Guards`), at most
+    ``size`` of them; counts hits, misses and evictions for ``cache_info``."""
+
+    def __init__(self, owner: str, size: int) -> None:
+        self.owner, self.size = owner, size
+        self.by_key: dict[Any, Slot[_E]] = {}
+        self.guards: Guards[Slot[_E]] = Guards()
+        self.hits = self.misses = self.evictions = 0
+        self._ticks = itertools.count(1)
+        self._last: Slot[_E] | None = None
+        self._warned: set[str] = set()
+        self._float_changes: dict[str, int] = {}
+
+    def touch(self, slot: Slot[_E]) -> None:
+        slot.used = next(self._ticks)
+        self._last = slot
+        self.hits += 1
+
+    def insert(self, tree: Any, leaves: list[Any], positions: list[int], slot: Slot[_E]) -> None:
+        """Add ``slot`` (compiled after a miss), evicting the least recently used beyond
+        ``size``; ``positions``: its tensors' positions among ``leaves``. Call with the
+        writers' lock held."""
+        self._explain(slot.signature)
+        self.misses += 1
+        slot.used = next(self._ticks)
+        self.by_key[slot.key] = slot
+        self.guards.add(tree, leaves, positions, slot.signature.state, slot)
+        self._last = slot
+        while len(self.by_key) > self.size:
+            victim = min(self.by_key.values(), key=lambda s: s.used)
+            del self.by_key[victim.key]
+            self.guards.remove(victim)
+            self.evictions += 1
+
+    def clear(self) -> None:
+        self.by_key.clear()
+        self.guards = Guards()
+        self._last = None
+
+    def _explain(self, new: Signature) -> None:
+        old = self._last
+        if old is None:
+            return
+        reasons = differences(old.signature, new) or ["no difference found in the guards"]
+        log("recompiles", f"recompiling {self.owner}", lambda: "\n".join(reasons))
+        for name in _changed_floats(old.signature, new):
+            self._warn_float(name, reasons)
+        if self.misses + 1 == RECOMPILE_WARNING and "storm" not in self._warned:
+            self._warned.add("storm")
+            warnings.warn(
+                f"{self.owner} has been compiled {RECOMPILE_WARNING} times; each compile "
+                f"traces and partitions again. This time: {'; '.join(reasons)}. Set "
+                "FUNCTRANS_LOGS=recompiles to see every reason; pass values that change on "
+                "every call as tensors, not Python numbers.",
+                RecompileWarning,
+                stacklevel=5,
+            )
+
+    def _warn_float(self, name: str, reasons: list[str]) -> None:
+        """Warn the second time the float argument ``name`` changes value."""
+        count = self._float_changes[name] = self._float_changes.get(name, 0) + 1
+        if count == 2:
+            reason = next((r for r in reasons if r.startswith(f"{name}:")), name)
+            warnings.warn(
+                f"{self.owner}: argument {reason} is a Python float whose value keeps "
+                "changing; numbers are baked into the compiled graph, so every new value "
+                "compiles anew. Pass it as a tensor (torch.tensor(value)) to make it a graph "
+                "input, or mark it static_argnums if a few values are all it takes.",
+                RecompileWarning,
+                stacklevel=6,
+            )
+
+
+def _changed_floats(old: Signature, new: Signature) -> list[str]:
+    """Names of the static float leaves whose value differs between ``old`` and ``new``."""
+    if old.flat.spec != new.flat.spec:
+        return []
+    return [
+        name
+        for name, a, b, is_t in zip(
+            new.names, old.flat.static, new.flat.static, new.flat.is_tensor, strict=True
+        )
+        if not is_t and type(a) is float and type(b) is float and not _same(a, b)
+    ]
+
+
+def leaves_order(flat: Flat, order: Sequence[int]) -> list[int]:
+    """Positions among all leaves of the tensors, in an entry's ``order``."""
+    at = [i for i, t in enumerate(flat.is_tensor) if t]
+    return [at[i] for i in order]

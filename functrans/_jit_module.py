@@ -1,0 +1,226 @@
+"""``jit(module)``: a compiled module that otherwise behaves as the module does.
+
+The wrapper shares the module's own tables of parameters, buffers and submodules, so
+``state_dict`` keys, ``named_parameters``, ``load_state_dict``, ``to``, ``train``/``eval`` and
+optimizers see exactly the module's (no ``module.`` prefix); other attributes (``config``,
+``generate``) are the module's; copies (``copy.deepcopy`` for an EMA, ``pickle``,
+``torch.save``) drop the compiled entries and compile again on first use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+import optree
+import torch
+import torch.utils._pytree as torch_pytree
+
+from ._errors import TraceError
+from ._jit import CacheInfo, _Jitted, _Options, inline
+from ._partition import Partition
+from ._pytree import NAMESPACE, unflatten
+
+__all__ = ["JitModule"]
+
+_SHARED = ("_parameters", "_buffers", "_modules")
+
+
+def _compiled_call(module: torch.nn.Module, options: _Options) -> _Jitted:
+    """``module``'s forward as a function of its parameters and buffers, jitted."""
+
+    def call(
+        params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], *args: Any, **kw: Any
+    ) -> Any:
+        fresh = {k: v.clone() for k, v in buffers.items()}  # in-place updates land here
+        out = torch.func.functional_call(module, {**params, **fresh}, args, kw)
+        state = {k: v.detach() for k, v in fresh.items()}  # state, not differentiated
+        return _take_apart(out, type(module).__name__), state
+
+    def names() -> list[str]:
+        return [f"model.{name}" if name else "model" for name, _ in module.named_modules()]
+
+    call.__qualname__ = type(module).__qualname__
+    statics = tuple(i + 2 for i in options.static_argnums)  # after params and buffers
+    return _Jitted(call, dataclasses.replace(options, static_argnums=statics), names)
+
+
+def _gather(
+    module: torch.nn.Module,
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], tuple[Any, ...]]:
+    """``named_parameters()``, ``named_buffers()`` and every module's ``(module, training)``
+    in one walk, in ``named_modules()`` order (each module, parameter and buffer once)."""
+    params: dict[str, torch.Tensor] = {}
+    buffers: dict[str, torch.Tensor] = {}
+    flags: list[tuple[torch.nn.Module, bool]] = []
+    seen: set[int] = set()
+    stack: list[tuple[str, torch.nn.Module]] = [("", module)]
+    while stack:
+        prefix, m = stack.pop()
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        flags.append((m, m.training))
+        for table, out in ((m._parameters, params), (m._buffers, buffers)):
+            for name, t in table.items():
+                if t is not None and id(t) not in seen:
+                    seen.add(id(t))
+                    out[prefix + name] = t
+        children = [(f"{prefix}{k}.", c) for k, c in m._modules.items() if c is not None]
+        stack.extend(reversed(children))
+    return params, buffers, tuple(flags)
+
+
+class JitModule(torch.nn.Module):
+    """``jit(module)``: the module's parameters and buffers are lifted to graph inputs on every
+    call (``functional_call``), so an optimizer updating them in place keeps working and nothing
+    is baked in as a constant. Buffers the module updates in place (BatchNorm's running
+    statistics in training mode) are updated on copies inside the graph, returned as extra
+    outputs and written back after the call: the same values as eager. The ``training`` flag
+    of the module and of each submodule is part of every cache key.
+
+    Outputs are taken apart with torch's pytree as well as optree's, so containers registered
+    only with ``torch.utils._pytree`` (Hugging Face's ``ModelOutput``) come back rebuilt with
+    live tensors; an output object that hides tensors from both raises ``TraceError``.
+
+    >>> import copy, torch, functrans as ft
+    >>> net = torch.nn.Linear(2, 2)
+    >>> model = ft.jit(net)
+    >>> list(model.state_dict()) == list(net.state_dict()), model.in_features
+    (True, 2)
+    >>> ema = copy.deepcopy(model)
+    >>> torch.equal(ema(torch.ones(1, 2)), net(torch.ones(1, 2)))
+    True
+    """
+
+    def __init__(self, module: torch.nn.Module, options: _Options) -> None:
+        super().__init__()
+        self.__dict__["module"] = module  # not a submodule: the tables below are the module's
+        for table in _SHARED:
+            self.__dict__[table] = module.__dict__[table]
+        self.__dict__["_version"] = getattr(module, "_version", 1)
+        self.__dict__["_opts"] = options
+        self.__dict__["_jitted"] = _compiled_call(module, options)
+
+    # the module's flag is the flag: model.eval() and jitted.eval() are one switch
+    @property  # type: ignore[override]
+    def training(self) -> bool:  # type: ignore[override]
+        module = self.__dict__.get("module")
+        return True if module is None else bool(module.training)
+
+    @training.setter
+    def training(self, mode: bool) -> None:
+        module = self.__dict__.get("module")
+        if module is not None:
+            module.training = mode
+
+    @property
+    def _wrapped(self) -> torch.nn.Module:
+        module: torch.nn.Module = self.__dict__["module"]
+        return module
+
+    @property
+    def _compiled(self) -> _Jitted:
+        jitted: _Jitted = self.__dict__["_jitted"]
+        return jitted
+
+    def named_modules(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, torch.nn.Module]]:
+        found: Iterator[tuple[str, torch.nn.Module]] = self._wrapped.named_modules(*args, **kwargs)
+        return found
+
+    def apply(self, fn: Any) -> JitModule:
+        self._wrapped.apply(fn)
+        return self
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = self.__dict__.get("module")
+            if module is None or name == "module":
+                raise
+            return getattr(module, name)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        del state["_jitted"]  # compiled entries hold graphs and kernels: compile again
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.__dict__["_jitted"] = _compiled_call(self.module, self._opts)
+
+    def __repr__(self) -> str:
+        return f"jit({self.module!r})"
+
+    def cache_info(self) -> CacheInfo:
+        """The compiled entries' statistics (see :meth:`_Jitted.cache_info`)."""
+        return self._compiled.cache_info()
+
+    def partitions(self) -> list[Partition]:
+        """The partition of every cached training specialization."""
+        return self._compiled.partitions()
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        jitted = self._compiled
+        if inline():
+            return self.module(*args, **kwargs)
+        params, buffers, flags = _gather(self.module)
+        run = jitted.run_or_none((params, buffers, *args), kwargs, flags)
+        if run is None:
+            return self.module(*args, **kwargs)
+        outs, entry, ordered = run
+        (spec, leaves), updated = unflatten(entry.out_flat, outs)
+        _, slots = unflatten(entry.out_flat, range(len(outs)))  # buffer name -> flat output
+        with torch.no_grad():
+            for name, value in updated.items():
+                source = entry.copies.get(slots[name])
+                if source is None or ordered[source] is not buffers[name]:
+                    # only buffers the module changed: a copy_ bumps the version counter, and
+                    # the backward may have saved the buffer itself
+                    buffers[name].copy_(value)
+        return torch_pytree.tree_unflatten(leaves, spec.spec)
+
+
+class _TorchSpec:
+    """A torch pytree spec carried through the trace as one static output leaf."""
+
+    def __init__(self, spec: torch_pytree.TreeSpec) -> None:
+        self.spec = spec
+
+    def __repr__(self) -> str:
+        return f"_TorchSpec({self.spec})"
+
+
+def _take_apart(out: Any, owner: str) -> tuple[_TorchSpec, list[Any]]:
+    """Flatten a module's output with torch's pytree (which knows ``ModelOutput`` and friends);
+    what torch leaves whole optree flattens next. An object left opaque to both that holds
+    tensors would return the trace's fake tensors, so it is an error."""
+    leaves, spec = torch_pytree.tree_flatten(out)
+    for i, leaf in enumerate(leaves):
+        for inner in optree.tree_leaves(leaf, namespace=NAMESPACE):
+            if not isinstance(inner, torch.Tensor) and _holds_tensor(inner):
+                raise TraceError(
+                    f"jit({owner}): output leaf {i} is a {type(inner).__qualname__} that holds "
+                    "tensors functrans cannot see, so they would not be computed on later calls. "
+                    "Register its type as a pytree (optree namespace 'functrans' or "
+                    "torch.utils._pytree), return plain tensors, or turn it off (for Hugging Face "
+                    "models: use_cache=False)."
+                )
+    return _TorchSpec(spec), leaves
+
+
+def _holds_tensor(obj: Any, depth: int = 4) -> bool:
+    """Whether ``obj`` reaches a tensor through its attributes and containers (a few levels)."""
+    if isinstance(obj, torch.Tensor):
+        return True
+    if depth == 0 or isinstance(obj, (str, bytes, int, float, bool, type(None), torch.nn.Module)):
+        return False
+    if isinstance(obj, dict):
+        children: list[Any] = list(obj.values())
+    elif isinstance(obj, (list, tuple, set, frozenset)):
+        children = list(obj)
+    else:
+        children = list(getattr(obj, "__dict__", {}).values())
+    return any(_holds_tensor(c, depth - 1) for c in children)

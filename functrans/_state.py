@@ -1,0 +1,125 @@
+"""Global state a trace reads besides its arguments, as one comparable value.
+
+A traced graph bakes in more than its inputs: autocast inserts casts, grad mode decides whether
+a backward exists, the default dtype types every ``torch.zeros(3)``, a module's ``training`` flag
+picks dropout or not. :func:`capture` reads all of it in one tuple (a few C calls) so a cache
+can compare it on every call; :func:`describe` names what changed between two captures for the
+recompile log. State deliberately *not* captured, with the reason:
+
+- ``torch.backends.*`` math flags (TF32, reduced-precision reductions): read by kernels when the
+  compiled graph runs, never by the trace, so a compiled graph follows them like eager does.
+- ``torch.use_deterministic_algorithms``: captured, though the aten backend only reads it at
+  run time, because decompositions and generated kernels may pick an algorithm by it.
+- RNG state: graphs draw from the caller's generator at run time (see ``run_traced``).
+
+>>> s = capture(())
+>>> with torch.no_grad():
+...     describe(s, capture(()))
+['grad mode True -> False']
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["AUTOCAST_DEVICES", "State", "capture", "describe", "no_autocast"]
+
+#: Device types whose autocast state is part of every capture.
+AUTOCAST_DEVICES = ("cpu", "cuda")
+
+# (name, reader) for the process-wide (thread-local) flags, in capture order
+_FLAGS: tuple[tuple[str, Any], ...] = (
+    ("grad mode", torch.is_grad_enabled),
+    ("inference mode", torch.is_inference_mode_enabled),
+    ("default dtype", torch.get_default_dtype),
+    ("deterministic algorithms", torch.are_deterministic_algorithms_enabled),
+)
+
+
+def _autocast(device: str) -> torch.dtype | None:
+    """The autocast dtype for ``device``, or None when autocast is off there."""
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+
+
+@dataclass(frozen=True)
+class Modules:
+    """The modules whose ``training`` flag a trace may read, with readable names."""
+
+    names: tuple[str, ...]
+    modules: tuple[torch.nn.Module, ...]
+
+    def flags(self) -> tuple[Any, ...]:
+        # the module objects themselves ride along (compared by identity): a submodule replaced
+        # by another one is a change too
+        return tuple([(m, m.training) for m in self.modules])
+
+
+NO_MODULES = Modules((), ())
+
+#: One capture: the flags in ``_FLAGS`` order, then autocast per device, then module flags.
+State = tuple[Any, ...]
+
+
+def capture(module_flags: tuple[Any, ...]) -> State:
+    """Everything global a trace depends on, right now (``module_flags``: :meth:`Modules.flags`)."""
+    return (
+        torch.is_grad_enabled(),
+        torch.is_inference_mode_enabled(),
+        torch.get_default_dtype(),
+        torch.are_deterministic_algorithms_enabled(),
+        _autocast("cpu"),
+        _autocast("cuda"),
+        module_flags,
+    )
+
+
+def grad_enabled(state: State) -> bool:
+    return bool(state[0])
+
+
+def describe(old: State, new: State, names: Sequence[str] = ()) -> list[str]:
+    """What changed from ``old`` to ``new``, one phrase per difference (``names``: the module
+    names of the module flags, as in :class:`Modules`)."""
+    out = [
+        f"{name} {_fmt(a)} -> {_fmt(b)}"
+        for (name, _), a, b in zip(_FLAGS, old, new, strict=False)
+        if a != b
+    ]
+    for device, a, b in zip(AUTOCAST_DEVICES, old[4:6], new[4:6], strict=True):
+        if a != b:
+            out.append(f"autocast({device!r}) {_fmt_autocast(a)} -> {_fmt_autocast(b)}")
+    before, after = old[6], new[6]
+    if len(before) != len(after) or any(
+        a[0] is not b[0] for a, b in zip(before, after, strict=True)
+    ):
+        out.append("the module tree changed (a submodule was added, removed or replaced)")
+    else:
+        for i, (a, b) in enumerate(zip(before, after, strict=True)):
+            if a[1] != b[1]:
+                name = names[i] if i < len(names) else f"module {i}"
+                out.append(f"{name or 'the module'}.training {a[1]} -> {b[1]}")
+    return out
+
+
+def _fmt(v: Any) -> str:
+    return str(v).replace("torch.", "")
+
+
+def _fmt_autocast(v: torch.dtype | None) -> str:
+    return "off" if v is None else _fmt(v)
+
+
+@contextlib.contextmanager
+def no_autocast(state: State) -> Iterator[None]:
+    """Run a compiled graph without autocast: the graph already holds the casts its trace
+    recorded, and autocast applied again at run time would change a float32 graph's results."""
+    with contextlib.ExitStack() as stack:
+        for device, dtype in zip(AUTOCAST_DEVICES, state[4:6], strict=True):
+            if dtype is not None:
+                stack.enter_context(torch.autocast(device, enabled=False))
+        yield
