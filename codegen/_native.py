@@ -7,7 +7,9 @@ operator handles ``OpOverload.__call__`` calls, with constant arguments converte
 runs the list from C++. Results are bit for bit the Python executor's.
 
 The extension is compiled on first use with torch's C++ extension tooling (a C++ compiler and
-ninja; about half a minute, once per machine) into ``$FUNCTRANS_CACHE_DIR/native/<hash>``.
+ninja; about half a minute, once per machine) into ``$FUNCTRANS_CACHE_DIR/native/<hash>``, by
+one process at a time, and checked against its recorded sha256 before every load
+(:mod:`functrans.codegen._native_build`: killed builds and torn files are rebuilt).
 Without a compiler, or with ``FUNCTRANS_NATIVE=0``, :func:`native_function` returns None and
 the backend runs the Python executor.
 
@@ -37,6 +39,7 @@ import torch
 import torch.fx as fx
 
 from ._cache import cache_root
+from ._native_build import cached_build
 from ._pycode import _attr
 
 __all__ = ["native_function", "native_module"]
@@ -50,30 +53,46 @@ class _Unsupported(Exception):
     """The graph holds something the native executor does not run."""
 
 
+def _library() -> tuple[str, Path]:
+    """The extension's module name and its library's place in the cache, both named by a
+    digest of the source, torch and Python (a library built for them needs no rebuild)."""
+    tag = f"{torch.__version__}|{sys.version}".encode()
+    digest = hashlib.sha256(_SOURCE.read_bytes() + tag).hexdigest()[:16]
+    name = f"functrans_executor_{digest}"
+    suffix = ".pyd" if sys.platform == "win32" else ".so"
+    return name, cache_root() / "native" / digest / f"{name}{suffix}"
+
+
 @functools.cache
 def _build() -> Any:
-    source = _SOURCE.read_bytes()
-    tag = f"{torch.__version__}|{sys.version}".encode()
-    digest = hashlib.sha256(source + tag).hexdigest()[:16]
-    name = f"functrans_executor_{digest}"
-    build_dir = cache_root() / "native" / digest
-    built = build_dir / f"{name}{'.pyd' if sys.platform == 'win32' else '.so'}"
-    # the digest names the source, torch and Python: a built library needs no rebuild (unless
-    # another process holds the build lock: it may still be writing it)
-    if built.exists() and not (build_dir / "lock").exists():
-        spec = importlib.util.spec_from_file_location(name, built)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    build_dir.mkdir(parents=True, exist_ok=True)
+    """The extension: loaded from the cache once its checksum holds, else built (see
+    :mod:`functrans.codegen._native_build` for the locking and the checks)."""
+    name, lib = _library()
+    return cached_build(
+        lib,
+        compile=functools.partial(_compile, name, lib),
+        load=functools.partial(_load, name),
+    )
+
+
+def _load(name: str, lib: Path) -> Any:
+    spec = importlib.util.spec_from_file_location(name, lib)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _compile(name: str, lib: Path, build_dir: Path) -> Any:
+    """Build and import the extension in the private ``build_dir``; cpp_extension's own lock
+    lives there too, where no other process looks."""
     from torch.utils import cpp_extension
 
     path = os.environ.get("PATH", "")
     if shutil.which("ninja") is None:  # the venv's ninja (a pip dependency), not activated
         os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), path])
     try:
-        return cpp_extension.load(
+        module = cpp_extension.load(
             name=name,
             sources=[str(_SOURCE)],
             build_directory=str(build_dir),
@@ -82,6 +101,8 @@ def _build() -> Any:
         )
     finally:
         os.environ["PATH"] = path
+    module.__file__ = str(lib)  # where the loaded file lives once published (same inode)
+    return module
 
 
 def native_module() -> Any | None:
