@@ -14,7 +14,7 @@ flags of the modules found.
 >>> import torch
 >>> w = torch.ones(2)
 >>> found = reach(lambda x: x * w)
->>> [(p.name, p.read(found.root) is w) for p in found.tensors.values()]
+>>> [(p.name, p.read(found.root) is w) for paths in found.tensors.values() for p in paths]
 [('w', True)]
 """
 
@@ -108,11 +108,12 @@ class Path:
 
 @dataclass
 class Reach:
-    """What :func:`reach` found: tensors by ``id`` and modules, each with the first (shortest)
-    path to it."""
+    """What :func:`reach` found: each tensor's paths by its ``id`` (every path: a tensor tied
+    into two modules is read, and swapped, at both), shortest first; each module with the
+    shortest path to it."""
 
     root: Any
-    tensors: dict[int, Path] = field(default_factory=dict)
+    tensors: dict[int, list[Path]] = field(default_factory=dict)
     modules: list[tuple[Path, torch.nn.Module]] = field(default_factory=list)
 
 
@@ -143,14 +144,15 @@ def reach(f: Any) -> Reach:
         nxt: list[tuple[Any, tuple[Step, ...], str]] = []
         for obj, steps, name in frontier:
             for step, child, child_name, child_writable in _children(obj, name):
+                if isinstance(child, torch.Tensor):
+                    to_tensor = Path((*steps, step), child_name, child_writable)
+                    found.tensors.setdefault(id(child), []).append(to_tensor)
+                    continue
                 if isinstance(child, _ATOMS) or id(child) in seen:
                     continue
                 seen.add(id(child))
                 budget -= 1
                 path = (*steps, step)
-                if isinstance(child, torch.Tensor):
-                    found.tensors[id(child)] = Path(path, child_name, child_writable)
-                    continue
                 if isinstance(child, torch.nn.Module):
                     found.modules.append((Path(path, child_name, child_writable), child))
                 nxt.append((child, path, child_name))

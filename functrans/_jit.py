@@ -38,7 +38,7 @@ from ._joint import joint
 from ._logs import log
 from ._partition import Partition, Strategy, partition
 from ._pytree import Flat, exact_key, leaves_of, split, unflatten, wrap_static
-from ._state import State, capture, grad_enabled, no_autocast
+from ._state import State, autocast_off, capture, grad_enabled, no_autocast
 from ._trace import arg_names, is_tracing, trace
 
 __all__ = ["CacheInfo", "jit"]
@@ -104,7 +104,7 @@ class _Apply(torch.autograd.Function):
             for g, (shape, dtype, device, wants) in zip(grads, entry.out_meta, strict=True)
             if wants
         ]
-        with no_autocast(capture(())):  # the backward graph holds its own casts
+        with autocast_off():  # the backward graph holds its own casts
             flat_grads = entry.backward(*ctx.saved_tensors, *tangents)
         return (None, *flat_grads, *([None] * (entry.num_inputs - entry.num_diff)))
 
@@ -359,25 +359,34 @@ class _Jitted:
         lifted = {p.steps for p in self._captures}
         new: list[Path] = []
         for t, where in constants:
-            path = found.tensors.get(id(t))
-            if path is not None and path.writable and path.steps not in lifted:
-                lifted.add(path.steps)
-                new.append(path)
-            else:
-                self._baked(t, path, where)
+            paths = found.tensors.get(id(t), [])
+            # every path to it: a tensor tied into two modules is two inputs (autograd adds
+            # up their gradients), and stays right if the tie is broken later
+            fresh = [p for p in paths if p.writable and p.steps not in lifted]
+            lifted.update(p.steps for p in fresh)
+            new.extend(fresh)
+            if not fresh:
+                self._baked(t, paths, where)
         if new:
             self._captures = (*self._captures, *new)
             self._captured = Reader(self._captures)
             self._cache.clear()  # entries compiled before take fewer inputs
             raise _Retry
 
-    def _baked(self, t: torch.Tensor, path: Path | None, where: str) -> None:
-        what = (
-            f"captured tensor {path.name} (inside a tuple or an object functrans cannot "
-            "write to while tracing)"
-            if path is not None
-            else f"a captured tensor ({_describe(t)}) that functrans cannot find a path to"
-        )
+    def _baked(self, t: torch.Tensor, paths: list[Path], where: str) -> None:
+        if not paths:
+            what = f"a captured tensor ({_describe(t)}) that functrans cannot find a path to"
+        elif all(p.writable for p in paths):
+            what = (
+                f"captured tensor {paths[0].name} through a path functrans cannot find (it "
+                "only finds closures, globals, attributes, containers and module tables)"
+            )
+        else:
+            stuck = next(p for p in paths if not p.writable)
+            what = (
+                f"captured tensor {stuck.name} (inside a tuple or an object functrans "
+                "cannot write to while tracing)"
+            )
         hint = (
             "Pass it as an argument (or keep it in a list, dict, closure variable, module "
             "attribute or parameter, where it is lifted to a graph input automatically)."

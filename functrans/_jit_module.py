@@ -1,16 +1,9 @@
-"""``jit(module)``: a compiled module that otherwise behaves as the module does.
-
-The wrapper shares the module's own tables of parameters, buffers and submodules, so
-``state_dict`` keys, ``named_parameters``, ``load_state_dict``, ``to``, ``train``/``eval`` and
-optimizers see exactly the module's (no ``module.`` prefix); other attributes (``config``,
-``generate``) are the module's; copies (``copy.deepcopy`` for an EMA, ``pickle``,
-``torch.save``) drop the compiled entries and compile again on first use.
-"""
+"""``jit(module)``: a compiled module that otherwise behaves as the module does (see
+:mod:`functrans._module_view`)."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
 from typing import Any
 
 import optree
@@ -19,12 +12,11 @@ import torch.utils._pytree as torch_pytree
 
 from ._errors import TraceError
 from ._jit import CacheInfo, _Jitted, _Options, inline
+from ._module_view import ModuleView
 from ._partition import Partition
 from ._pytree import NAMESPACE, unflatten
 
 __all__ = ["JitModule"]
-
-_SHARED = ("_parameters", "_buffers", "_modules")
 
 
 def _compiled_call(module: torch.nn.Module, options: _Options) -> _Jitted:
@@ -72,13 +64,15 @@ def _gather(
     return params, buffers, tuple(flags)
 
 
-class JitModule(torch.nn.Module):
+class JitModule(ModuleView):
     """``jit(module)``: the module's parameters and buffers are lifted to graph inputs on every
     call (``functional_call``), so an optimizer updating them in place keeps working and nothing
     is baked in as a constant. Buffers the module updates in place (BatchNorm's running
     statistics in training mode) are updated on copies inside the graph, returned as extra
     outputs and written back after the call: the same values as eager. The ``training`` flag
-    of the module and of each submodule is part of every cache key.
+    of the module and of each submodule is part of every cache key. Otherwise it is the module
+    (a :class:`~functrans._module_view.ModuleView`): same ``state_dict`` keys, parameter names
+    and attributes; copies compile again on first use.
 
     Outputs are taken apart with torch's pytree as well as optree's, so containers registered
     only with ``torch.utils._pytree`` (Hugging Face's ``ModelOutput``) come back rebuilt with
@@ -94,65 +88,23 @@ class JitModule(torch.nn.Module):
     True
     """
 
+    _derived = ("_jitted",)  # compiled entries hold graphs and kernels: compile again
+
     def __init__(self, module: torch.nn.Module, options: _Options) -> None:
-        super().__init__()
-        self.__dict__["module"] = module  # not a submodule: the tables below are the module's
-        for table in _SHARED:
-            self.__dict__[table] = module.__dict__[table]
-        self.__dict__["_version"] = getattr(module, "_version", 1)
+        super().__init__(module)
         self.__dict__["_opts"] = options
-        self.__dict__["_jitted"] = _compiled_call(module, options)
+        self._derive()
 
-    # the module's flag is the flag: model.eval() and jitted.eval() are one switch
-    @property  # type: ignore[override]
-    def training(self) -> bool:  # type: ignore[override]
-        module = self.__dict__.get("module")
-        return True if module is None else bool(module.training)
-
-    @training.setter
-    def training(self, mode: bool) -> None:
-        module = self.__dict__.get("module")
-        if module is not None:
-            module.training = mode
-
-    @property
-    def _wrapped(self) -> torch.nn.Module:
-        module: torch.nn.Module = self.__dict__["module"]
-        return module
+    def _derive(self) -> None:
+        self.__dict__["_jitted"] = _compiled_call(self._wrapped, self.__dict__["_opts"])
 
     @property
     def _compiled(self) -> _Jitted:
         jitted: _Jitted = self.__dict__["_jitted"]
         return jitted
 
-    def named_modules(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, torch.nn.Module]]:
-        found: Iterator[tuple[str, torch.nn.Module]] = self._wrapped.named_modules(*args, **kwargs)
-        return found
-
-    def apply(self, fn: Any) -> JitModule:
-        self._wrapped.apply(fn)
-        return self
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            module = self.__dict__.get("module")
-            if module is None or name == "module":
-                raise
-            return getattr(module, name)
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
-        del state["_jitted"]  # compiled entries hold graphs and kernels: compile again
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self.__dict__["_jitted"] = _compiled_call(self.module, self._opts)
-
     def __repr__(self) -> str:
-        return f"jit({self.module!r})"
+        return f"jit({self._wrapped!r})"
 
     def cache_info(self) -> CacheInfo:
         """The compiled entries' statistics (see :meth:`_Jitted.cache_info`)."""

@@ -20,6 +20,7 @@ from ._graph import JointGraph, Role, assign_phases
 from ._logs import log
 from ._passes import InputSpec, canonicalize, no_gc
 from ._pytree import NAMESPACE, Flat, flatten, unflatten
+from ._state import autocast_off
 from ._trace import arg_names, check_inputs, run_traced, trace, trace_module
 
 __all__ = ["joint", "normalize_argnums"]
@@ -162,9 +163,12 @@ def _joint_function(
             pairs = [(o, t) for o, t in zip(diff_outs, cots, strict=True) if o.requires_grad]
             grads: Sequence[torch.Tensor | None] = [None] * len(wrt)
             if pairs and wrt:
-                grads = torch.autograd.grad(
-                    [o for o, _ in pairs], wrt, [t for _, t in pairs], allow_unused=True
-                )
+                # backward as eager runs it: loss.backward() is called outside autocast (as
+                # torch recommends), so backward ops see no autocast
+                with autocast_off():
+                    grads = torch.autograd.grad(
+                        [o for o, _ in pairs], wrt, [t for _, t in pairs], allow_unused=True
+                    )
         full = [
             g if g is not None else torch.zeros_like(w) for g, w in zip(grads, wrt, strict=True)
         ]

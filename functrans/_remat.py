@@ -26,6 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 from . import policies
+from ._module_view import ModuleView
 from ._pytree import NAMESPACE
 from ._tags import REMAT, Policy
 from ._trace import is_tracing
@@ -188,13 +189,22 @@ def remat(
     return wrapped
 
 
-class RematModule(torch.nn.Module):
-    """``remat(module)``: the module's forward, rematerialized; parameters stay the module's."""
+class RematModule(ModuleView):
+    """``remat(module)``: the module's forward, rematerialized. Otherwise it is the module (a
+    :class:`~functrans._module_view.ModuleView`): same ``state_dict`` keys, parameter names and
+    attributes, so checkpoints load between remat'd and plain models."""
+
+    _derived = ("_call",)
 
     def __init__(self, module: torch.nn.Module, *, policy: Any = None) -> None:
-        super().__init__()
-        self.module = module
-        self._call = remat(lambda *a, **k: self.module(*a, **k), policy=policy)
+        super().__init__(module)
+        self.__dict__["_policy"] = policy
+        self._derive()
+
+    def _derive(self) -> None:
+        module = self._wrapped
+        call = remat(lambda *a, **k: module(*a, **k), policy=self.__dict__["_policy"])
+        self.__dict__["_call"] = call
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self._call(*args, **kwargs)
+        return self.__dict__["_call"](*args, **kwargs)

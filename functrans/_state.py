@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["AUTOCAST_DEVICES", "State", "capture", "describe", "no_autocast"]
+__all__ = ["AUTOCAST_DEVICES", "State", "autocast_off", "capture", "describe", "no_autocast"]
 
 #: Device types whose autocast state is part of every capture.
 AUTOCAST_DEVICES = ("cpu", "cuda")
@@ -112,6 +112,11 @@ def _fmt(v: Any) -> str:
 
 def _fmt_autocast(v: torch.dtype | None) -> str:
     return "off" if v is None else _fmt(v)
+
+
+def autocast_off() -> contextlib.AbstractContextManager[None]:
+    """:func:`no_autocast` for the state right now."""
+    return no_autocast(capture(()))
 
 
 @contextlib.contextmanager

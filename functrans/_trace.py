@@ -36,6 +36,7 @@ from ._logs import log
 from ._passes import InputSpec, canonicalize, identifier
 from ._pytree import Flat, flatten, unflatten
 from ._rng import tracing_guard
+from ._state import autocast_off
 
 __all__ = [
     "Decompositions",
@@ -274,7 +275,9 @@ def retrace(
         return fx.Interpreter(gm).run(*args)
 
     pure = torch.func.functionalize(run, remove="mutations") if functional else run
-    with TRACE_LOCK, fx_traceback.preserve_node_meta():
+    # autocast off: the graph already holds the casts its first trace recorded, and casting
+    # its ops again would round an op eager runs in float32 (SDPA's math path) to bfloat16
+    with TRACE_LOCK, autocast_off(), fx_traceback.preserve_node_meta():
         out: fx.GraphModule = make_fx(pure, table, tracing_mode="fake", record_stack_traces=True)(
             *vals
         )

@@ -190,6 +190,37 @@ def test_torch_func_over_jit_gives_eager_values(transform):
         _close(g, e)
 
 
+def _loss(x):
+    return (torch.sin(x) * x).sum()
+
+
+@pytest.mark.parametrize(
+    "transform",
+    [
+        lambda g: torch.func.grad(lambda x: g(x).sum()),
+        lambda g: torch.func.vmap(g),
+        lambda g: torch.func.jacrev(g),
+        lambda g: lambda x: torch.func.vjp(g, x)[1](torch.ones_like(x)),
+    ],
+    ids=["grad", "vmap", "jacrev", "vjp"],
+)
+@pytest.mark.parametrize("ours", ["grad", "value_and_grad", "vjp"])
+def test_torch_func_over_functrans_derivatives(transform, ours):
+    inner = {
+        "grad": ft.grad(_loss),
+        "value_and_grad": lambda x: ft.value_and_grad(_loss)(x)[1],
+        "vjp": lambda x: ft.vjp(_loss, x)[1](torch.tensor(1.0, dtype=x.dtype))[0],
+    }[ours]
+    x = torch.randn(2, 3, dtype=torch.float64)
+    got = transform(inner)(x)
+    expected = transform(torch.func.grad(_loss))(x)
+    for g, e in zip(
+        torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(expected), strict=True
+    ):
+        assert type(g) is torch.Tensor
+        torch.testing.assert_close(g, e)
+
+
 def test_vmap_over_a_jitted_module():
     net = _mlp()
     model = ft.jit(net)
@@ -278,6 +309,22 @@ def test_a_tensor_in_a_tuple_that_requires_grad_is_refused():
     params = (torch.randn(3, requires_grad=True),)
     with pytest.raises(ft.TraceError, match=r"params\[0\].*requires grad"):
         ft.jit(lambda x: x * params[0])(torch.ones(3))
+
+
+def test_a_closure_over_tied_weights_trains_like_eager_and_survives_untying():
+    # found by tests/test_real_use.py: the tie made the second path a constant
+    torch.manual_seed(0)
+    emb, head = nn.Embedding(8, 4), nn.Linear(4, 8, bias=False)
+    head.weight = emb.weight
+    f = ft.jit(lambda i: head(emb(i)).logsumexp(-1).sum())
+    i = torch.tensor([1, 2, 5])
+    f(i).backward()
+    got = emb.weight.grad.clone()
+    emb.weight.grad = None
+    head(emb(i)).logsumexp(-1).sum().backward()
+    torch.testing.assert_close(got, emb.weight.grad)
+    head.weight = nn.Parameter(torch.zeros(8, 4))  # untied: two tensors now
+    _close(f(i), head(emb(i)).logsumexp(-1).sum())
 
 
 def test_fresh_constants_are_not_captures():

@@ -119,3 +119,15 @@ def test_to_dtype_recompiles_for_the_new_parameters():
     model.to(torch.float64)
     assert model(torch.randn(5, 3, dtype=torch.float64)).dtype == torch.float64
     assert model.cache_info().misses == 2
+
+
+def test_remat_module_is_the_module_too():
+    # found by tests/test_real_use.py: remat(module) prefixed every key with "module."
+    net = make()
+    block = ft.remat(net)
+    assert list(block.state_dict()) == list(net.state_dict())
+    block.load_state_dict(make(1).state_dict())
+    assert block.num_params() == net.num_params()
+    x = torch.randn(5, 3)
+    copy.deepcopy(block)(x).sum().backward()  # the copy's forward runs the copy's parameters
+    assert net.head.weight.grad is None
