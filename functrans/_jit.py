@@ -39,7 +39,7 @@ from ._logs import log
 from ._partition import Partition, Strategy, partition
 from ._pytree import Flat, exact_key, leaves_of, split, unflatten, wrap_static
 from ._state import State, autocast_off, capture, grad_enabled, no_autocast
-from ._trace import arg_names, is_tracing, trace
+from ._trace import _TRACING, arg_names, is_tracing, trace
 
 __all__ = ["CacheInfo", "jit"]
 
@@ -134,11 +134,14 @@ class _AsWritten(Exception):
     """The call cannot be compiled (tensor subclasses): run the function as written."""
 
 
+_functorch_active = torch._C._are_functorch_transforms_active
+
+
 def inline() -> bool:
     """Whether a jitted call should run its function as written: under torch.func transforms
     (``vmap``, ``grad``, ``jvp``: they must see the ops) and inside another functrans trace
     (the outer graph records the ops, as a nested ``jax.jit`` inlines)."""
-    return bool(torch._C._are_functorch_transforms_active()) or is_tracing()
+    return bool(_functorch_active()) or is_tracing()
 
 
 def _plain(t: torch.Tensor) -> bool:
@@ -180,7 +183,7 @@ class _Jitted:
         return [s.entry.partition for s in self._cache.by_key.values() if s.entry.partition]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if torch._C._are_functorch_transforms_active() or is_tracing():
+        if _functorch_active() or _TRACING.get():
             return self._f(*args, **kwargs)  # see inline()
         try:
             outs, entry, _ = self._run(args, kwargs, None)
@@ -202,13 +205,13 @@ class _Jitted:
     def _run(
         self, args: Any, kwargs: Any, module_flags: tuple[Any, ...] | None
     ) -> tuple[list[Any], _Entry, Sequence[torch.Tensor]]:
-        """Flat outputs, the entry that computed them and the inputs in the entry's order."""
+        """Flat outputs, the entry that computed them and the inputs in the entry's order.
+
+        This is every call's path: each line here costs on every step of a training loop."""
         statics = self._opts.static_argnums
         tree_args = wrap_static(args, statics) if statics else args
         for _ in range(4):  # a retry follows a compile that found captured tensors to lift
-            if module_flags is None:
-                module_flags = self._module_flags()
-            state = capture(module_flags)
+            state = capture(self._module_flags() if module_flags is None else module_flags)
             if self._captured.size:
                 captured = self._captured.read(self._f)
                 if captured is None:  # a path no longer leads anywhere: walk again
@@ -233,16 +236,21 @@ class _Jitted:
             if state[4] is not None or state[5] is not None:  # autocast: see no_autocast
                 with no_autocast(state):
                     return _execute(apply, entry, ordered), entry, ordered
-            return _execute(apply, entry, ordered), entry, ordered
+            if entry.backward is None:
+                return entry.forward(*ordered), entry, ordered
+            return list(apply(entry, *ordered)), entry, ordered
         raise TraceError(f"{self._owner}: the captured tensors keep changing while compiling")
 
     def _module_flags(self) -> tuple[Any, ...]:
         """``(module, training)`` of every module the function reaches, read now."""
-        if self._modules is None:
+        reader = self._modules
+        if reader is None:
             found = reach(self._f)
-            self._modules = Reader([p for p, _ in found.modules])
+            reader = self._modules = Reader([p for p, _ in found.modules])
             self._module_names = tuple(p.name for p, _ in found.modules)
-        modules = self._modules.read(self._f)
+        if not reader.size:
+            return ()
+        modules = reader.read(self._f)
         if modules is None:
             self._forget()
             return self._module_flags()

@@ -142,6 +142,7 @@ class Cache(Generic[_E]):
         self._float_changes: dict[str, int] = {}
 
     def touch(self, slot: Slot[_E]) -> None:
+        """Count a hit on ``slot`` and mark it most recently used."""
         slot.used = next(self._ticks)
         self._last = slot
         self.hits += 1

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -46,36 +45,26 @@ def _autocast(device: str) -> torch.dtype | None:
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
 
 
-@dataclass(frozen=True)
-class Modules:
-    """The modules whose ``training`` flag a trace may read, with readable names."""
-
-    names: tuple[str, ...]
-    modules: tuple[torch.nn.Module, ...]
-
-    def flags(self) -> tuple[Any, ...]:
-        # the module objects themselves ride along (compared by identity): a submodule replaced
-        # by another one is a change too
-        return tuple([(m, m.training) for m in self.modules])
-
-
-NO_MODULES = Modules((), ())
-
-#: One capture: the flags in ``_FLAGS`` order, then autocast per device, then module flags.
+#: One capture: the flags in ``_FLAGS`` order, then autocast per device, then the module flags
+#: (``(module, module.training)`` per module the function reaches).
 State = tuple[Any, ...]
 
 
+_any_autocast = torch._C._is_any_autocast_enabled
+_grad = torch.is_grad_enabled
+_inference = torch.is_inference_mode_enabled
+_default_dtype = torch.get_default_dtype
+_deterministic = torch.are_deterministic_algorithms_enabled
+
+
 def capture(module_flags: tuple[Any, ...]) -> State:
-    """Everything global a trace depends on, right now (``module_flags``: :meth:`Modules.flags`)."""
-    return (
-        torch.is_grad_enabled(),
-        torch.is_inference_mode_enabled(),
-        torch.get_default_dtype(),
-        torch.are_deterministic_algorithms_enabled(),
-        _autocast("cpu"),
-        _autocast("cuda"),
-        module_flags,
-    )
+    """Everything global a trace depends on, right now (``module_flags``: see :data:`State`).
+    About a microsecond: it runs on every call of a jitted function."""
+    if _any_autocast():
+        cpu, cuda = _autocast("cpu"), _autocast("cuda")
+    else:
+        cpu = cuda = None
+    return (_grad(), _inference(), _default_dtype(), _deterministic(), cpu, cuda, module_flags)
 
 
 def grad_enabled(state: State) -> bool:
