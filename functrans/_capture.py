@@ -39,6 +39,7 @@ Step = tuple[str, Any]
 _READ: dict[str, Callable[[Any, Any], Any]] = {
     "cell": lambda f, i: f.__closure__[i].cell_contents,
     "global": lambda f, name: f.__globals__[name],
+    "forward_global": lambda m, name: type(m).forward.__globals__[name],
     "self": lambda m, _: m.__self__,
     "func": lambda m, _: m.__func__ if isinstance(m, types.MethodType) else m.func,
     "item": lambda c, k: c[k],  # dict, list, tuple
@@ -55,6 +56,10 @@ def _set_cell(f: Any, i: int, v: Any) -> None:
 
 def _set_global(f: Any, name: str, v: Any) -> None:
     f.__globals__[name] = v
+
+
+def _set_forward_global(m: Any, name: str, v: Any) -> None:
+    type(m).forward.__globals__[name] = v
 
 
 def _set_item(c: Any, k: Any, v: Any) -> None:
@@ -77,6 +82,7 @@ def _set_buffer(m: Any, name: str, v: Any) -> None:
 _WRITE: dict[str, Callable[[Any, Any, Any], None]] = {
     "cell": _set_cell,
     "global": _set_global,
+    "forward_global": _set_forward_global,
     "item": _set_item,
     "attr": _set_attr,
     "param": _set_param,
@@ -230,7 +236,9 @@ def _module_children(m: torch.nn.Module, name: str) -> Iterator[_Child]:
     forward = type(m).forward
     if isinstance(forward, types.FunctionType) and not _library(m):
         # the globals a user module's forward reads (a module-level tensor, say)
-        yield from (c for c in _function_children(forward, name) if c[0][0] == "global")
+        for var in _global_names(forward.__code__):
+            if var in forward.__globals__:
+                yield ("forward_global", var), forward.__globals__[var], var, True
 
 
 def _items(c: Any, name: str, *, writable: bool) -> Iterator[_Child]:
@@ -253,6 +261,7 @@ class Reader:
     """
 
     def __init__(self, paths: Sequence[Path]) -> None:
+        self.paths = tuple(paths)
         self.size = len(paths)
         trie: dict[Any, Any] = {}
         for i, p in enumerate(paths):
@@ -262,6 +271,17 @@ class Reader:
             node.setdefault(None, []).append(i)
         self._plan = _plan(trie)
 
+    def readable(self, root: Any) -> Reader:
+        """The same reader without the paths that lead nowhere now."""
+        kept = []
+        for p in self.paths:
+            try:
+                p.read(root)
+            except _GONE:
+                continue
+            kept.append(p)
+        return self if len(kept) == self.size else Reader(kept)
+
     def read(self, root: Any) -> tuple[Any, ...] | None:
         """The objects at the paths now, or None when one of them no longer exists."""
         if not self.size:
@@ -269,10 +289,13 @@ class Reader:
         out: list[Any] = [None] * self.size
         try:
             _visit(self._plan, root, out)
-        except (LookupError, AttributeError, ValueError, TypeError):
+        except _GONE:
             return None
         return tuple(out)
 
+
+# what reading a path that no longer leads anywhere raises
+_GONE = (LookupError, AttributeError, ValueError, TypeError)
 
 _Plan = list[tuple[Callable[[Any, Any], Any], Any, list[int], Any]]
 

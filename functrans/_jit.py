@@ -246,12 +246,13 @@ class _Jitted:
         reader = self._modules
         if reader is None:
             found = reach(self._f)
-            reader = self._modules = Reader([p for p, _ in found.modules])
-            self._module_names = tuple(p.name for p, _ in found.modules)
+            reader = Reader([p for p, _ in found.modules]).readable(self._f)
+            self._modules = reader
+            self._module_names = tuple(p.name for p in reader.paths)
         if not reader.size:
             return ()
         modules = reader.read(self._f)
-        if modules is None:
+        if modules is None:  # a module moved: walk again (once; a fresh walk reads)
             self._forget()
             return self._module_flags()
         return tuple([(m, m.training) for m in modules])

@@ -7,13 +7,19 @@ catch. Comparing the generator's state before and after the trace is not enough 
 other threads may draw random numbers meanwhile, which is legal. So:
 
 - the seeding functions (``torch.manual_seed``, ``torch.seed``, ``torch.set_rng_state``, and
-  their ``torch.random`` and ``torch.cuda`` twins) are wrapped, once, by wrappers that raise
-  only in a thread (context) that is tracing; everywhere else they are the originals;
-- the state comparison still runs when no other Python thread exists, to catch the generator
+  their ``torch.random`` and ``torch.cuda`` twins) are wrapped, once, by wrappers that record
+  the call in the :class:`Seeding` of the thread (context) that is tracing; everywhere else
+  they are the originals;
+- a trace that reseeded must leave the generator as it found it (``fork_rng``,
+  ``freeze_rng_state``), and its graph must draw no random numbers (the seed would not reach
+  them): ``run_traced`` checks the graph;
+- the state comparison also runs when no other Python thread exists, to catch the generator
   object's own methods (``torch.default_generator.manual_seed``).
 
->>> with tracing_guard(lambda: "f"):
+>>> with tracing_guard(lambda: "f") as seeding:
 ...     pass
+>>> seeding.call is None
+True
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import contextvars
 import functools
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,10 +37,18 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from ._errors import TraceError
 
-__all__ = ["tracing_guard"]
+__all__ = ["Seeding", "seeded_then_drew", "tracing_guard"]
 
-_OWNER: contextvars.ContextVar[Callable[[], str] | None] = contextvars.ContextVar(
-    "functrans_rng_owner", default=None
+
+@dataclass
+class Seeding:
+    """What a traced function did to the global generator."""
+
+    call: str | None = None  # the first reseeding call (``torch.manual_seed``), if any
+
+
+_CURRENT: contextvars.ContextVar[Seeding | None] = contextvars.ContextVar(
+    "functrans_rng_seeding", default=None
 )
 _INSTALL = threading.Lock()
 _installed = False
@@ -68,9 +83,10 @@ def _wrap(module: Any, name: str, original: Callable[..., Any]) -> Callable[...,
 
     @functools.wraps(original)
     def seeder(*args: Any, **kwargs: Any) -> Any:
-        owner = _OWNER.get()
-        if owner is not None and not _restores_same_state(name, args, kwargs):
-            raise _error(owner, f"{qualified} was called")
+        seeding = _CURRENT.get()
+        recording = seeding is not None and seeding.call is None
+        if recording and not _restores_same_state(name, args, kwargs):
+            seeding.call = qualified  # type: ignore[union-attr]
         return original(*args, **kwargs)
 
     seeder.__functrans_original__ = original  # type: ignore[attr-defined]
@@ -105,18 +121,29 @@ def _bytes(state: torch.Tensor) -> bytes:
 
 
 @contextlib.contextmanager
-def tracing_guard(owner: Callable[[], str]) -> Iterator[None]:
-    """Within this context (this thread's), reseeding raises a TraceError naming ``owner()``."""
+def tracing_guard(owner: Callable[[], str]) -> Iterator[Seeding]:
+    """Within this context (this thread's), reseeding calls are recorded in the yielded
+    :class:`Seeding`; a TraceError naming ``owner()`` if the generator is not left as found."""
     _install()
     alone = threading.active_count() == 1
-    before = _bytes(torch.random.get_rng_state()) if alone else b""
-    token = _OWNER.set(owner)
+    before = _bytes(torch.random.get_rng_state())
+    seeding = Seeding()
+    token = _CURRENT.set(seeding)
     try:
-        yield
+        yield seeding
     finally:
-        _OWNER.reset(token)
-    if alone and threading.active_count() == 1:
-        after = torch.random.get_rng_state()
-        if _bytes(after) != before:
-            torch.random.set_rng_state(torch.frombuffer(bytearray(before), dtype=torch.uint8))
-            raise _error(owner, "its state differs after the trace")
+        _CURRENT.reset(token)
+    checked = seeding.call is not None or (alone and threading.active_count() == 1)
+    if checked and _bytes(torch.random.get_rng_state()) != before:
+        torch.random.set_rng_state(torch.frombuffer(bytearray(before), dtype=torch.uint8))
+        what = f"{seeding.call} was called" if seeding.call else "its state differs after it"
+        raise _error(owner, what)
+
+
+def seeded_then_drew(owner: Callable[[], str], seeding: Seeding) -> TraceError:
+    """The error for a trace that reseeded (and restored) the generator, then drew from it."""
+    return TraceError(
+        f"{owner()} reseeds the global random number generator ({seeding.call}) and draws "
+        "random numbers while being traced: the compiled graph would draw them from the "
+        "caller's generator, not from that seed. Seed before calling the function."
+    )

@@ -28,6 +28,7 @@ from torch._subclasses.fake_tensor import (
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
+from ._cost import is_random
 from ._decomp import Decompositions, decomposition_table
 from ._errors import TraceError, UnsupportedOpError
 from ._format import op_name
@@ -35,7 +36,7 @@ from ._graph import SOURCE, Graph, Role
 from ._logs import log
 from ._passes import InputSpec, canonicalize, identifier
 from ._pytree import Flat, flatten, unflatten
-from ._rng import tracing_guard
+from ._rng import seeded_then_drew, tracing_guard
 from ._state import autocast_off
 
 __all__ = [
@@ -166,9 +167,16 @@ def run_traced(fn: Callable[..., Any], user_fn: Callable[..., Any]) -> Any:
             torch.fx.proxy._STACK_TRACE_ANCHORS.add((code.co_filename, code.co_name))
         fn_or_wrapper = getattr(fn_or_wrapper, "__wrapped__", None)
     token = _TRACING.set(True)
+    owner = lambda: getattr(user_fn, "__qualname__", repr(user_fn))  # noqa: E731
     try:
-        with TRACE_LOCK, tracing_guard(lambda: getattr(user_fn, "__qualname__", repr(user_fn))):
+        with TRACE_LOCK, tracing_guard(owner) as seeding:
             result = fn()
+        if (
+            seeding.call is not None
+            and isinstance(result, fx.GraphModule)
+            and any(map(is_random, result.graph.nodes))
+        ):
+            raise seeded_then_drew(owner, seeding)
     except _DATA_DEPENDENT as e:
         raise _data_dependent_error(user_fn, e) from e
     except RuntimeError as e:  # C++ read the data of a fake tensor: a value-dependent op

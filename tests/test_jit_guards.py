@@ -286,6 +286,26 @@ def test_global_and_attribute_tensors_are_lifted():
 GLOBAL_SHIFT = torch.zeros(3)
 
 
+SHIFT = torch.zeros(2)
+
+
+class Shifted(nn.Module):
+    def forward(self, x):
+        return x + SHIFT  # a module-level tensor read by a user module's forward
+
+
+def test_a_global_read_by_a_modules_forward_is_lifted():
+    # the path goes through the module's class (found by an HF model's act_fn)
+    net = Shifted()
+    f = ft.jit(lambda x: net(x))
+    f(torch.ones(2))
+    globals()["SHIFT"] = torch.full((2,), 3.0)
+    try:
+        _close(f(torch.ones(2)), torch.full((2,), 4.0))
+    finally:
+        globals()["SHIFT"] = torch.zeros(2)
+
+
 def test_a_closure_tensor_updated_in_place_outside_is_seen():
     w = torch.ones(3)
     f = ft.jit(lambda x: x + w)
@@ -406,6 +426,26 @@ def test_reseeding_inside_a_traced_function_is_refused_in_every_thread():
     t.join(timeout=120)
     assert errors and "torch.manual_seed" in str(errors[0])
     torch.manual_seed(0)  # outside a trace the wrapper is the original
+
+
+def test_reseeding_inside_fork_rng_is_allowed_only_without_random_ops():
+    # torch's OpInfo samples wrap ops this way (wrapper_set_seed): the seed matters only to
+    # random ops, whose graph would ignore it
+    def deterministic(x):
+        with torch.random.fork_rng():
+            torch.manual_seed(42)
+            return x * 2
+
+    def random(x):
+        with torch.random.fork_rng():
+            torch.manual_seed(42)
+            return F.dropout(x, 0.5)
+
+    state = torch.random.get_rng_state()
+    _close(ft.jit(deterministic)(torch.ones(2)), torch.full((2,), 2.0))
+    with pytest.raises(ft.TraceError, match=r"reseeds .*torch\.manual_seed.* draws random"):
+        ft.jit(random)(torch.ones(4))
+    assert torch.equal(state, torch.random.get_rng_state())
 
 
 def test_fork_rng_without_reseeding_is_allowed():
