@@ -5,8 +5,9 @@ on a deep copy of ``jg.graph_module`` and measures the result exactly like
 :class:`functrans.Partition` measures ours, so the numbers compare:
 
 - activation bytes: bytes of the forward graph's outputs past the ``num_outputs`` user outputs
-  (its saved values), minus primal inputs and views of them (``is_input_alias`` on the joint
-  node of the same name) and minus non-tensor values (SymInts);
+  (its saved values), each storage once (``saved_activation_bytes`` on the joint nodes of the
+  same names: views share their base's storage, primal inputs and views of them count 0),
+  non-tensor values (SymInts) left out;
 - recompute FLOPs: ``flops(joint_node)`` summed over the call_function nodes present, by name,
   in both the forward and the backward graph;
 - peak bytes: ``functrans._memory.peak_bytes(fw_graph, bw_graph)`` where that exists, else None.
@@ -33,7 +34,7 @@ import torch.fx as fx
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from functrans import JointGraph
-from functrans.extend import OpClass, flops, is_input_alias, nbytes, op_class
+from functrans.extend import OpClass, flops, op_class, saved_activation_bytes
 
 __all__ = [
     "PartitionFn",
@@ -82,7 +83,7 @@ def recomputed_names(fw: fx.GraphModule, bw: fx.GraphModule) -> list[str]:
 def _measure(jg: JointGraph, fw: fx.GraphModule, bw: fx.GraphModule) -> dict[str, Any]:
     joint_nodes = {n.name: n for n in jg.fx_graph.nodes}
     saved = _outputs(fw)[jg.num_outputs :]
-    activation, unmatched = 0, []
+    tensors, unmatched = [], []
     for s in saved:
         if not isinstance(s, fx.Node) or not isinstance(s.meta.get("val"), torch.Tensor):
             continue  # SymInts and constants cost no activation memory
@@ -90,8 +91,8 @@ def _measure(jg: JointGraph, fw: fx.GraphModule, bw: fx.GraphModule) -> dict[str
         if node is None:  # a node torch made itself: judge it on torch's graph
             unmatched.append(s.name)
             node = s
-        if not is_input_alias(node):
-            activation += nbytes(s.meta["val"])
+        tensors.append(node)
+    activation = saved_activation_bytes(tensors)  # each storage once, as Partition counts
     recomputed = recomputed_names(fw, bw)
     missing = [r for r in recomputed if r not in joint_nodes]
     peak_fn = peak_bytes_fn()

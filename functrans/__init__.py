@@ -9,6 +9,7 @@ from ._api import grad as grad
 from ._api import value_and_grad as value_and_grad
 from ._api import vjp as vjp
 from ._errors import FunctransError as FunctransError
+from ._errors import InvalidArgumentError as InvalidArgumentError
 from ._errors import InvalidPartitionError as InvalidPartitionError
 from ._errors import TraceError as TraceError
 from ._errors import UnknownNameError as UnknownNameError

@@ -4,15 +4,17 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from ._errors import FunctransError
-from ._joint import joint
+from ._errors import FunctransError, InvalidArgumentError
+from ._joint import joint, normalize_argnums
 from ._partition import Strategy, partition
 from ._pytree import flatten
+from ._validate import describe
 
 __all__ = ["grad", "value_and_grad", "vjp"]
 
@@ -31,6 +33,8 @@ def vjp(
     >>> vjp_fn(torch.ones(2))
     (tensor([1., 1.]),)
     """
+    if torch._C._are_functorch_transforms_active():
+        return _torch_func_vjp(f, primals)
     jg = joint(f)(*primals)
     p = _partition(jg, partition, options)
     outs, saved = p.forward(*primals)
@@ -54,6 +58,24 @@ def _partition(jg: Any, strategy: str | Strategy, options: dict[str, Any]) -> An
     return partition(jg, strategy, **options)
 
 
+# Under torch.func transforms (torch.func.grad(ft.grad(f)), vmap(ft.grad(f)) for per-example
+# gradients), the arguments are functorch's wrapped tensors, which a trace cannot take: the
+# same derivative comes from torch.func itself, with the same calling conventions. Which
+# values are saved is then torch.func's business, not the partition strategy's.
+def _torch_func_vjp(
+    f: Callable[..., Any], primals: tuple[Any, ...]
+) -> tuple[Any, Callable[[Any], tuple[Any, ...]]]:
+    found: Any = torch.func.vjp(f, *primals)
+    return found[0], found[1]
+
+
+def _torch_func_value_and_grad(
+    f: Callable[..., Any], argnums: Any, has_aux: bool, args: Any, kwargs: Any
+) -> tuple[Any, Any]:
+    result = torch.func.grad_and_value(f, argnums, has_aux)(*args, **kwargs)
+    return result[1], result[0]
+
+
 def value_and_grad(
     f: Callable[..., Any],
     argnums: int | Sequence[int] = 0,
@@ -70,16 +92,18 @@ def value_and_grad(
     """
 
     def run(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        check_differentiable(f, args, argnums)
+        if torch._C._are_functorch_transforms_active():
+            return _torch_func_value_and_grad(f, argnums, has_aux, args, kwargs)
         jg = joint(f, argnums=argnums, has_aux=has_aux)(*args, **kwargs)
         p = _partition(jg, partition, options)
         value, saved = p.forward(*args, **kwargs)
         out = value[0] if has_aux else value
         if not (isinstance(out, torch.Tensor) and out.numel() == 1 and out.is_floating_point()):
-            what = f"a tensor of shape {list(out.shape)}" if isinstance(out, torch.Tensor) else out
             raise NonScalarOutputError(
                 f"grad needs {getattr(f, '__qualname__', f)} to return a scalar float tensor"
                 f"{' (as the first element of (output, aux))' if has_aux else ''}; it returned "
-                f"{what}. Use vjp for non-scalar outputs."
+                f"{_describe_output(out)}"
             )
         grads = p.backward(saved, (torch.ones_like(out),))
         return value, grads
@@ -88,7 +112,66 @@ def value_and_grad(
 
 
 class NonScalarOutputError(FunctransError, ValueError):
-    """grad/value_and_grad on a function whose output is not a scalar."""
+    """grad/value_and_grad on a function whose output is not a scalar float tensor."""
+
+
+def _describe_output(out: Any) -> str:
+    if not isinstance(out, torch.Tensor):
+        return f"{describe(out)}. Use vjp for outputs that are not scalar tensors."
+    what = f"a tensor of shape {list(out.shape)} and dtype {out.dtype}"
+    if out.numel() != 1:
+        return f"{what}. Use vjp for non-scalar outputs."
+    return f"{what}, which has no gradient: compute the output in floating point."
+
+
+def check_differentiable(f: Callable[..., Any], args: tuple[Any, ...], argnums: Any) -> None:
+    """Raise :class:`InvalidArgumentError` unless each argument ``argnums`` names holds tensors
+    and they are all floating-point. ``torch.func.grad`` and ``jax.grad`` refuse integer inputs
+    too; a ``None`` gradient for one would silently leave it untrained. (:func:`vjp` takes them
+    and gives ``None``; non-tensor leaves next to tensors are static and get ``None``.)
+
+    >>> import torch
+    >>> check_differentiable(lambda x, n: x * n, (torch.ones(2), torch.tensor(3)), 1)
+    Traceback (most recent call last):
+    ...
+    functrans._errors.InvalidArgumentError: grad: argument 1 (n) is an integer tensor ...
+    """
+    names = _positional_names(f)
+    for i in normalize_argnums(argnums, len(args)):
+        name = names[i] if i < len(names) else f"args[{i}]"
+        tensors, flat = flatten(args[i])
+        if not tensors:
+            raise InvalidArgumentError(
+                f"grad: argument {i} ({name}) is {describe(args[i])}, which holds no tensor to "
+                f"differentiate; gradients are defined for floating-point tensors only. Pass a "
+                f"tensor (torch.tensor(...)) or leave it out of argnums={argnums!r}"
+            )
+        for t, path in zip(tensors, flat.tensor_paths(), strict=True):
+            if not t.is_floating_point():
+                where = f"argument {i} ({name})" + (f", leaf {name}{path}," if path else "")
+                raise InvalidArgumentError(f"grad: {where} {_not_differentiable(t, argnums)}")
+
+
+def _not_differentiable(t: torch.Tensor, argnums: Any) -> str:
+    if t.is_complex():
+        return (
+            f"is a complex tensor ({t.dtype}); functrans differentiates floating-point tensors "
+            f"only (complex ones are not supported yet). Leave it out of argnums={argnums!r}"
+        )
+    kind = "a boolean" if t.dtype == torch.bool else "an integer"
+    return (
+        f"is {kind} tensor ({t.dtype}); gradients are defined for floating-point tensors only. "
+        f"Convert it (.float()), leave it out of argnums={argnums!r}, or use ft.vjp, which "
+        f"gives None for it"
+    )
+
+
+def _positional_names(f: Callable[..., Any]) -> list[str]:
+    try:
+        params = inspect.signature(f).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
 
 def grad(

@@ -2,8 +2,14 @@
 
 Op classes come from torch's own op tags where they exist (``torch.Tag.pointwise``,
 ``torch.Tag.reduction``, ``torch.Tag.nondeterministic_seeded``) and from op schemas (views,
-mutation), so new ATen ops are classified without a hand-written list. Only the
-compute-intensive class is a list: those are the ops worth saving instead of redoing.
+mutation), so new ATen ops are classified without a hand-written list. Two classes are tables:
+the compute-intensive ops (worth saving instead of redoing) and the seeded ops that draw random
+numbers only when an argument asks for it (attention with ``dropout_p > 0``).
+
+Bytes are counted per storage: a view lives in its base's storage, so saving a value and a view
+of it (attention's output and the reshape the output projection reads) keeps one buffer alive,
+not two. :func:`storage_of` is that rule; the liveness simulation (:mod:`functrans._memory`), the
+partition report and :func:`saved_activation_bytes` all use it.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import enum
 import math
 import operator
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -21,13 +28,19 @@ from ._graph import ROLE, Role
 
 __all__ = [
     "COMPUTE_INTENSIVE",
+    "RANDOM_UNLESS",
     "OpClass",
+    "Storage",
     "activation_bytes",
     "flops",
     "is_input_alias",
+    "is_random",
     "nbytes",
     "op_class",
     "read_bytes",
+    "saved_activation_bytes",
+    "storage_nbytes",
+    "storage_of",
 ]
 
 aten = torch.ops.aten
@@ -53,6 +66,30 @@ COMPUTE_INTENSIVE: frozenset[Any] = frozenset(
     )
     if hasattr(aten, name)
 )
+
+
+#: Seeded ops (``torch.Tag.nondeterministic_seeded``) that draw no random numbers, and leave the
+#: generator alone, when an argument (read by name through the op's schema) has the given value:
+#: the attention kernels apply dropout only when ``dropout_p`` is not 0, and ``native_dropout``
+#: with ``train=False`` returns its input and a mask of ones. A seeded op not listed here is
+#: always random; so is a listed one whose argument is symbolic or another node's value.
+RANDOM_UNLESS: Mapping[Any, tuple[str, object]] = {
+    getattr(aten, name): rule
+    for name, rule in (
+        ("_scaled_dot_product_flash_attention", ("dropout_p", 0.0)),
+        ("_scaled_dot_product_flash_attention_for_cpu", ("dropout_p", 0.0)),
+        ("_scaled_dot_product_efficient_attention", ("dropout_p", 0.0)),
+        ("_scaled_dot_product_efficient_attention_backward", ("dropout_p", 0.0)),
+        ("_scaled_dot_product_cudnn_attention", ("dropout_p", 0.0)),
+        ("_scaled_dot_product_cudnn_attention_backward", ("dropout_p", 0.0)),
+        ("_scaled_dot_product_fused_attention_overrideable", ("dropout_p", 0.0)),
+        ("_scaled_dot_product_attention_math_for_mps", ("dropout_p", 0.0)),
+        ("_flash_attention_forward", ("dropout_p", 0.0)),
+        ("_efficient_attention_forward", ("dropout_p", 0.0)),
+        ("native_dropout", ("train", False)),
+    )
+    if hasattr(aten, name)
+}
 
 
 class OpClass(enum.Enum):
@@ -106,7 +143,7 @@ def op_class(node: fx.Node) -> OpClass:
     if op is None:
         return OpClass.VIEW if node.op == "call_function" and _is_getitem(node) else OpClass.OTHER
     tags = set(op.tags)
-    if torch.Tag.nondeterministic_seeded in tags:
+    if is_random(node):
         return OpClass.RANDOM
     if op._schema.is_mutable:
         return OpClass.EFFECTFUL
@@ -121,20 +158,125 @@ def op_class(node: fx.Node) -> OpClass:
     return OpClass.OTHER
 
 
+def is_random(node: fx.Node) -> bool:
+    """Whether ``node`` draws random numbers (recomputing it would change its value).
+
+    Seeded ops are random unless :data:`RANDOM_UNLESS` says their arguments turn the randomness
+    off, as attention without dropout:
+
+    >>> import torch, functrans as ft
+    >>> def attention(q, p):
+    ...     return torch.nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=p)
+    >>> g = ft.trace(attention, static_argnums=(1,))(torch.ones(1, 1, 4, 8), 0.0)
+    >>> [(n.target.__name__, is_random(n)) for n in g.ops()]
+    [('_scaled_dot_product_flash_attention_for_cpu.default', False), ('getitem', False)]
+    """
+    op = _overload(node)
+    if op is None or torch.Tag.nondeterministic_seeded not in op.tags:
+        return False
+    rule = RANDOM_UNLESS.get(op.overloadpacket)
+    if rule is None:
+        return True
+    name, off = rule
+    value = _argument(node, op, name)
+    return not (isinstance(value, (bool, int, float)) and value == off)
+
+
+_MISSING = object()
+
+
+def _argument(node: fx.Node, op: torch._ops.OpOverload, name: str) -> Any:
+    """The value ``node`` passes for ``op``'s argument ``name`` (its default if not passed)."""
+    for i, arg in enumerate(op._schema.arguments):
+        if arg.name != name:
+            continue
+        if name in node.kwargs:
+            return node.kwargs[name]
+        if not arg.kwarg_only and i < len(node.args):
+            return node.args[i]
+        return arg.default_value if arg.has_default_value() else _MISSING
+    return _MISSING
+
+
 def _is_getitem(node: fx.Node) -> bool:
     return node.target is operator.getitem
 
 
+#: Where a value lives: the node that allocates the storage and, for one output of an op with
+#: several (``native_layer_norm``'s mean), that output's index.
+Storage = tuple[fx.Node, int | None]
+
+
+def storage_of(node: fx.Node) -> Storage:
+    """The storage ``node``'s value lives in: a view (and ``getitem`` of a view op's list of
+    views) lives in its base's; ``getitem`` of a multi-output op in that output's own; every
+    other node allocates its own.
+
+    >>> import torch, functrans as ft
+    >>> g = ft.trace(lambda x: (x.exp().t(), x.t()))(torch.ones(2, 2))
+    >>> [(n.name, storage_of(n)[0].name) for n in g.fx_graph.nodes if n.op != "output"]
+    [('x', 'x'), ('exp', 'exp'), ('permute', 'exp'), ('permute_1', 'x')]
+    """
+    while True:
+        src = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+        if src is None:
+            return node, None
+        multi = isinstance(src.meta.get("val"), (tuple, list)) and op_class(src) is not OpClass.VIEW
+        if _is_getitem(node) and multi:  # one output of a multi-output op: its own storage
+            return src, int(node.args[1])  # type: ignore[arg-type]
+        if op_class(node) is not OpClass.VIEW:
+            return node, None
+        node = src
+
+
+def storage_nbytes(node: fx.Node) -> int:
+    """Bytes of the storage ``node``'s value lives in (a view keeps all of its base alive).
+
+    >>> import torch, functrans as ft
+    >>> g = ft.trace(lambda x: x.exp()[0])(torch.ones(4, 4))
+    >>> [(n.name, nbytes(n.meta["val"]), storage_nbytes(n)) for n in g.ops()]
+    [('exp', 64, 64), ('select', 16, 64)]
+    """
+    root, index = storage_of(node)
+    val = root.meta.get("val")
+    if index is not None and isinstance(val, (tuple, list)):
+        val = val[index]
+    return nbytes(val)
+
+
 def is_input_alias(node: fx.Node) -> bool:
     """True for a primal placeholder or a chain of view ops on one (it costs no extra memory)."""
-    while op_class(node) is OpClass.VIEW and node.args and isinstance(node.args[0], fx.Node):
-        node = node.args[0]
-    return node.op == "placeholder" and node.meta.get(ROLE) in (Role.PRIMAL, None)
+    root, _ = storage_of(node)
+    return root.op == "placeholder" and root.meta.get(ROLE) in (Role.PRIMAL, None)
 
 
 def activation_bytes(node: fx.Node) -> int:
-    """Bytes saving ``node`` adds to memory: 0 for inputs and views of inputs."""
-    return 0 if is_input_alias(node) else nbytes(node.meta.get("val"))
+    """Bytes saving ``node`` alone keeps alive: its storage's (a view keeps all of its base), 0
+    for inputs and views of inputs.
+
+    A per-value figure: a value and a view of it saved together share one storage, which
+    :func:`saved_activation_bytes` counts once.
+
+    >>> import torch, functrans as ft
+    >>> g = ft.trace(lambda x: x.exp()[0])(torch.ones(4, 4))
+    >>> [(n.name, activation_bytes(n)) for n in g.ops()]
+    [('exp', 64), ('select', 64)]
+    """
+    return 0 if is_input_alias(node) else storage_nbytes(node)
+
+
+def saved_activation_bytes(nodes: Iterable[fx.Node]) -> int:
+    """Bytes saving all of ``nodes`` adds to memory: each storage counted once, whole (a view
+    keeps its base alive), primal inputs and views of them not at all.
+
+    >>> import torch, functrans as ft
+    >>> g = ft.trace(lambda x: x.exp().t())(torch.ones(4, 4))
+    >>> exp, t = g.ops()
+    >>> activation_bytes(exp) + activation_bytes(t), saved_activation_bytes([exp, t])
+    (128, 64)
+    """
+    storages = {storage_of(n): n for n in nodes if not is_input_alias(n)}
+    return sum(storage_nbytes(n) for n in storages.values())
 
 
 def flops(node: fx.Node) -> int:

@@ -45,7 +45,8 @@ def to_dot(obj: Partition | Graph) -> str:
     saved: dict[str, int] = {}
     recomputed: set[str] = set()
     if isinstance(obj, Partition):
-        saved = {s.name: s.activation_bytes for s in obj.saved}
+        shared = obj.shared_storage()  # a storage's bytes label the edge of its first value
+        saved = {s.name: 0 if s.name in shared else s.activation_bytes for s in obj.saved}
         recomputed = set(obj.recomputed)
     lines = ["digraph functrans {", "  rankdir=TB; node [shape=box, fontname=monospace];"]
     for node in graph.fx_graph.nodes:

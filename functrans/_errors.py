@@ -7,6 +7,7 @@ from __future__ import annotations
 
 __all__ = [
     "FunctransError",
+    "InvalidArgumentError",
     "InvalidPartitionError",
     "TraceError",
     "UnknownNameError",
@@ -24,6 +25,16 @@ class TraceError(FunctransError):
 
 class UnsupportedOpError(FunctransError):
     """An op the requested transform or backend cannot handle."""
+
+
+class InvalidArgumentError(FunctransError, TypeError, ValueError):
+    """An argument or option with a wrong name, type or value (a strategy option, a strategy
+    that is neither a name nor a callable, ``grad`` of an integer tensor...); the message names
+    it, shows the value and says what is accepted.
+
+    It is also a ``TypeError`` and a ``ValueError`` (what Python raises for a wrong type or
+    value), so callers that caught those before keep working.
+    """
 
 
 class InvalidPartitionError(FunctransError):

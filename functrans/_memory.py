@@ -5,7 +5,8 @@ Model (what a caching allocator sees, ignoring fragmentation):
 - primal inputs are owned by the caller: live from the start to the end;
 - every other value is allocated when its op runs and freed after its last use; views share
   their base's storage (a view costs nothing and keeps its base alive); multi-output ops allocate
-  one storage per output;
+  one storage per output (the rule is :func:`functrans._cost.storage_of`, which the partition's
+  saved-bytes figures use too);
 - forward outputs live until the forward pass ends; saved values (forward outputs that the
   backward graph takes as inputs, matched by name) live until their last use in backward;
 - tangents are allocated when backward starts; gradients live until it ends.
@@ -15,13 +16,12 @@ Works on any pair of FX graphs whose nodes carry ``meta["val"]`` (ours, or torch
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 from typing import Any
 
 import torch.fx as fx
 
-from ._cost import OpClass, nbytes, op_class
+from ._cost import nbytes, storage_of
 
 __all__ = ["MemoryProfile", "peak_bytes", "simulate"]
 
@@ -93,12 +93,10 @@ def _storages(graph: fx.Graph, tl: _Timeline, t: int, env: dict[str, Any], tag: 
 
 
 def _key_of(node: fx.Node, keys: dict[fx.Node, Any], tl: _Timeline, t: int, tag: str) -> Any:
+    root, index = storage_of(node)
+    if root is not node:  # a view, or one output of a multi-output op: an existing storage
+        return keys[root] if index is None else keys[root][index]
     val = node.meta.get("val")
-    src = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
-    if node.target is operator.getitem and src is not None and isinstance(keys[src], list):
-        return keys[src][node.args[1]]
-    if src is not None and op_class(node) is OpClass.VIEW:
-        return keys[src]
     if isinstance(val, (tuple, list)):
         return [tl.new((tag, node.name, i), nbytes(v), t) for i, v in enumerate(val)]
     return tl.new((tag, node.name), nbytes(val), t)

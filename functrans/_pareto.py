@@ -9,6 +9,7 @@ import numpy as np
 
 from ._graph import JointGraph
 from ._partition import Partition, partition
+from ._validate import check_names, check_number
 
 __all__ = ["ParetoPoint", "pareto"]
 
@@ -24,16 +25,26 @@ class ParetoPoint:
     partition: Partition
 
 
+_HINTS = {
+    "budget": "pareto sweeps budget from 0.0 to 1.0 itself; set points= for more budgets",
+    "max_bytes": "pareto sweeps budget fractions; call partition(joint, 'memory_budget', "
+    "max_bytes=...) for one byte budget",
+}
+
+
 def pareto(joint: JointGraph, points: int = 21, **options: Any) -> list[ParetoPoint]:
     """Partition ``joint`` with ``memory_budget`` at ``points`` budgets from 0 to 1.
 
-    ``options`` go to the strategy (``solver``, ``cost``, ``time_limit``).
+    ``options`` go to the strategy (``solver``, ``cost``, ``time_limit``); ``points`` is an int
+    >= 2.
 
     >>> import torch, functrans as ft
     >>> jg = ft.joint(lambda x, w: torch.tanh(x @ w).sum())(torch.ones(8, 8), torch.ones(8, 8))
     >>> [(p.budget, p.activation_bytes) for p in ft.pareto(jg, points=3)]
     [(0.0, 0), (0.5, 0), (1.0, 256)]
     """
+    check_number("pareto", "points", points, at_least=2, integer=True)
+    check_names("pareto", options, ("solver", "cost", "time_limit"), hints=_HINTS)
     out = []
     for b in np.linspace(0.0, 1.0, points):
         p = partition(joint, "memory_budget", budget=float(b), **options)

@@ -15,13 +15,15 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ._cost import flops, is_input_alias, nbytes
+from ._cost import flops, is_input_alias, nbytes, storage_nbytes, storage_of
+from ._errors import InvalidArgumentError, InvalidPartitionError
 from ._format import format_value_type, op_name
 from ._graph import SOURCE, Graph, JointGraph
 from ._logs import log
 from ._memory import MemoryProfile, simulate
 from ._passes import no_gc
 from ._split import split
+from ._validate import check_call, describe, saved_items
 
 __all__ = ["Partition", "SavedValue", "Strategy", "format_bytes", "get_strategy", "partition"]
 
@@ -31,24 +33,34 @@ Strategy = Callable[..., Iterable[str | fx.Node]]
 
 @dataclass(frozen=True)
 class SavedValue:
-    """One value the forward pass hands to the backward pass."""
+    """One value the forward pass hands to the backward pass.
+
+    ``storage`` names the buffer the value lives in (the value that allocated it, ``name[i]``
+    for one output of a multi-output op) and ``storage_bytes`` is that buffer's size: a view
+    lives in its base's storage and keeps all of it alive. Values that share a storage count it
+    once in :attr:`Partition.activation_bytes`.
+    """
 
     name: str
     op: str  # producing op, or "input" for a primal
     shape: tuple[int, ...]
     dtype: torch.dtype | None
-    nbytes: int
+    nbytes: int  # the value's own elements times their size
     is_input: bool  # a primal input or a view of one: costs no activation memory
     source: str | None  # the user's source line, where known
+    storage: str
+    storage_bytes: int
 
     @property
     def activation_bytes(self) -> int:
-        return 0 if self.is_input else self.nbytes
+        """Bytes this value keeps alive on its own: its storage's, 0 for inputs."""
+        return 0 if self.is_input else self.storage_bytes
 
     @classmethod
     def of(cls, node: fx.Node) -> SavedValue:
         val = node.meta.get("val")
         tensor = val if isinstance(val, torch.Tensor) else None
+        root, index = storage_of(node)
         return cls(
             name=node.name,
             op="input" if node.op == "placeholder" else op_name(node.target),
@@ -57,6 +69,8 @@ class SavedValue:
             nbytes=nbytes(val),
             is_input=is_input_alias(node),
             source=node.meta.get(SOURCE),
+            storage=root.name if index is None else f"{root.name}[{index}]",
+            storage_bytes=storage_nbytes(node),
         )
 
 
@@ -79,8 +93,9 @@ class Partition:
 
     @property
     def activation_bytes(self) -> int:
-        """Saved bytes that are not primal inputs or views of them."""
-        return sum(s.activation_bytes for s in self.saved)
+        """Saved bytes that are not primal inputs or views of them, each storage counted once
+        (a value and views of it saved together keep one buffer alive)."""
+        return sum(s.storage_bytes for s in self._counted() if not s.is_input)
 
     @property
     def memory(self) -> MemoryProfile:
@@ -94,11 +109,41 @@ class Partition:
 
     @property
     def saved_bytes(self) -> int:
-        """All saved bytes, inputs included."""
-        return sum(s.nbytes for s in self.saved)
+        """All saved bytes, inputs included, each storage counted once."""
+        return sum(s.storage_bytes for s in self._counted())
+
+    def shared_storage(self) -> dict[str, str]:
+        """For each saved value whose storage an earlier saved value already holds (a view of it,
+        or both views of one base): the name of that earlier value, which counts the bytes.
+
+        >>> import torch, functrans as ft
+        >>> jg = ft.joint(lambda x: (x.exp() * x.exp().t()).sum())(torch.ones(4, 4))
+        >>> p = ft.partition(jg, "default")
+        >>> [(s.name, s.storage, s.activation_bytes) for s in p.saved]
+        [('exp', 'exp', 64), ('permute', 'exp', 64)]
+        >>> p.shared_storage(), p.activation_bytes
+        ({'permute': 'exp'}, 64)
+        """
+        first: dict[str, str] = {}
+        out: dict[str, str] = {}
+        for s in self.saved:
+            owner = first.setdefault(s.storage, s.name)
+            if owner != s.name:
+                out[s.name] = owner
+        return out
+
+    def _counted(self) -> list[SavedValue]:
+        shared = self.shared_storage()
+        return [s for s in self.saved if s.name not in shared]
 
     def report(self) -> str:
-        """A table of the saved values with totals, and the recomputed ops."""
+        """A table of the saved values with totals, and the recomputed ops.
+
+        ``bytes`` is the size of the storage a value keeps alive (a view keeps its whole base);
+        a value in a storage that an earlier row holds shows ``shared with`` that row, and the
+        totals count each storage once.
+        """
+        shared = self.shared_storage()
         head = ("saved", "op", "shape", "dtype", "bytes", "input", "source")
         rows = [
             (
@@ -108,7 +153,7 @@ class Partition:
                 if s.dtype is not None
                 else "-",
                 str(s.dtype).replace("torch.", ""),
-                str(s.nbytes),
+                f"shared with {shared[s.name]}" if s.name in shared else str(s.storage_bytes),
                 "yes" if s.is_input else "no",
                 _short_source(s.source),
             )
@@ -160,11 +205,20 @@ def get_strategy(strategy: str | Strategy) -> tuple[str, Strategy]:
         return strategy, found
     if callable(strategy):
         return getattr(strategy, "__name__", type(strategy).__name__), strategy
-    raise TypeError(f"strategy must be a registered name or a callable, got {strategy!r}")
+    registry = importlib.import_module("functrans.partitioners")
+    known = ", ".join(repr(n) for n in registry.names(aliases=True))
+    raise InvalidArgumentError(
+        f"partition: strategy={describe(strategy)} is not accepted; strategy must be a "
+        f"registered name ({known}) or a callable (joint, **options) -> nodes to save"
+    )
 
 
 def partition(joint: JointGraph, strategy: str | Strategy = "default", **options: Any) -> Partition:
     """Cut ``joint`` into forward and backward graphs with ``strategy``.
+
+    An option the strategy does not take raises :class:`InvalidArgumentError` listing the ones
+    it takes; a strategy that returns anything but an iterable of forward nodes or node names
+    raises :class:`InvalidPartitionError` naming the strategy and what it returned.
 
     >>> import torch, functrans as ft
     >>> jg = ft.joint(lambda x, w: torch.tanh(x @ w).sum())(torch.ones(4, 4), torch.ones(4, 4))
@@ -173,9 +227,15 @@ def partition(joint: JointGraph, strategy: str | Strategy = "default", **options
     (['primals_1', 'primals_2'], 0, ('mm', 'tanh'))
     """
     name, fn = get_strategy(strategy)
+    check_call(name, fn, options)  # unknown options list the accepted ones
     with no_gc():
-        chosen = fn(joint, **options)
-        s = split(joint, chosen)
+        chosen = saved_items(name, fn(joint, **options))
+        try:
+            s = split(joint, chosen)
+        except InvalidPartitionError as e:
+            raise InvalidPartitionError(
+                f"partition strategy {name!r} chose an invalid saved set: {e}"
+            ) from e
     p = Partition(
         joint=joint,
         strategy=name,

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from ._cost import is_random
 from ._graph import PATH, ROLE, SOURCE, Role
 from ._tags import REMAT
 
@@ -129,9 +130,7 @@ def cse_key(node: fx.Node, env: dict[fx.Node, Any]) -> Any:
         target is operator.getitem or isinstance(target, torch._ops.OpOverload)
     ):
         return None
-    if isinstance(target, torch._ops.OpOverload) and (
-        target._schema.is_mutable or torch.Tag.nondeterministic_seeded in target.tags
-    ):
+    if isinstance(target, torch._ops.OpOverload) and (target._schema.is_mutable or is_random(node)):
         return None
     args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
     try:

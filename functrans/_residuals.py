@@ -1,5 +1,9 @@
 """``saved_residuals`` / ``print_saved_residuals``: what a function keeps for backward, one line
 per value, in JAX's format extended with bytes and consumers.
+
+Bytes are counted per storage, as :class:`functrans.Partition` counts them: a value in a storage
+that an earlier residual holds (a view of it, or both views of one buffer) shows 0 B and names
+that residual, so the total is what backward really keeps alive.
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ._cost import is_input_alias
+from ._cost import is_input_alias, storage_of
 from ._format import format_value_type, op_name
 from ._graph import PATH, SOURCE
 from ._joint import joint
@@ -21,16 +25,22 @@ __all__ = ["Residual", "print_saved_residuals", "saved_residuals"]
 
 @dataclass(frozen=True)
 class Residual:
-    """One saved value: its type, bytes, where it comes from and who reads it in backward."""
+    """One saved value: its type, bytes, where it comes from and who reads it in backward.
+
+    ``nbytes`` is what it adds to the total: its storage's bytes, 0 for inputs and for a value
+    whose storage an earlier residual holds (``shares`` then describes that residual).
+    """
 
     type: str
     nbytes: int
     origin: str
     consumers: tuple[str, ...]
+    shares: str | None = None
 
     def __str__(self) -> str:
         used = f" -> used by {', '.join(self.consumers)} in backward" if self.consumers else ""
-        return f"{self.type} {format_bytes(self.nbytes)} {self.origin}{used}"
+        shared = f" (shares the storage of the {self.shares})" if self.shares else ""
+        return f"{self.type} {format_bytes(self.nbytes)}{shared} {self.origin}{used}"
 
 
 def _functional(f: Any, args: tuple[Any, ...]) -> tuple[Callable[..., Any], tuple[Any, ...]]:
@@ -46,20 +56,18 @@ def _functional(f: Any, args: tuple[Any, ...]) -> tuple[Callable[..., Any], tupl
     return call, ({k: v.detach() for k, v in state.items()}, *args)
 
 
-def _origin(node: Any) -> str:
+def _origin(node: Any, where: bool = True) -> str:
     if node.op == "placeholder":
         return f"from the argument {node.meta.get(PATH, node.name)!r}"
     if is_input_alias(node):
-        base = node
-        while base.op != "placeholder":
-            base = base.args[0]
+        base, _ = storage_of(node)
         return f"view ({op_name(node.target)}) of the argument {base.meta.get(PATH, base.name)!r}"
     target = node.target
     if isinstance(target, torch._ops.OpOverload) and target.namespace == "functrans":
         return f"named {node.args[1]!r}"
-    src = node.meta.get(SOURCE)
-    where = f" from {src.rsplit('/', 1)[-1]}" if src else ""
-    return f"output of {op_name(target)}{where}"
+    src = node.meta.get(SOURCE) if where else None
+    at = f" from {src.rsplit('/', 1)[-1]}" if src else ""
+    return f"output of {op_name(target)}{at}"
 
 
 def saved_residuals(
@@ -80,16 +88,21 @@ def saved_residuals(
     p = _partition_of(jg, partition, options)
     by_name = {n.name: n for n in jg.fx_graph.nodes}
     placeholders = {n.name: n for n in p.backward.placeholders()}
+    shared = p.shared_storage()
     out = []
     for s in p.saved:
         node = by_name[s.name]
         users = placeholders[s.name].users if s.name in placeholders else {}
+        owner = by_name[shared[s.name]] if s.name in shared and not s.is_input else None
         out.append(
             Residual(
                 type=format_value_type(node.meta.get("val")),
-                nbytes=s.activation_bytes,
+                nbytes=0 if s.name in shared else s.activation_bytes,
                 origin=_origin(node),
                 consumers=tuple(u.name for u in users if u.op != "output"),
+                shares=None
+                if owner is None
+                else f"{format_value_type(owner.meta.get('val'))} {_origin(owner, where=False)}",
             )
         )
     return out
@@ -108,6 +121,14 @@ def print_saved_residuals(
     >>> ft.print_saved_residuals(ft.remat(lambda x: x.sin().sin().sum()), torch.ones(8))
     f32[8] 0 B from the argument 'x' -> used by sin, cos_1 in backward
     total: 0 B saved for backward
+
+    A value and a view of it keep one buffer alive, counted once:
+
+    >>> ft.print_saved_residuals(lambda x: (x.exp() * x.exp().t()).sum(), torch.ones(4, 4))
+    f32[4, 4] 64 B output of aten.exp.default from ... -> used by mul_1, mul_3, mul_4 in backward
+    f32[4, 4] 0 B (shares the storage of the f32[4, 4] output of aten.exp.default)
+        output of aten.permute.default from ... -> used by mul_2 in backward
+    total: 64 B saved for backward
     """
     residuals = saved_residuals(f, *args, partition=partition, **options)
     for r in residuals:

@@ -11,10 +11,15 @@ from ._cost import OpClass as OpClass
 from ._cost import activation_bytes as activation_bytes
 from ._cost import flops as flops
 from ._cost import is_input_alias as is_input_alias
+from ._cost import is_random as is_random
 from ._cost import nbytes as nbytes
 from ._cost import op_class as op_class
 from ._cost import read_bytes as read_bytes
+from ._cost import saved_activation_bytes as saved_activation_bytes
+from ._cost import storage_nbytes as storage_nbytes
+from ._cost import storage_of as storage_of
 from ._errors import FunctransError as FunctransError
+from ._errors import InvalidArgumentError as InvalidArgumentError
 from ._errors import InvalidPartitionError as InvalidPartitionError
 from ._errors import UnsupportedOpError as UnsupportedOpError
 from ._graph import PHASE as PHASE
@@ -32,3 +37,6 @@ from ._split import split as split
 from ._tags import REMAT as REMAT
 from ._tags import Policy as Policy
 from ._tags import policy_of as policy_of
+from ._validate import check_names as check_names
+from ._validate import check_number as check_number
+from ._validate import check_option as check_option

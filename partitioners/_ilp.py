@@ -5,11 +5,21 @@ Constraints: every value backward reads is saved or recomputed (``s_d + r_d >= 1
 recomputed node's inputs are available (``s_u + r_u >= r_v``); saved bytes fit the budget.
 Objective: recompute cost; then, at that optimal cost, fewest saved bytes (a second solve). The
 lexicographic order makes the Pareto front monotone: a smaller budget never saves more.
+
+HiGHS runs with its log off and with the process's stdout pointed at ``os.devnull``
+(:func:`quiet_stdout`), so solving prints nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import functools
+import os
+import sys
+import threading
 import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,7 +28,7 @@ from scipy.sparse import coo_matrix
 
 from ._remat_problem import RematProblem
 
-__all__ = ["IlpResult", "solve_ilp"]
+__all__ = ["IlpResult", "quiet_stdout", "solve_ilp"]
 
 
 @dataclass(frozen=True)
@@ -50,13 +60,91 @@ def _constraints(p: RematProblem) -> tuple[coo_matrix, np.ndarray]:
 
 
 def _solve(c: np.ndarray, cons: list[LinearConstraint], ub: np.ndarray, limit: float) -> object:
-    return milp(
-        c=c,
-        integrality=np.ones_like(c),
-        bounds=Bounds(np.zeros_like(ub), ub),
-        constraints=cons,
-        options={"time_limit": limit, "disp": False},
-    )
+    with quiet_stdout():
+        return milp(
+            c=c,
+            integrality=np.ones_like(c),
+            bounds=Bounds(np.zeros_like(ub), ub),
+            constraints=cons,
+            options={"time_limit": limit, "disp": False},
+        )
+
+
+@functools.cache
+def _c_fflush() -> Callable[[ctypes.c_void_p | None], int] | None:
+    """libc's ``fflush``, where ctypes finds it (not on Windows)."""
+    try:
+        return ctypes.CDLL(None).fflush  # type: ignore[no-any-return]
+    except (OSError, AttributeError, TypeError):
+        return None
+
+
+class _QuietStdout:
+    """Reference-counted redirection of file descriptor 1, safe when threads overlap: the first
+    caller in points it at ``os.devnull``, the last one out restores it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._depth = 0
+        self._saved: int | None = None
+
+    def enter(self) -> None:
+        with self._lock:
+            self._depth += 1
+            if self._depth > 1:
+                return
+            for stream in (sys.stdout, sys.__stdout__):
+                with contextlib.suppress(Exception):
+                    stream.flush()  # type: ignore[union-attr]  # Python's buffer goes out first
+            try:  # best effort: without a stdout or a devnull there is nothing to silence
+                saved = os.dup(1)
+            except OSError:
+                return
+            try:
+                devnull = os.open(os.devnull, os.O_WRONLY)
+                try:
+                    os.dup2(devnull, 1)
+                finally:
+                    os.close(devnull)
+            except OSError:
+                os.close(saved)
+                return
+            self._saved = saved
+
+    def exit(self) -> None:
+        with self._lock:
+            self._depth -= 1
+            if self._depth > 0 or self._saved is None:
+                return
+            fflush = _c_fflush()
+            if fflush is not None:
+                fflush(None)  # C stdio's buffer: flushed while it still goes to devnull
+            os.dup2(self._saved, 1)
+            os.close(self._saved)
+            self._saved = None
+
+
+_QUIET = _QuietStdout()
+
+
+@contextlib.contextmanager
+def quiet_stdout() -> Iterator[None]:
+    """Send what native code writes to the process's stdout to ``os.devnull`` meanwhile.
+
+    scipy runs HiGHS with its log off (``disp=False``), yet HiGHS builds have printed stray
+    lines from C++ straight to file descriptor 1 (a banner, presolve notes), where
+    ``contextlib.redirect_stdout`` cannot reach them. Output from other threads to stdout
+    during a solve (a fraction of a second on most graphs) is dropped too; stderr is untouched.
+
+    >>> import os
+    >>> with quiet_stdout():
+    ...     _ = os.write(1, b"not shown")
+    """
+    _QUIET.enter()
+    try:
+        yield
+    finally:
+        _QUIET.exit()
 
 
 def solve_ilp(p: RematProblem, max_bytes: float, time_limit: float) -> IlpResult | None:

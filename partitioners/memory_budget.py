@@ -1,25 +1,41 @@
 """``"memory_budget"`` and ``"optimal"``: the least recompute that fits an activation budget.
 
 ``budget`` is a fraction on torch's scale: 1.0 is ``min_cut``'s activation bytes, 0.0 is
-``full_remat``'s, linear in between (above 1.0 the solver may save more than ``min_cut`` to
-recompute less). ``max_bytes`` gives the budget in bytes instead. ``solver="ilp"`` solves the
-exact 0/1 program with HiGHS; ``"greedy"`` evicts saved values from ``min_cut``'s set by bytes
-freed per unit of recompute cost (fast on huge graphs, no optimality guarantee). ``cost`` is
-``"flops"`` or a callable ``node -> cost`` (e.g. a measured runtime model).
+``full_remat``'s, linear in between. Any finite number >= 0 is accepted: above 1.0 the budget
+goes on growing at the same rate, and the ILP saves more than ``min_cut`` to recompute less,
+down to no recompute at all once ``default``'s bytes fit (the greedy solver only evicts from
+``min_cut``'s set, so for it budgets above 1.0 act as 1.0). ``max_bytes`` gives the budget in
+bytes instead (an int >= 0). ``solver="ilp"`` solves the exact 0/1 program with HiGHS;
+``"greedy"`` evicts saved values from ``min_cut``'s set by bytes freed per unit of recompute
+cost (fast on huge graphs, no optimality guarantee). ``cost`` is ``"flops"`` or a callable
+``node -> cost`` (e.g. a measured runtime model).
 
 ``"optimal"`` is ``memory_budget`` with the ILP and a required ``budget``: the name to use when
 you want the exact answer and want to say so.
+
+Unknown options and bad values raise ``InvalidArgumentError`` naming the option, the value and
+what is accepted.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from typing import Any
 
 import torch.fx as fx
 
-from functrans.extend import InvalidPartitionError, JointGraph, activation_bytes, split
+from functrans.extend import (
+    InvalidArgumentError,
+    InvalidPartitionError,
+    JointGraph,
+    activation_bytes,
+    check_names,
+    check_number,
+    check_option,
+    split,
+)
 
 from . import register
 from ._ilp import solve_ilp
@@ -48,16 +64,7 @@ class MemoryBudget:
     time_limit: float = 20.0
 
     def __post_init__(self) -> None:
-        if (self.budget is None) == (self.max_bytes is None):
-            raise ValueError(
-                "memory_budget needs exactly one of budget= (a fraction) or max_bytes="
-            )
-        if self.budget is not None and self.budget < 0:
-            raise ValueError(f"budget must be >= 0, got {self.budget}")
-        if self.solver not in ("ilp", "greedy"):
-            raise ValueError(f"solver must be 'ilp' or 'greedy', got {self.solver!r}")
-        if self.cost != "flops" and not callable(self.cost):
-            raise ValueError(f"cost must be 'flops' or a callable node -> cost, got {self.cost!r}")
+        _check_values("memory_budget", {f.name: getattr(self, f.name) for f in fields(self)})
 
     @property
     def __name__(self) -> str:  # shown as the partition's strategy name
@@ -91,6 +98,33 @@ class MemoryBudget:
             )
             return full_remat(joint)
         return [problem.nodes[i] for i in result.saved]
+
+
+_BUDGET = (
+    "a fraction: 0.0 = full_remat's activation bytes, 1.0 = min_cut's, above 1.0 saves more "
+    "than min_cut to recompute less"
+)
+
+
+def _check_values(where: str, options: Mapping[str, Any]) -> None:
+    """Check the values of ``MemoryBudget``'s options (absent ones take their defaults)."""
+    budget, max_bytes = options.get("budget"), options.get("max_bytes")
+    if (budget is None) == (max_bytes is None):
+        raise InvalidArgumentError(
+            f"{where} needs exactly one of budget= ({_BUDGET}) or max_bytes= (activation bytes); "
+            f"got budget={budget!r}, max_bytes={max_bytes!r}"
+        )
+    if budget is not None:
+        check_number(where, "budget", budget, at_least=0, meaning=_BUDGET)
+    if max_bytes is not None:
+        check_number(where, "max_bytes", max_bytes, at_least=0, integer=True, meaning="bytes")
+    solver, cost = options.get("solver", "ilp"), options.get("cost", "flops")
+    ok = isinstance(solver, str) and solver in ("ilp", "greedy")
+    check_option(where, "solver", solver, ok, "'ilp' or 'greedy'")
+    ok = callable(cost) or (isinstance(cost, str) and cost == "flops")
+    check_option(where, "cost", cost, ok, "'flops' or a callable node -> cost")
+    time_limit = options.get("time_limit", 20.0)
+    check_number(where, "time_limit", time_limit, above=0, allow_inf=True, meaning="seconds")
 
 
 def _activation(joint: JointGraph, saved: list[fx.Node]) -> int:
@@ -139,12 +173,26 @@ def greedy(joint: JointGraph, p: RematProblem, max_bytes: int) -> list[fx.Node]:
 
 def memory_budget(joint: JointGraph, **options: object) -> list[fx.Node]:
     """The ``"memory_budget"`` strategy: ``partition(jg, "memory_budget", budget=0.3)``."""
+    check_names("memory_budget", options, [f.name for f in fields(MemoryBudget)])
     return MemoryBudget(**options)(joint)  # type: ignore[arg-type]
 
 
-def optimal(joint: JointGraph, *, budget: float, **options: object) -> list[fx.Node]:
-    """The ``"optimal"`` strategy: the exact ILP at a required ``budget``."""
-    return MemoryBudget(budget=budget, solver="ilp", **options)(joint)  # type: ignore[arg-type]
+_OPTIMAL_HINTS = {
+    "solver": "optimal always solves the ILP; use 'memory_budget' for solver=",
+    "max_bytes": "optimal takes a budget fraction; use 'memory_budget' for max_bytes=",
+}
+
+
+def optimal(joint: JointGraph, **options: object) -> list[fx.Node]:
+    """The ``"optimal"`` strategy: the exact ILP at a required ``budget`` (options ``budget``,
+    ``cost``, ``time_limit``)."""
+    check_names("optimal", options, ("budget", "cost", "time_limit"), hints=_OPTIMAL_HINTS)
+    if "budget" not in options:
+        raise InvalidArgumentError(
+            f"optimal needs budget= ({_BUDGET}); got options: {', '.join(options) or 'none'}"
+        )
+    _check_values("optimal", options)
+    return MemoryBudget(solver="ilp", **options)(joint)  # type: ignore[arg-type]
 
 
 register(

@@ -24,7 +24,7 @@ predicates below.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.fx as fx
@@ -39,6 +39,9 @@ from functrans.extend import (
     Policy,
     Role,
     activation_bytes,
+    check_names,
+    check_number,
+    check_option,
     nbytes,
     op_class,
     policy_of,
@@ -62,6 +65,13 @@ class MinCutOptions:
     prefer_weight: int = (
         4  # PREFER_SAVE divides a value's save cost by this, PREFER_RECOMPUTE multiplies
     )
+
+    def __post_init__(self) -> None:
+        for name in ("recompute_views", "ban_reductions"):
+            value = getattr(self, name)
+            check_option("min_cut", name, value, isinstance(value, bool), "True or False")
+        check_number("min_cut", "reduction_ratio", self.reduction_ratio, at_least=0, allow_inf=True)
+        check_number("min_cut", "prefer_weight", self.prefer_weight, at_least=1, integer=True)
 
 
 def is_compute_intensive(node: fx.Node) -> bool:
@@ -214,6 +224,7 @@ def min_cut(joint: JointGraph, **options: object) -> list[fx.Node]:
     >>> [s.name for s in ft.partition(jg, "min_cut").saved]  # split drops unneeded inputs
     ['mm', 'permute', 'permute_1']
     """
+    check_names("min_cut", options, [f.name for f in fields(MinCutOptions)])
     opts = MinCutOptions(**options)  # type: ignore[arg-type]
     net = _network(joint, opts)
     order, n = net.nodes, 2 * len(net.nodes)

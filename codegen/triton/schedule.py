@@ -11,8 +11,9 @@ import itertools
 import operator
 from collections.abc import Iterable
 
-import torch
 import torch.fx as fx
+
+from functrans.extend import is_random
 
 from .regions import Access, Extern, Kernel, Region, View, is_view_op
 
@@ -71,12 +72,7 @@ def order(
                 pr = region_of[p]
                 if pr is not r:
                     deps[id(r)].add(id(pr))
-    random = [
-        r
-        for r in regions
-        if isinstance(r, Extern)
-        and torch.Tag.nondeterministic_seeded in getattr(r.node.target, "tags", ())
-    ]
+    random = [r for r in regions if isinstance(r, Extern) and is_random(r.node)]
     for a, b in itertools.pairwise(random):  # random ops keep their order: same draws
         deps[id(b)].add(id(a))
     ordered: list[Region] = []

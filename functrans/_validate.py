@@ -1,0 +1,167 @@
+"""Checks of user input at the entry points: strategies, their options, what a strategy returned.
+
+Every error names the argument or option, shows the value and says what is accepted. Strategy
+authors get :func:`check_names`, :func:`check_option` and :func:`check_number` from
+:mod:`functrans.extend`, so their options fail the same way ours do.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import math
+import numbers
+import reprlib
+from collections.abc import Callable, Collection, Mapping
+from typing import Any
+
+import torch.fx as fx
+
+from ._errors import InvalidArgumentError, InvalidPartitionError
+
+__all__ = ["check_call", "check_names", "check_number", "check_option", "describe", "saved_items"]
+
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 60
+
+#: What a strategy must return, for messages.
+RETURNS = "an iterable of forward nodes (torch.fx.Node) or node names (str) to save"
+
+
+def describe(value: object) -> str:
+    """A short repr of ``value`` and its type, for messages.
+
+    >>> describe("x"), describe(float("nan")), describe(None)
+    ("'x' (str)", 'nan (float)', 'None')
+    """
+    return "None" if value is None else f"{_REPR.repr(value)} ({type(value).__name__})"
+
+
+def check_option(where: str, name: str, value: object, ok: bool, accepted: str) -> None:
+    """Raise :class:`InvalidArgumentError` for ``name=value`` unless ``ok``.
+
+    >>> check_option("my_strategy", "mode", "fast", False, "'exact' or 'greedy'")
+    Traceback (most recent call last):
+    ...
+    functrans._errors.InvalidArgumentError: my_strategy: mode='fast' (str) is not accepted; ...
+    """
+    if not ok:
+        raise InvalidArgumentError(
+            f"{where}: {name}={describe(value)} is not accepted; {name} must be {accepted}"
+        )
+
+
+def check_number(
+    where: str,
+    name: str,
+    value: object,
+    *,
+    at_least: float | None = None,
+    above: float | None = None,
+    integer: bool = False,
+    allow_inf: bool = False,
+    meaning: str = "",
+) -> None:
+    """Check that ``value`` is a number (an int with ``integer``; never a bool, never NaN;
+    infinite only with ``allow_inf``) ``>= at_least`` and ``> above``.
+
+    >>> check_number("memory_budget", "max_bytes", -1, at_least=0, integer=True, meaning="bytes")
+    Traceback (most recent call last):
+    ...
+    functrans._errors.InvalidArgumentError: memory_budget: max_bytes=-1 (int) ... int >= 0 (bytes)
+    """
+    kind = "an int" if integer else "a number" if allow_inf else "a finite number"
+    bound = f" >= {at_least:g}" if at_least is not None else ""
+    bound += f" > {above:g}" if above is not None else ""
+    ok = isinstance(value, numbers.Integral if integer else numbers.Real)
+    ok = ok and not isinstance(value, bool)
+    if ok and not integer:
+        ok = not math.isnan(value) and (allow_inf or not math.isinf(value))  # type: ignore[arg-type]
+    if ok and at_least is not None:
+        ok = value >= at_least  # type: ignore[operator]
+    if ok and above is not None:
+        ok = value > above  # type: ignore[operator]
+    check_option(where, name, value, ok, kind + bound + (f" ({meaning})" if meaning else ""))
+
+
+def check_names(
+    where: str,
+    options: Mapping[str, object],
+    accepted: Collection[str],
+    *,
+    hints: Mapping[str, str] | None = None,
+) -> None:
+    """Reject option names not in ``accepted``, listing the accepted ones (and the closest
+    match, for a misspelling); ``hints`` explains why a known-elsewhere name is refused here.
+
+    >>> check_names("min_cut", {"recompute_view": False}, ["recompute_views", "ban_reductions"])
+    Traceback (most recent call last):
+    ...
+    functrans._errors.InvalidArgumentError: min_cut: unknown option recompute_view=False (did you
+    mean recompute_views?); accepted options: recompute_views, ban_reductions
+    """
+    for key, value in options.items():
+        if key in accepted:
+            continue
+        close = difflib.get_close_matches(key, list(accepted), n=1)
+        hint = (hints or {}).get(key) or (f"did you mean {close[0]}?" if close else "")
+        listed = f"accepted options: {', '.join(accepted)}" if accepted else "it takes no options"
+        raise InvalidArgumentError(
+            f"{where}: unknown option {key}={_REPR.repr(value)}{f' ({hint})' if hint else ''}; "
+            + listed
+        )
+
+
+def check_call(name: str, fn: Callable[..., Any], options: Mapping[str, object]) -> None:
+    """Raise :class:`InvalidArgumentError` if strategy ``fn`` cannot be called as
+    ``fn(joint, **options)``, before it runs (so a TypeError from inside it stays its own)."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # some builtins have none: let the call decide
+        return
+    try:
+        sig.bind(None, **options)
+    except TypeError as e:
+        params = list(sig.parameters.values())
+        joint = next(
+            (p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)), None
+        )
+        accepted = [
+            p.name
+            for p in params
+            if p.kind is p.KEYWORD_ONLY or (p.kind is p.POSITIONAL_OR_KEYWORD and p is not joint)
+        ]
+        if any(p.kind is p.VAR_KEYWORD for p in params) or all(k in accepted for k in options):
+            given = "".join(f", {k}=..." for k in options)
+            raise InvalidArgumentError(
+                f"partition strategy {name!r} cannot be called as {name}(joint{given}): {e}"
+            ) from None
+        check_names(f"partition strategy {name!r}", options, accepted)
+
+
+def saved_items(name: str, chosen: object) -> list[str | fx.Node]:
+    """What strategy ``name`` returned, as a list, or :class:`InvalidPartitionError` saying what
+    it returned instead of :data:`RETURNS`."""
+    what = f"partition strategy {name!r} returned"
+    if chosen is None:
+        raise InvalidPartitionError(
+            f"{what} None; a strategy must return {RETURNS} (is its return statement missing?)"
+        )
+    if isinstance(chosen, (str, bytes)):
+        raise InvalidPartitionError(
+            f"{what} the string {chosen!r}; a strategy must return {RETURNS}, e.g. [{chosen!r}]"
+        )
+    try:
+        it = iter(chosen)  # type: ignore[call-overload]
+    except TypeError:
+        raise InvalidPartitionError(
+            f"{what} {describe(chosen)}, which is not iterable; a strategy must return {RETURNS}"
+        ) from None
+    items = list(it)
+    for i, item in enumerate(items):
+        if not isinstance(item, (str, fx.Node)):
+            raise InvalidPartitionError(
+                f"{what} {_REPR.repr(items)}: item {i} is {describe(item)}, neither a node nor a "
+                f"node name; a strategy must return {RETURNS}"
+            )
+    return items
