@@ -15,6 +15,7 @@ partition report and :func:`saved_activation_bytes` all use it.
 from __future__ import annotations
 
 import enum
+import functools
 import math
 import operator
 from collections.abc import Iterable, Mapping
@@ -142,8 +143,18 @@ def op_class(node: fx.Node) -> OpClass:
     op = _overload(node)
     if op is None:
         return OpClass.VIEW if node.op == "call_function" and _is_getitem(node) else OpClass.OTHER
+    found = _class_of(op)
+    if found is OpClass.RANDOM and op.overloadpacket in RANDOM_UNLESS and not is_random(node):
+        return _class_of(op, seeded=False)
+    return found
+
+
+@functools.cache
+def _class_of(op: torch._ops.OpOverload, *, seeded: bool = True) -> OpClass:
+    """The class of every call of ``op`` (``seeded=False``: as if it drew no random numbers);
+    cached per op, as strategies ask about thousands of nodes."""
     tags = set(op.tags)
-    if is_random(node):
+    if seeded and torch.Tag.nondeterministic_seeded in tags:
         return OpClass.RANDOM
     if op._schema.is_mutable:
         return OpClass.EFFECTFUL
