@@ -16,13 +16,14 @@ import torch
 import torch.fx as fx
 
 from ._cost import flops, is_input_alias, nbytes, storage_nbytes, storage_of
+from ._cut_problem import cut_problem
 from ._errors import InvalidArgumentError, InvalidPartitionError
 from ._format import format_value_type, op_name
 from ._graph import SOURCE, Graph, JointGraph
 from ._logs import log
 from ._memory import MemoryProfile, simulate
 from ._passes import no_gc
-from ._split import split
+from ._split import resolve_nodes, split
 from ._validate import check_call, describe, saved_items
 
 __all__ = ["Partition", "SavedValue", "Strategy", "format_bytes", "get_strategy", "partition"]
@@ -90,6 +91,9 @@ class Partition:
     saved: tuple[SavedValue, ...]
     recomputed: tuple[str, ...]
     recompute_flops: int
+    #: values the shared save/recompute rules (:meth:`~functrans.extend.CutProblem.legalize`)
+    #: added to or removed from the strategy's choice: empty for a strategy that obeys them
+    adjusted: tuple[fx.Node, ...] = ()
 
     @property
     def activation_bytes(self) -> int:
@@ -231,7 +235,9 @@ def partition(joint: JointGraph, strategy: str | Strategy = "default", **options
     with no_gc():
         chosen = saved_items(name, fn(joint, **options))
         try:
-            s = split(joint, chosen)
+            picked = resolve_nodes(joint, chosen)
+            legal = cut_problem(joint).legalize(picked)
+            s = split(joint, legal)
         except InvalidPartitionError as e:
             raise InvalidPartitionError(
                 f"partition strategy {name!r} chose an invalid saved set: {e}"
@@ -244,6 +250,7 @@ def partition(joint: JointGraph, strategy: str | Strategy = "default", **options
         saved=tuple(SavedValue.of(n) for n in s.saved),
         recomputed=tuple(n.name for n in s.recomputed),
         recompute_flops=sum(flops(n) for n in s.recomputed),
+        adjusted=tuple(n for n in joint.fx_graph.nodes if (n in picked) != (n in legal)),
     )
     log(
         "partition",

@@ -9,13 +9,13 @@ the saved set; this function does all graph surgery, so one property test covers
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch.fx as fx
 
-from ._cost import OpClass, op_class
+from ._cut_problem import cut_problem
 from ._errors import InvalidPartitionError
 from ._graph import PHASE, RECOMPUTED, ROLE, Graph, JointGraph, Phase, Role
 from ._pytree import flatten, unflatten
@@ -81,7 +81,9 @@ def split(joint: JointGraph, saved: Iterable[str | fx.Node]) -> Split:
     """Cut ``joint`` into forward and backward graphs that pass exactly ``saved`` between them.
 
     ``saved`` holds FORWARD-phase nodes (or their names). Primal inputs that backward needs to
-    recompute something are added to the saved set (they are inputs: saving them is free).
+    recompute something are added to the saved set (they are inputs: saving them is free), and
+    so are the values a remat policy tagged MUST_SAVE that backward depends on
+    (:attr:`~functrans.extend.ForwardValue.must_save`).
     Random ops are never silently recomputed: if backward would have to re-run a random op the
     forward already ran, :class:`InvalidPartitionError` asks to save its output instead.
 
@@ -91,15 +93,16 @@ def split(joint: JointGraph, saved: Iterable[str | fx.Node]) -> Split:
     >>> [n.name for n in s.saved], [n.name for n in s.recomputed]
     (['primals_1'], [])
     """
-    chosen = _unpack_tuples(resolve_nodes(joint, saved))
+    forced = {v.node for v in cut_problem(joint) if v.must_save}
+    chosen = _unpack_tuples(resolve_nodes(joint, saved)) | forced
     tangents = set(joint.tangents())
-    bwd = ancestors(joint.grad_outputs(), chosen | tangents)
+    bwd = ancestors(joint.grad_outputs(), chosen | tangents) | forced
     chosen |= {n for n in bwd if n.op == "placeholder" and n.meta.get(ROLE) is Role.PRIMAL}
     bwd_inputs = [n for n in joint.fx_graph.nodes if n in chosen and n in bwd]
     fwd = ancestors(list(joint.forward_outputs()) + bwd_inputs, set())
     recomputed = [n for n in joint.fx_graph.nodes if n in bwd and n in fwd and n not in chosen]
     recomputed = [n for n in recomputed if n.op != "placeholder"]
-    _check_random(recomputed)
+    _check_rules(joint, bwd_inputs, recomputed)
     forward = _forward_graph(joint, fwd, bwd_inputs)
     backward = _backward_graph(joint, bwd, bwd_inputs, set(recomputed))
     return Split(forward, backward, tuple(bwd_inputs), tuple(recomputed))
@@ -116,14 +119,12 @@ def _unpack_tuples(nodes: set[fx.Node]) -> set[fx.Node]:
     return out
 
 
-def _check_random(recomputed: Sequence[fx.Node]) -> None:
-    for n in recomputed:
-        if op_class(n) is OpClass.RANDOM:
-            raise InvalidPartitionError(
-                f"this saved set makes backward re-run the random op {n.name} ({n.target}), which "
-                "would draw different numbers than forward did and give wrong gradients. Save "
-                f"{n.name!r} (or a value computed from it) instead."
-            )
+def _check_rules(joint: JointGraph, saved: list[fx.Node], recomputed: list[fx.Node]) -> None:
+    """The shared save/recompute rules (:class:`~functrans.extend.CutProblem`): e.g. a random op
+    re-run in backward would draw different numbers than forward did."""
+    broken = cut_problem(joint).violations(saved, recomputed)
+    if broken:
+        raise InvalidPartitionError(f"this saved set {broken[0]}")
 
 
 def just_in_time(body: list[fx.Node]) -> list[fx.Node]:

@@ -1,25 +1,36 @@
 """Checks of user input at the entry points: strategies, their options, what a strategy returned.
 
 Every error names the argument or option, shows the value and says what is accepted. Strategy
-authors get :func:`check_names`, :func:`check_option` and :func:`check_number` from
-:mod:`functrans.extend`, so their options fail the same way ours do.
+authors get :func:`check_names`, :func:`check_option`, :func:`check_number` and
+:func:`parse_options` from :mod:`functrans.extend`, so their options fail the same way ours do.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import inspect
 import math
 import numbers
 import reprlib
 from collections.abc import Callable, Collection, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import torch.fx as fx
 
 from ._errors import InvalidArgumentError, InvalidPartitionError
 
-__all__ = ["check_call", "check_names", "check_number", "check_option", "describe", "saved_items"]
+__all__ = [
+    "check_call",
+    "check_names",
+    "check_number",
+    "check_option",
+    "describe",
+    "parse_options",
+    "saved_items",
+]
+
+_Options = TypeVar("_Options")
 
 _REPR = reprlib.Repr()
 _REPR.maxstring = _REPR.maxother = 60
@@ -82,6 +93,33 @@ def check_number(
     if ok and above is not None:
         ok = value > above  # type: ignore[operator]
     check_option(where, name, value, ok, kind + bound + (f" ({meaning})" if meaning else ""))
+
+
+def parse_options(
+    options_type: Callable[..., _Options],
+    where: str,
+    options: Mapping[str, object],
+    *,
+    hints: Mapping[str, str] | None = None,
+) -> _Options:
+    """Build a strategy's options dataclass from the keywords ``partition`` passed, rejecting
+    unknown names first (listing the dataclass's fields); the dataclass checks the values.
+
+    >>> from dataclasses import dataclass
+    >>> @dataclass(frozen=True)
+    ... class Opts:
+    ...     depth: int = 2
+    >>> parse_options(Opts, "my_strategy", {"depth": 3})
+    Opts(depth=3)
+    >>> parse_options(Opts, "my_strategy", {"dept": 3})
+    Traceback (most recent call last):
+    ...
+    functrans._errors.InvalidArgumentError: my_strategy: unknown option dept=3 (did you mean
+    depth?); accepted options: depth
+    """
+    accepted = [f.name for f in dataclasses.fields(options_type)]  # type: ignore[arg-type]  # a dataclass type, checked by fields()
+    check_names(where, options, accepted, hints=hints)
+    return options_type(**options)
 
 
 def check_names(

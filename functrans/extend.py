@@ -18,6 +18,12 @@ from ._cost import read_bytes as read_bytes
 from ._cost import saved_activation_bytes as saved_activation_bytes
 from ._cost import storage_nbytes as storage_nbytes
 from ._cost import storage_of as storage_of
+from ._cut_problem import OP_RULES as OP_RULES
+from ._cut_problem import CostModel as CostModel
+from ._cut_problem import CutProblem as CutProblem
+from ._cut_problem import ForwardValue as ForwardValue
+from ._cut_problem import OpRule as OpRule
+from ._cut_problem import cut_problem as cut_problem
 from ._errors import FunctransError as FunctransError
 from ._errors import InvalidArgumentError as InvalidArgumentError
 from ._errors import InvalidPartitionError as InvalidPartitionError
@@ -40,3 +46,4 @@ from ._tags import policy_of as policy_of
 from ._validate import check_names as check_names
 from ._validate import check_number as check_number
 from ._validate import check_option as check_option
+from ._validate import parse_options as parse_options

@@ -19,14 +19,14 @@ import os
 import sys
 import threading
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_matrix
 
-from ._remat_problem import RematProblem
+from functrans.extend import CutProblem
 
 __all__ = ["IlpResult", "quiet_stdout", "solve_ilp"]
 
@@ -38,20 +38,21 @@ class IlpResult:
     optimal: bool  # False when the time limit stopped HiGHS with a feasible point
 
 
-def _constraints(p: RematProblem) -> tuple[coo_matrix, np.ndarray]:
+def _constraints(p: CutProblem) -> tuple[coo_matrix, np.ndarray]:
     """Rows ``A x >= lb`` over ``x = [s_0..s_n-1, r_0..r_n-1]``."""
-    n = len(p.nodes)
+    n = len(p)
     rows: list[int] = []
     cols: list[int] = []
     vals: list[float] = []
     lb: list[float] = []
-    for d in p.drains:
+    for d in p.drains():
         rows += [len(lb), len(lb)]
         cols += [d, n + d]
         vals += [1.0, 1.0]
         lb.append(1.0)
-    for v, ins in enumerate(p.inputs):
-        for u in ins:
+    for value in p:
+        v = value.index
+        for u in value.inputs:
             rows += [len(lb)] * 3
             cols += [u, n + u, n + v]
             vals += [1.0, 1.0, -1.0]
@@ -147,15 +148,19 @@ def quiet_stdout() -> Iterator[None]:
         _QUIET.exit()
 
 
-def solve_ilp(p: RematProblem, max_bytes: float, time_limit: float) -> IlpResult | None:
-    """Optimal saved set within ``max_bytes``, or None if no saved set fits."""
-    n = len(p.nodes)
+def solve_ilp(
+    p: CutProblem, costs: Sequence[float], max_bytes: float, time_limit: float
+) -> IlpResult | None:
+    """Optimal saved set within ``max_bytes`` (``costs``: each value's recompute cost), or None
+    if no saved set fits."""
+    n = len(p)
     a, lb = _constraints(p)
-    size = np.array(p.bytes, dtype=float)
-    cost = np.array(p.cost, dtype=float)
+    size = np.array([v.bytes for v in p], dtype=float)
+    cost = np.array(costs, dtype=float)
     budget = LinearConstraint(np.concatenate([size, np.zeros(n)])[None, :], -np.inf, max_bytes)
     cons = [LinearConstraint(a.tocsr(), lb, np.inf), budget]
-    ub = np.concatenate([np.array(p.can_save, float), np.array(p.can_recompute, float)])
+    can_save = [v.can_save for v in p]
+    ub = np.concatenate([np.array(can_save, float), np.array([v.can_recompute for v in p], float)])
     first = _solve(np.concatenate([np.zeros(n), cost]), cons, ub, time_limit)
     if first.x is None:  # type: ignore[attr-defined]
         return None

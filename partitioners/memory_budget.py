@@ -20,13 +20,14 @@ what is accepted.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
 import torch.fx as fx
 
 from functrans.extend import (
+    CutProblem,
     InvalidArgumentError,
     InvalidPartitionError,
     JointGraph,
@@ -34,12 +35,13 @@ from functrans.extend import (
     check_names,
     check_number,
     check_option,
+    cut_problem,
+    parse_options,
     split,
 )
 
 from . import register
 from ._ilp import solve_ilp
-from ._remat_problem import RematProblem, build_problem
 from .full_remat import full_remat
 from .min_cut import min_cut
 
@@ -86,10 +88,11 @@ class MemoryBudget:
                 f"memory_budget: {max_bytes} activation bytes is below the smallest achievable "
                 f"{low} bytes (random-op outputs and MUST_SAVE values must be saved)"
             )
-        problem = build_problem(joint, None if self.cost == "flops" else self.cost)  # type: ignore[arg-type]
+        problem = cut_problem(joint)
+        costs = problem.costs(None if isinstance(self.cost, str) else self.cost)
         if self.solver == "greedy":
-            return greedy(joint, problem, max_bytes)
-        result = solve_ilp(problem, max_bytes, self.time_limit)
+            return greedy(problem, costs, max_bytes)
+        result = solve_ilp(problem, costs, max_bytes, self.time_limit)
         if result is None:  # a feasible set exists (>= low), so the time limit struck first
             warnings.warn(
                 f"memory_budget: the ILP found no saved set within its time limit "
@@ -97,7 +100,7 @@ class MemoryBudget:
                 stacklevel=3,
             )
             return full_remat(joint)
-        return [problem.nodes[i] for i in result.saved]
+        return [problem[i].node for i in result.saved]
 
 
 _BUDGET = (
@@ -131,12 +134,12 @@ def _activation(joint: JointGraph, saved: list[fx.Node]) -> int:
     return sum(activation_bytes(n) for n in split(joint, saved).saved)
 
 
-def greedy(joint: JointGraph, p: RematProblem, max_bytes: int) -> list[fx.Node]:
+def greedy(p: CutProblem, costs: Sequence[float], max_bytes: int) -> list[fx.Node]:
     """Start from ``min_cut``'s saved set; evict the values that free the most bytes per unit
-    of recompute cost until the rest fits ``max_bytes``."""
-    index = {n: i for i, n in enumerate(p.nodes)}
-    saved = {index[n] for n in split(joint, min_cut(joint)).saved}
-    used = sum(p.bytes[i] for i in saved)
+    of recompute cost (``costs``) until the rest fits ``max_bytes``."""
+    joint = p.joint
+    saved = {p.index[n] for n in split(joint, min_cut(joint)).saved}
+    used = sum(p[i].bytes for i in saved)
     recomputed: set[int] = set()
 
     def closure(v: int) -> tuple[set[int], set[int]]:
@@ -146,35 +149,34 @@ def greedy(joint: JointGraph, p: RematProblem, max_bytes: int) -> list[fx.Node]:
             u = todo.pop()
             if u in redo or u in recomputed or (u in saved and u != v):
                 continue
-            if not p.can_recompute[u]:
+            if not p[u].can_recompute:
                 keep.add(u)
                 continue
             redo.add(u)
-            todo.extend(p.inputs[u])
+            todo.extend(p[u].inputs)
         return redo, keep
 
     def ratio(v: int) -> float:
         redo, keep = closure(v)
-        freed = p.bytes[v] - sum(p.bytes[k] for k in keep)
-        return freed / (1.0 + sum(p.cost[u] for u in redo))
+        freed = p[v].bytes - sum(p[k].bytes for k in keep)
+        return freed / (1.0 + sum(costs[u] for u in redo))
 
-    order = sorted((v for v in saved if p.bytes[v] > 0 and p.can_recompute[v]), key=ratio)
+    order = sorted((v for v in saved if p[v].bytes > 0 and p[v].can_recompute), key=ratio)
     while used > max_bytes and order:
         v = order.pop()
         redo, keep = closure(v)
         saved.discard(v)
         saved |= keep
         recomputed |= redo
-        used = sum(p.bytes[i] for i in saved)
+        used = sum(p[i].bytes for i in saved)
     if used > max_bytes:  # what is left cannot be evicted: fall back to full rematerialization
         return full_remat(joint)
-    return [p.nodes[i] for i in sorted(saved)]
+    return [p[i].node for i in sorted(saved)]
 
 
 def memory_budget(joint: JointGraph, **options: object) -> list[fx.Node]:
     """The ``"memory_budget"`` strategy: ``partition(jg, "memory_budget", budget=0.3)``."""
-    check_names("memory_budget", options, [f.name for f in fields(MemoryBudget)])
-    return MemoryBudget(**options)(joint)  # type: ignore[arg-type]
+    return parse_options(MemoryBudget, "memory_budget", options)(joint)
 
 
 _OPTIMAL_HINTS = {
@@ -192,7 +194,7 @@ def optimal(joint: JointGraph, **options: object) -> list[fx.Node]:
             f"optimal needs budget= ({_BUDGET}); got options: {', '.join(options) or 'none'}"
         )
     _check_values("optimal", options)
-    return MemoryBudget(solver="ilp", **options)(joint)  # type: ignore[arg-type]
+    return parse_options(MemoryBudget, "optimal", {**options, "solver": "ilp"})(joint)
 
 
 register(

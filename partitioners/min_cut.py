@@ -24,33 +24,28 @@ predicates below.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
-import torch
 import torch.fx as fx
 
 from functrans.extend import (
-    PHASE,
-    ROLE,
-    InvalidPartitionError,
+    CutProblem,
+    ForwardValue,
     JointGraph,
     OpClass,
-    Phase,
     Policy,
-    Role,
-    activation_bytes,
-    check_names,
     check_number,
     check_option,
+    cut_problem,
+    flops,
     nbytes,
     op_class,
-    policy_of,
+    parse_options,
 )
 
 from . import register
 from ._maxflow import INF
 from ._maxflow import min_cut as solve_min_cut
-from .default import forward_core
 
 __all__ = ["MinCutOptions", "min_cut"]
 
@@ -75,18 +70,9 @@ class MinCutOptions:
 
 
 def is_compute_intensive(node: fx.Node) -> bool:
-    """Matmul, conv, attention: redoing them costs real FLOPs, so they are never recomputed."""
-    return op_class(node) is OpClass.COMPUTE
-
-
-def is_random(node: fx.Node) -> bool:
-    """A random op: re-running it draws new numbers, so recomputing it would change gradients."""
-    return op_class(node) is OpClass.RANDOM
-
-
-def is_effectful(node: fx.Node) -> bool:
-    """An op with side effects: running it twice is not the same as running it once."""
-    return op_class(node) is OpClass.EFFECTFUL
+    """Matmul, conv, attention: redoing them costs real FLOPs, so they are never recomputed
+    (one with an empty operand, 0 FLOPs, is as free to redo as a view)."""
+    return op_class(node) is OpClass.COMPUTE and flops(node) > 0
 
 
 def is_shrinking_reduction(node: fx.Node, ratio: float) -> bool:
@@ -98,26 +84,24 @@ def is_shrinking_reduction(node: fx.Node, ratio: float) -> bool:
     return inputs > ratio * nbytes(node.meta.get("val"))
 
 
-def is_free_view(node: fx.Node) -> bool:
+def is_free_view(value: ForwardValue) -> bool:
     """A view of a primal input: it aliases memory the caller keeps alive, so saving it costs
     0 bytes, and recomputing it is free too."""
-    return (
-        node.op != "placeholder" and activation_bytes(node) == 0 and op_class(node) is OpClass.VIEW
-    )
+    return value.node.op != "placeholder" and value.bytes == 0 and value.op_class is OpClass.VIEW
 
 
-def banned(node: fx.Node, opts: MinCutOptions) -> bool:
-    """May ``node`` NOT be recomputed in backward? (Policy tags override the op rules; a
-    MUST_SAVE value that backward depends on is moreover always saved itself.)"""
-    policy = policy_of(node)
-    if is_random(node) or is_effectful(node) or policy is Policy.MUST_SAVE:
+def banned(value: ForwardValue, opts: MinCutOptions) -> bool:
+    """May ``value`` NOT be recomputed in backward? The shared rules first (inputs, random and
+    effectful ops, MUST_SAVE), then min_cut's preferences for a value the forward computes,
+    which a MUST_RECOMPUTE tag overrides."""
+    if not value.can_recompute:
         return True
-    if policy is Policy.MUST_RECOMPUTE:
+    if not value.in_forward or value.tag is Policy.MUST_RECOMPUTE:
         return False
-    if not opts.recompute_views and op_class(node) is OpClass.VIEW:
+    if not opts.recompute_views and value.op_class is OpClass.VIEW:
         return True
-    return is_compute_intensive(node) or (
-        opts.ban_reductions and is_shrinking_reduction(node, opts.reduction_ratio)
+    return is_compute_intensive(value.node) or (
+        opts.ban_reductions and is_shrinking_reduction(value.node, opts.reduction_ratio)
     )
 
 
@@ -139,81 +123,53 @@ def is_materialized(node: fx.Node, outputs: set[fx.Node]) -> bool:
     return False
 
 
-def save_cost(node: fx.Node, opts: MinCutOptions, weighted: bool) -> int:
-    """Capacity of ``node``'s in->out edge: the activation bytes saving it costs."""
-    policy = policy_of(node)
-    if not isinstance(node.meta.get("val"), torch.Tensor):
+_PREFER_WEIGHT = {Policy.PREFER_SAVE: 0, Policy.PREFER_RECOMPUTE: 2}  # powers of prefer_weight
+
+
+def save_cost(value: ForwardValue, opts: MinCutOptions, weighted: bool) -> int:
+    """Capacity of the value's in->out edge: the activation bytes saving it costs."""
+    if not value.can_save:
         return INF
-    if policy is Policy.MUST_RECOMPUTE and not is_random(node):  # random ops are never redone
-        return INF
-    cost = activation_bytes(node)
+    cost = value.bytes
     if weighted:  # PREFER_* tags scale the byte cost around a neutral weight
-        w = opts.prefer_weight
-        cost *= {Policy.PREFER_SAVE: 1, Policy.PREFER_RECOMPUTE: w * w}.get(policy, w)  # type: ignore[arg-type]
+        cost *= opts.prefer_weight ** _PREFER_WEIGHT.get(value.tag, 1)  # type: ignore[arg-type]  # None: neutral
     return cost
 
 
 @dataclass(frozen=True)
 class _Network:
-    nodes: list[fx.Node]  # forward node i is network nodes 2i (in) and 2i+1 (out)
+    values: tuple[ForwardValue, ...]  # forward value i is network nodes 2i (in) and 2i+1 (out)
     src: list[int]
     dst: list[int]
     caps: list[int]
     tiebreak: list[int]
 
 
-def _network(joint: JointGraph, opts: MinCutOptions) -> _Network:
-    core = forward_core(joint)
-    nodes = [
-        n for n in joint.fx_graph.nodes if n.meta.get(PHASE) is Phase.FORWARD and n.op != "output"
-    ]
-    index = {n: i for i, n in enumerate(nodes)}
-    source, sink = 2 * len(nodes), 2 * len(nodes) + 1
-    weighted = any(policy_of(n) in (Policy.PREFER_SAVE, Policy.PREFER_RECOMPUTE) for n in nodes)
-    outputs = {n for n in joint.forward_outputs() if isinstance(n, fx.Node)}
+def _network(problem: CutProblem, opts: MinCutOptions) -> _Network:
+    values = problem.values
+    source, sink = 2 * len(values), 2 * len(values) + 1
+    weighted = any(v.tag in (Policy.PREFER_SAVE, Policy.PREFER_RECOMPUTE) for v in values)
+    outputs = {n for n in problem.joint.forward_outputs() if isinstance(n, fx.Node)}
     edges: dict[tuple[int, int], int] = {}
     ties: dict[tuple[int, int], int] = {}  # second capacities: see the module docstring
-    drains = {n for n in joint.grad_outputs() if isinstance(n, fx.Node) and n in index}
-    for n, i in index.items():
-        edges[(2 * i, 2 * i + 1)] = save_cost(n, opts, weighted)
-        if not is_materialized(n, outputs):
-            ties[(2 * i, 2 * i + 1)] = len(nodes) + 1  # outweighs any count of recomputed ops
-        if n.meta.get(ROLE) is Role.PRIMAL or (n in core and banned(n, opts)):
+    for v in values:
+        i = v.index
+        edges[(2 * i, 2 * i + 1)] = save_cost(v, opts, weighted)
+        if not is_materialized(v.node, outputs):
+            ties[(2 * i, 2 * i + 1)] = len(values) + 1  # outweighs any count of recomputed ops
+        if banned(v, opts):
             edges[(source, 2 * i)] = INF
-        elif op_class(n) is not OpClass.VIEW:  # cut when n is recomputed: costs no bytes
+        elif v.op_class is not OpClass.VIEW:  # cut when v is recomputed: costs no bytes
             edges[(source, 2 * i)] = 0
             ties[(source, 2 * i)] = 1
-        for user in n.users:
-            if user in index:
-                edges[(2 * i + 1, 2 * index[user])] = INF
-            elif user.meta.get(PHASE) is Phase.BACKWARD:
-                drains.add(n)
-    drains |= {
-        n
-        for n in core
-        if policy_of(n) is Policy.MUST_SAVE
-        and isinstance(n.meta.get("val"), torch.Tensor)  # a tuple is saved as its getitems
-        and _feeds_backward(n)
-    }
-    for n in drains:
-        edges[(2 * index[n] + 1, sink)] = INF
+        for user in v.node.users:
+            if user in problem:
+                edges[(2 * i + 1, 2 * problem.index[user])] = INF
+        if v.read_by_backward or v.must_save:
+            edges[(2 * i + 1, sink)] = INF
     src, dst = zip(*edges, strict=True) if edges else ((), ())
     tiebreak = [ties.get(e, 0) for e in edges]
-    return _Network(nodes, list(src), list(dst), list(edges.values()), tiebreak)
-
-
-def _feeds_backward(node: fx.Node) -> bool:
-    """Does any BACKWARD node depend on ``node``?"""
-    todo, seen = [node], set()
-    while todo:
-        n = todo.pop()
-        for u in n.users:
-            if u.meta.get(PHASE) is Phase.BACKWARD:
-                return True
-            if u not in seen:
-                seen.add(u)
-                todo.append(u)
-    return False
+    return _Network(values, list(src), list(dst), list(edges.values()), tiebreak)
 
 
 def min_cut(joint: JointGraph, **options: object) -> list[fx.Node]:
@@ -224,25 +180,21 @@ def min_cut(joint: JointGraph, **options: object) -> list[fx.Node]:
     >>> [s.name for s in ft.partition(jg, "min_cut").saved]  # split drops unneeded inputs
     ['mm', 'permute', 'permute_1']
     """
-    check_names("min_cut", options, [f.name for f in fields(MinCutOptions)])
-    opts = MinCutOptions(**options)  # type: ignore[arg-type]
-    net = _network(joint, opts)
-    order, n = net.nodes, 2 * len(net.nodes)
+    opts = parse_options(MinCutOptions, "min_cut", options)
+    net = _network(cut_problem(joint), opts)
+    order, n = net.values, 2 * len(net.values)
     cut = solve_min_cut(n + 2, net.src, net.dst, net.caps, n, n + 1, net.tiebreak)
-    if not cut.finite:
-        raise InvalidPartitionError(
-            "min_cut: every cut crosses a value that may be neither saved nor recomputed: a "
-            "value tagged MUST_RECOMPUTE that needs a random op, or a MUST_SAVE/random value "
-            "that cannot be saved"
-        )
+    # the shared rules leave a value backward reads either savable or recomputable (cut_problem
+    # raises otherwise), and a source-side value can always be saved: every cut is finite
+    assert cut.finite, "min_cut: infinite cut despite the CutProblem's feasibility check"
     side = cut.source_side
-    saved = [v for i, v in enumerate(order) if side[2 * i] and not side[2 * i + 1]]
+    saved = [v.node for v in order if side[2 * v.index] and not side[2 * v.index + 1]]
     # views of inputs cost nothing either way: hand them over rather than redo them (unless a
     # remat policy said to recompute them)
     saved += [
-        v
-        for i, v in enumerate(order)
-        if not side[2 * i] and is_free_view(v) and policy_of(v) is not Policy.MUST_RECOMPUTE
+        v.node
+        for v in order
+        if not side[2 * v.index] and is_free_view(v) and v.tag is not Policy.MUST_RECOMPUTE
     ]
     return saved
 

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import functrans as ft
 from functrans import codegen, partitioners
-from functrans.extend import OpClass, op_class
+from functrans.extend import OpClass, cut_problem, op_class
 from functrans.testing import (
     programs,
     register_backend_tests,
@@ -32,11 +32,9 @@ def default_recomputes_nothing(p, options):
 
 
 def full_remat_saves_only_inputs(p, options):
-    nodes = _nodes(p)
-    kept = [
-        s.name for s in p.saved if s.op != "input" and op_class(nodes[s.name]) is not OpClass.RANDOM
-    ]
-    assert not kept, f"full_remat saved {kept}: only inputs and random-op outputs may be saved"
+    nodes, problem = _nodes(p), cut_problem(p.joint)
+    kept = [s.name for s in p.saved if s.op != "input" and problem[nodes[s.name]].can_recompute]
+    assert not kept, f"full_remat saved {kept}: only what may not be recomputed may be saved"
 
 
 def min_cut_saves_least_and_respects_bans(p, options):
@@ -44,8 +42,8 @@ def min_cut_saves_least_and_respects_bans(p, options):
 
     default = ft.partition(p.joint, "default")
     assert p.activation_bytes <= default.activation_bytes, "min_cut saves more than default"
-    nodes, opts = _nodes(p), MinCutOptions(**options)
-    broken = [r for r in p.recomputed if banned(nodes[r], opts)]
+    nodes, opts, problem = _nodes(p), MinCutOptions(**options), cut_problem(p.joint)
+    broken = [r for r in p.recomputed if banned(problem[nodes[r]], opts)]
     assert not broken, f"min_cut recomputed banned (random, compute-intensive...) ops {broken}"
 
 

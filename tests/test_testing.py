@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from functrans.codegen.aten import AtenBackend
 from hypothesis import Phase, settings
 
-from functrans import InvalidPartitionError, partitioners
+from functrans import partitioners
 from functrans.extend import OpClass, Policy, op_class, policy_of
 from functrans.testing import (
     check_backend,
@@ -48,7 +48,8 @@ def test_register_partitioner_tests_passes_a_correct_strategy():
 
 
 def test_register_partitioner_tests_catches_an_invalid_saved_set():
-    with pytest.raises(InvalidPartitionError, match="re-run the random op"):
+    # partition() saves the random op for it (CutProblem.legalize); the suite tells the author
+    with pytest.raises(AssertionError, match=r"broke the op rules.*draw different random numbers"):
         FIND(register_partitioner_tests(lambda joint: []))()
 
 

@@ -15,6 +15,7 @@ import torch
 from hypothesis import strategies as st
 
 from .._cost import OpClass, op_class
+from .._cut_problem import cut_problem
 from .._graph import JointGraph, Phase
 from .._joint import joint
 from .._partition import Partition, Strategy, partition
@@ -269,8 +270,23 @@ def partition_and_check(
     options: dict[str, Any],
     eager: Callable[..., Any] | None = None,
 ) -> Partition:
-    """:func:`check_partition` on an already traced joint graph ``jg`` of ``f``."""
+    """:func:`check_partition` on an already traced joint graph ``jg`` of ``f``.
+
+    Besides gradients, the strategy's own choice must obey the shared save/recompute rules
+    (:class:`functrans.extend.CutProblem`): ``partition`` would fix it (:attr:`Partition.adjusted`),
+    but a strategy that relies on that is told which values it got wrong.
+    """
     p = partition(jg, strategy, **options)
+    if p.adjusted:
+        problem = cut_problem(jg)
+        values = [problem[n] for n in p.adjusted]
+        what = "ignored remat tags" if any(v.tag for v in values) else "broke the op rules"
+        why = "; ".join(f"{v.describe()}: {v.why_not_save or v.why_not_recompute}" for v in values)
+        raise AssertionError(
+            f"strategy {strategy!r} {options or ''} {what}: its saved set breaks the shared "
+            f"save/recompute rules and partition() adjusted {[v.node.name for v in values]} "
+            f"({why})"
+        )
     check_split(f, args, jg, p, f"strategy: {strategy!r} {options or ''}", eager)
     return p
 

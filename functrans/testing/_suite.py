@@ -11,12 +11,11 @@ import torch
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from .._cost import OpClass, op_class
-from .._graph import PHASE, Phase
+from .._cut_problem import cut_problem
 from .._joint import joint
 from .._partition import Partition, Strategy, get_strategy, partition
 from .._remat import remat
-from .._tags import Policy, policy_of
+from .._tags import Policy
 from .._trace import trace
 from ._backend import check_compiled
 from ._check import describe, partition_and_check, seeded
@@ -65,38 +64,25 @@ def remat_policies(draw: st.DrawFn) -> Callable[..., Policy]:
 
 
 def check_policy_tags(p: Partition) -> None:
-    """Remat tags are honored: a MUST_SAVE value is never recomputed, and is saved when backward
-    reads it; a MUST_RECOMPUTE value (random ops excepted: they are never recomputed) is never
-    saved.
+    """Remat tags are honored, by the rules of :class:`functrans.extend.CutProblem`: a MUST_SAVE
+    value the forward computes is never recomputed, and is saved when backward depends on it;
+    a MUST_RECOMPUTE value (random and effectful ops excepted: they never re-run) is never saved.
 
     >>> import torch, functrans as ft
     >>> f = ft.remat(lambda x: x.sin().cos().sum(), policy=ft.policies.nothing_saveable)
     >>> check_policy_tags(ft.partition(ft.joint(f)(torch.ones(3)), "default"))
     """
+    problem = cut_problem(p.joint)
     nodes = {n.name: n for n in p.joint.fx_graph.nodes}
-    recomputed = [r for r in p.recomputed if policy_of(nodes[r]) is Policy.MUST_SAVE]
-    saved = [
-        s.name
-        for s in p.saved
-        if policy_of(nodes[s.name]) is Policy.MUST_RECOMPUTE
-        and op_class(nodes[s.name]) is not OpClass.RANDOM
+    saved = {nodes[s.name] for s in p.saved}
+    broken = problem.violations(saved, [nodes[r] for r in p.recomputed])
+    broken += [
+        f"does not save {v.describe()}, which backward depends on"
+        for v in problem
+        if v.must_save and v.node not in saved
     ]
-    names = {s.name for s in p.saved}
-    unsaved = [  # backward reads a MUST_SAVE value: then it is saved, as itself
-        n.name
-        for n in p.joint.forward_nodes()
-        if policy_of(n) is Policy.MUST_SAVE
-        and isinstance(n.meta.get("val"), torch.Tensor)
-        and any(u.meta.get(PHASE) is Phase.BACKWARD for u in n.users)
-        and n.name not in names
-    ]
-    if recomputed or saved or unsaved:
-        tags = {n: t.name for n, v in nodes.items() if (t := policy_of(v)) is not None}
-        raise AssertionError(
-            f"strategy {p.strategy!r} ignored remat tags: recomputed MUST_SAVE {recomputed}, "
-            f"saved MUST_RECOMPUTE {saved}, did not save MUST_SAVE {unsaved} that backward "
-            f"reads\n  tags: {tags}\n{p.report()}\n{p.joint}"
-        )
+    if broken:
+        raise AssertionError(f"strategy {p.strategy!r} ignored remat tags: {'; '.join(broken)}")
 
 
 def _option_sets(strategy: str | Strategy, options: dict[str, Any]) -> tuple[dict[str, Any], ...]:

@@ -1,0 +1,351 @@
+"""One save/recompute model for every strategy: :class:`CutProblem`.
+
+A partition strategy chooses which forward values cross to backward; everything else backward
+needs is recomputed there. What *may* be saved and what *may* be recomputed is not the
+strategy's business: it follows from what each op is (its :class:`OpClass`) and from what a
+remat policy said about it (its tag). This module holds those rules, once:
+
+1. **Op classes** (:data:`OP_RULES`, one row per class): inputs are given to backward (never
+   recomputed, saving them is free); random ops never re-run (new numbers would change the
+   gradients); effectful ops never re-run (the effect would happen twice). Every other class
+   may be saved or recomputed; a strategy may still prefer not to (``min_cut`` never recomputes
+   a matmul) -- preferences stay in the strategy.
+2. **Tags**: ``MUST_SAVE`` forbids recomputing a value the forward computes, and saves it
+   whenever backward depends on it (as eager selective checkpointing keeps it);
+   ``MUST_RECOMPUTE`` forbids saving it. When a class forbids recomputing, the class wins over
+   a ``MUST_RECOMPUTE`` tag and the value is saved (``nothing_saveable`` on a block with
+   dropout saves the mask): :attr:`ForwardValue.tag_overridden` records it.
+3. **Only tensors are saved**: a multi-output op is saved as its ``getitem`` parts.
+4. **Recomputing is running twice**: a value the forward pass does not compute (it only feeds
+   backward) is computed by backward once, which is no recomputation; ``MUST_SAVE`` binds only
+   values the forward computes.
+5. **Contradictions** -- backward reads a value that may be neither saved nor recomputed -- are
+   one :class:`~functrans.InvalidPartitionError` naming the op, its class and its tag, raised
+   when the problem is built.
+
+Every built-in strategy, :func:`functrans.split`'s validation and
+:func:`functrans.testing.check_partition` read the same :class:`CutProblem`, and
+:func:`functrans.partition` passes every strategy's choice through :meth:`CutProblem.legalize`,
+so a third-party strategy honours remat tags by construction. A new op class is a row of
+:data:`OP_RULES`.
+
+>>> import torch, functrans as ft
+>>> from functrans.extend import cut_problem
+>>> jg = ft.joint(lambda x: torch.tanh(x).sum())(torch.ones(3))
+>>> p = cut_problem(jg)
+>>> for v in p:
+...     print(v.node.name, v.op_class.value, v.in_forward, v.read_by_backward)
+primals_1 input True False
+tanh pointwise True False
+sum_1 reduction True False
+mul pointwise False False
+sub pointwise False True
+>>> p[jg.primals()[0]].can_recompute, p[jg.primals()[0]].why_not_recompute
+(False, 'it is an input of the graph')
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+import torch
+import torch.fx as fx
+
+from ._cost import OpClass, Storage, activation_bytes, flops, op_class, storage_of
+from ._errors import InvalidPartitionError
+from ._graph import PHASE, JointGraph, Phase, Role
+from ._graph import ROLE as _ROLE
+from ._tags import Policy, policy_of
+
+__all__ = [
+    "OP_RULES",
+    "CostModel",
+    "CutProblem",
+    "ForwardValue",
+    "OpRule",
+    "cut_problem",
+]
+
+#: A cost model: the cost of running one op (in backward, when it is recomputed).
+CostModel = Callable[[fx.Node], float]
+
+
+@dataclass(frozen=True)
+class OpRule:
+    """What a class of ops allows: may its values be saved, may backward re-run it, and why not.
+
+    >>> OP_RULES[OpClass.RANDOM].recompute, OP_RULES[OpClass.RANDOM].why_not_recompute
+    (False, 're-running it would draw different random numbers')
+    """
+
+    save: bool = True
+    recompute: bool = True
+    why_not_save: str = ""
+    why_not_recompute: str = ""
+
+
+#: The save/recompute rule of every op class (a new class is a new row).
+OP_RULES: Mapping[OpClass, OpRule] = MappingProxyType(
+    {
+        OpClass.INPUT: OpRule(recompute=False, why_not_recompute="it is an input of the graph"),
+        OpClass.VIEW: OpRule(),
+        OpClass.POINTWISE: OpRule(),
+        OpClass.REDUCTION: OpRule(),
+        OpClass.COMPUTE: OpRule(),
+        OpClass.RANDOM: OpRule(
+            recompute=False, why_not_recompute="re-running it would draw different random numbers"
+        ),
+        OpClass.EFFECTFUL: OpRule(
+            recompute=False, why_not_recompute="re-running it would repeat its side effect"
+        ),
+        OpClass.OTHER: OpRule(),
+    }
+)
+
+
+@dataclass(frozen=True)
+class ForwardValue:
+    """The facts about one forward value that every strategy decides from.
+
+    ``in_forward``: the plain forward pass computes it (the forward outputs need it).
+    ``read_by_backward``: a backward op reads it, or it is a gradient output itself.
+    ``must_save``: tagged MUST_SAVE, computed by the forward and needed (even indirectly) by
+    backward: saved whatever else is.
+    ``bytes``: activation bytes saving it alone keeps alive (``storage``: the buffer it lives
+    in; values sharing a storage cost it once when saved together).
+    ``inputs``: indices (in :attr:`CutProblem.values`) of its forward-phase inputs.
+    """
+
+    node: fx.Node
+    index: int
+    op_class: OpClass
+    tag: Policy | None
+    in_forward: bool
+    read_by_backward: bool
+    must_save: bool
+    can_save: bool
+    can_recompute: bool
+    tag_overridden: bool
+    bytes: int
+    storage: Storage
+    inputs: tuple[int, ...]
+
+    @property
+    def save_forbidden(self) -> bool:
+        """A rule (its class or its tag) forbids saving it; unlike :attr:`can_save`, a
+        multi-output op is not forbidden: it is saved as its ``getitem`` parts."""
+        tagged = self.tag is Policy.MUST_RECOMPUTE and not self.tag_overridden
+        return tagged or not OP_RULES[self.op_class].save
+
+    @property
+    def why_not_save(self) -> str:
+        """Why this value may not be saved ("" if it may)."""
+        if self.can_save:
+            return ""
+        if not isinstance(self.node.meta.get("val"), torch.Tensor):
+            return "it is not a tensor"
+        return OP_RULES[self.op_class].why_not_save or f"it is tagged {self.tag.name}"  # type: ignore[union-attr]  # tag set: only a tag or the class forbids
+
+    @property
+    def why_not_recompute(self) -> str:
+        """Why backward may not recompute this value ("" if it may)."""
+        if self.can_recompute:
+            return ""
+        return OP_RULES[self.op_class].why_not_recompute or f"it is tagged {self.tag.name}"  # type: ignore[union-attr]  # as above
+
+    def describe(self) -> str:
+        """``the <class> op <name> (<target>, tagged <tag>)``, for error messages."""
+        tag = f", tagged {self.tag.name}" if self.tag is not None else ""
+        if self.op_class is OpClass.INPUT:
+            return f"the input {self.node.name}{tag and f' ({tag[2:]})'}"
+        return f"the {self.op_class.value} op {self.node.name} ({self.node.target}{tag})"
+
+
+@dataclass(frozen=True, eq=False)
+class CutProblem:
+    """Every forward value of a joint graph with what may be done with it (see the module
+    docstring for the rules). Build it with :func:`cut_problem` (cached per graph).
+
+    >>> import torch, functrans as ft
+    >>> jg = ft.joint(lambda x, w: torch.tanh(x @ w).sum())(torch.ones(2, 2), torch.ones(2, 2))
+    >>> p = cut_problem(jg)
+    >>> [p[i].node.name for i in p.drains()]  # sub = 1 - tanh**2, the permutes transpose x and w
+    ['sub', 'permute', 'permute_1']
+    """
+
+    joint: JointGraph
+    values: tuple[ForwardValue, ...]
+    index: Mapping[fx.Node, int]
+
+    def __iter__(self) -> Iterator[ForwardValue]:
+        return iter(self.values)
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def __contains__(self, node: object) -> bool:
+        return node in self.index
+
+    def __getitem__(self, node: fx.Node | int) -> ForwardValue:
+        return self.values[node if isinstance(node, int) else self.index[node]]
+
+    def drains(self) -> list[int]:
+        """Indices of the values backward must get: those it reads directly (saved or
+        recomputed) and the ``must_save`` ones (saved)."""
+        return [v.index for v in self.values if v.read_by_backward or v.must_save]
+
+    def costs(self, cost: CostModel | None = None) -> tuple[float, ...]:
+        """Recompute cost of each value under ``cost`` (default: FLOPs); 0 for values the
+        forward does not compute (backward computing them is no extra work)."""
+        if cost is None:
+            return self._flops
+        return tuple(cost(v.node) if v.in_forward else 0.0 for v in self.values)
+
+    @functools.cached_property
+    def _flops(self) -> tuple[float, ...]:
+        return tuple(float(flops(v.node)) if v.in_forward else 0.0 for v in self.values)
+
+    def legalize(self, saved: Iterable[fx.Node]) -> list[fx.Node]:
+        """The saved set closest to ``saved`` that obeys the rules: a value that may not be
+        saved is replaced by its inputs (backward recomputes it from them), and a value that
+        may not be recomputed but that backward would need is added. Returns graph order.
+
+        >>> import torch, functrans as ft
+        >>> def f(x):
+        ...     return torch.nn.functional.dropout(x, 0.5).sin().sum()
+        >>> jg = ft.joint(f)(torch.ones(4))
+        >>> [n.name for n in cut_problem(jg).legalize([])]  # the random mask must be saved
+        ['bernoulli']
+        """
+        chosen: set[fx.Node] = set()
+        todo = [*saved, *(v.node for v in self.values if v.must_save)]
+        while todo:
+            n = todo.pop()
+            if n in chosen:
+                continue
+            v = self.values[self.index[n]] if n in self.index else None
+            if v is not None and v.save_forbidden and v.can_recompute:
+                todo.extend(self.values[i].node for i in v.inputs)
+            else:
+                chosen.add(n)
+        fixed = {v.node for v in self.values if not v.can_recompute}
+        stop = chosen | fixed | set(self.joint.tangents())
+        for n in _ancestors(self.joint.grad_outputs(), stop):
+            if n in fixed and n.op != "placeholder":
+                chosen.add(n)
+        return [n for n in self.joint.fx_graph.nodes if n in chosen]
+
+    def violations(self, saved: Iterable[fx.Node], recomputed: Iterable[fx.Node]) -> list[str]:
+        """What a split with this saved and recomputed set does against the rules (empty if
+        nothing): one sentence per value, naming it and the rule."""
+        out = []
+        for n in saved:
+            v = self.values[self.index[n]] if n in self.index else None
+            if v is not None and v.save_forbidden and n.meta.get(_ROLE) is not Role.PRIMAL:
+                out.append(f"saves {v.describe()}, which may not be saved: {v.why_not_save}")
+        for n in recomputed:
+            v = self.values[self.index[n]] if n in self.index else None
+            if v is not None and not v.can_recompute:
+                out.append(
+                    f"recomputes {v.describe()} in backward, which may not be recomputed: "
+                    f"{v.why_not_recompute}; save it (or a value computed from it) instead"
+                )
+        return out
+
+
+def _ancestors(roots: Iterable[object], stop: set[fx.Node]) -> set[fx.Node]:
+    seen: set[fx.Node] = set()
+    todo = [r for r in roots if isinstance(r, fx.Node)]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n not in stop:
+            todo.extend(n.all_input_nodes)
+    return seen
+
+
+def _value(
+    node: fx.Node, i: int, index: Mapping[fx.Node, int], core: set[fx.Node], read: bool, feeds: bool
+) -> ForwardValue:
+    cls, tag = op_class(node), policy_of(node)
+    rule = OP_RULES[cls]
+    in_forward = node in core
+    recompute = rule.recompute and not (tag is Policy.MUST_SAVE and in_forward)
+    # a class that never re-runs wins over MUST_RECOMPUTE: the value is saved instead
+    overridden = tag is Policy.MUST_RECOMPUTE and not rule.recompute
+    save = (
+        rule.save
+        and isinstance(node.meta.get("val"), torch.Tensor)
+        and (tag is not Policy.MUST_RECOMPUTE or overridden)
+    )
+    return ForwardValue(
+        node=node,
+        index=i,
+        op_class=cls,
+        tag=tag,
+        in_forward=in_forward,
+        read_by_backward=read,
+        must_save=tag is Policy.MUST_SAVE and in_forward and feeds and save,
+        can_save=save,
+        can_recompute=recompute,
+        tag_overridden=overridden,
+        bytes=activation_bytes(node),
+        storage=storage_of(node),
+        inputs=tuple(index[a] for a in node.all_input_nodes if a in index),
+    )
+
+
+def _feeds_backward(nodes: list[fx.Node]) -> set[fx.Node]:
+    """The forward nodes some backward node depends on (``nodes`` in graph order)."""
+    out: set[fx.Node] = set()
+    for n in reversed(nodes):
+        if any(u in out or u.meta.get(PHASE) is Phase.BACKWARD for u in n.users):
+            out.add(n)
+    return out
+
+
+def _build(joint: JointGraph) -> CutProblem:
+    nodes = [n for n in joint.forward_nodes() if n.op != "output"]
+    index = {n: i for i, n in enumerate(nodes)}
+    core = _ancestors(joint.forward_outputs(), set())
+    read = {n for n in joint.grad_outputs() if isinstance(n, fx.Node)}
+    read |= {n for n in nodes if any(u.meta.get(PHASE) is Phase.BACKWARD for u in n.users)}
+    feeds = _feeds_backward(nodes)
+    values = tuple(_value(n, i, index, core, n in read, n in feeds) for i, n in enumerate(nodes))
+    problem = CutProblem(joint, values, MappingProxyType(index))
+    for v in values:
+        if v.read_by_backward and not v.can_save and not v.can_recompute:
+            raise InvalidPartitionError(
+                f"backward reads {v.describe()}, which may be neither saved ({v.why_not_save}) "
+                f"nor recomputed ({v.why_not_recompute})"
+            )
+    return problem
+
+
+_CACHE: weakref.WeakKeyDictionary[JointGraph, tuple[tuple[object, ...], CutProblem]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def cut_problem(joint: JointGraph) -> CutProblem:
+    """The :class:`CutProblem` of ``joint``, built once per graph (and again if its remat tags
+    change).
+
+    >>> import torch, functrans as ft
+    >>> jg = ft.joint(lambda x: torch.tanh(x).sum())(torch.ones(3))
+    >>> cut_problem(jg) is cut_problem(jg)
+    True
+    """
+    stamp = tuple(policy_of(n) for n in joint.fx_graph.nodes)
+    found = _CACHE.get(joint)
+    if found is not None and found[0] == stamp:
+        return found[1]
+    problem = _build(joint)
+    _CACHE[joint] = (stamp, problem)
+    return problem
