@@ -21,6 +21,7 @@ import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
@@ -60,15 +61,26 @@ def _constraints(p: CutProblem) -> tuple[coo_matrix, np.ndarray]:
     return coo_matrix((vals, (rows, cols)), shape=(len(lb), 2 * n)), np.array(lb)
 
 
-def _solve(c: np.ndarray, cons: list[LinearConstraint], ub: np.ndarray, limit: float) -> object:
+class _MilpResult(Protocol):
+    """What we read of scipy's ``OptimizeResult``."""
+
+    x: np.ndarray | None
+    status: int
+    fun: float
+
+
+def _solve(
+    c: np.ndarray, cons: list[LinearConstraint], ub: np.ndarray, limit: float
+) -> _MilpResult:
     with quiet_stdout():
-        return milp(
+        result: _MilpResult = milp(
             c=c,
             integrality=np.ones_like(c),
             bounds=Bounds(np.zeros_like(ub), ub),
             constraints=cons,
             options={"time_limit": limit, "disp": False},
         )
+    return result
 
 
 @functools.cache
@@ -162,19 +174,19 @@ def solve_ilp(
     can_save = [v.can_save for v in p]
     ub = np.concatenate([np.array(can_save, float), np.array([v.can_recompute for v in p], float)])
     first = _solve(np.concatenate([np.zeros(n), cost]), cons, ub, time_limit)
-    if first.x is None:  # type: ignore[attr-defined]
+    if first.x is None:
         return None
-    optimal = first.status == 0  # type: ignore[attr-defined]
-    best = float(first.fun)  # type: ignore[attr-defined]
-    x = first.x  # type: ignore[attr-defined]
+    optimal = first.status == 0
+    best = float(first.fun)
+    x = first.x
     # second solve: the fewest bytes at that cost (tolerance for HiGHS' float arithmetic)
     at_cost = LinearConstraint(
         np.concatenate([np.zeros(n), cost])[None, :], -np.inf, best + 1e-6 * max(1.0, best)
     )
     second = _solve(np.concatenate([size, np.zeros(n)]), [*cons, at_cost], ub, time_limit)
-    if second.x is not None:  # type: ignore[attr-defined]
-        x = second.x  # type: ignore[attr-defined]
-        optimal = optimal and second.status == 0  # type: ignore[attr-defined]
+    if second.x is not None:
+        x = second.x
+        optimal = optimal and second.status == 0
     if not optimal:
         warnings.warn(
             f"memory_budget: the ILP hit its time limit ({time_limit:g} s); using the best "

@@ -123,7 +123,8 @@ def is_materialized(node: fx.Node, outputs: set[fx.Node]) -> bool:
     return False
 
 
-_PREFER_WEIGHT = {Policy.PREFER_SAVE: 0, Policy.PREFER_RECOMPUTE: 2}  # powers of prefer_weight
+#: powers of prefer_weight that scale a tagged value's save cost (untagged: 1)
+_PREFER_WEIGHT: dict[Policy | None, int] = {Policy.PREFER_SAVE: 0, Policy.PREFER_RECOMPUTE: 2}
 
 
 def save_cost(value: ForwardValue, opts: MinCutOptions, weighted: bool) -> int:
@@ -132,7 +133,7 @@ def save_cost(value: ForwardValue, opts: MinCutOptions, weighted: bool) -> int:
         return INF
     cost = value.bytes
     if weighted:  # PREFER_* tags scale the byte cost around a neutral weight
-        cost *= opts.prefer_weight ** _PREFER_WEIGHT.get(value.tag, 1)  # type: ignore[arg-type]  # None: neutral
+        cost *= opts.prefer_weight ** _PREFER_WEIGHT.get(value.tag, 1)
     return cost
 
 
