@@ -86,18 +86,17 @@ def saved_residuals(
     fn, call_args = _functional(f, args)
     jg = joint(fn)(*call_args)
     p = _partition_of(jg, partition, options)
-    by_name = {n.name: n for n in jg.fx_graph.nodes}
-    placeholders = {n.name: n for n in p.backward.placeholders()}
     shared = p.shared_storage()
     out = []
-    for s in p.saved:
-        node = by_name[s.name]
-        users = placeholders[s.name].users if s.name in placeholders else {}
-        owner = by_name[shared[s.name]] if s.name in shared and not s.is_input else None
+    # backward's placeholders are the saved values, in order, then the tangents
+    for s, placeholder in zip(p.saved, p.backward.placeholders(), strict=False):
+        node = s.node
+        users = placeholder.users
+        owner = shared.get(node) if not s.is_input else None
         out.append(
             Residual(
                 type=format_value_type(node.meta.get("val")),
-                nbytes=0 if s.name in shared else s.activation_bytes,
+                nbytes=0 if node in shared else s.activation_bytes,
                 origin=_origin(node),
                 consumers=tuple(u.name for u in users if u.op != "output"),
                 shares=None

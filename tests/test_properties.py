@@ -23,19 +23,12 @@ from functrans.testing import (
 PROGRAMS = programs(dtypes=(torch.float64, torch.float32))
 
 
-def _nodes(p):
-    return {n.name: n for n in p.joint.fx_graph.nodes}
-
-
 def default_recomputes_nothing(p, options):
     assert p.recomputed == () and p.recompute_flops == 0, "default recomputed something"
 
 
 def full_remat_saves_only_inputs(p, options):
-    nodes = _nodes(p)
-    kept = [
-        s.name for s in p.saved if s.op != "input" and op_class(nodes[s.name]) is not OpClass.RANDOM
-    ]
+    kept = [s.name for s in p.saved if s.op != "input" and op_class(s.node) is not OpClass.RANDOM]
     assert not kept, f"full_remat saved {kept}: only inputs and random-op outputs may be saved"
 
 
@@ -44,8 +37,8 @@ def min_cut_saves_least_and_respects_bans(p, options):
 
     default = ft.partition(p.joint, "default")
     assert p.activation_bytes <= default.activation_bytes, "min_cut saves more than default"
-    nodes, opts = _nodes(p), MinCutOptions(**options)
-    broken = [r for r in p.recomputed if banned(nodes[r], opts)]
+    opts = MinCutOptions(**options)
+    broken = [r.name for r in p.recomputed if banned(r, opts)]
     assert not broken, f"min_cut recomputed banned (random, compute-intensive...) ops {broken}"
 
 
@@ -55,8 +48,7 @@ def budget_is_respected(p, options):
     limit, low = MemoryBudget(**options).limit(p.joint)
     if limit >= low:  # feasible
         assert p.activation_bytes <= limit, f"{p.activation_bytes} bytes > budget {limit}"
-    nodes = _nodes(p)
-    assert not [r for r in p.recomputed if op_class(nodes[r]) is OpClass.RANDOM]
+    assert not [r for r in p.recomputed if op_class(r) is OpClass.RANDOM]
 
 
 INVARIANTS = {

@@ -242,7 +242,7 @@ def check_split(
 
 
 def _names(s: Split | Partition) -> list[str]:
-    return [n if isinstance(n, str) else n.name for n in s.recomputed]
+    return [n.name for n in s.recomputed]
 
 
 def check_partition(
@@ -254,7 +254,7 @@ def check_partition(
     >>> from functrans.testing import check_partition
     >>> p = check_partition(lambda x: torch.tanh(x).sum(), (torch.randn(3),), "full_remat")
     >>> p.recomputed
-    ('tanh',)
+    (tanh,)
     """
     jg = joint(f)(*args)
     jg.verify()

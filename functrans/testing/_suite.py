@@ -73,25 +73,23 @@ def check_policy_tags(p: Partition) -> None:
     >>> f = ft.remat(lambda x: x.sin().cos().sum(), policy=ft.policies.nothing_saveable)
     >>> check_policy_tags(ft.partition(ft.joint(f)(torch.ones(3)), "default"))
     """
-    nodes = {n.name: n for n in p.joint.fx_graph.nodes}
-    recomputed = [r for r in p.recomputed if policy_of(nodes[r]) is Policy.MUST_SAVE]
+    recomputed = [r.name for r in p.recomputed if policy_of(r) is Policy.MUST_SAVE]
     saved = [
         s.name
         for s in p.saved
-        if policy_of(nodes[s.name]) is Policy.MUST_RECOMPUTE
-        and op_class(nodes[s.name]) is not OpClass.RANDOM
+        if policy_of(s.node) is Policy.MUST_RECOMPUTE and op_class(s.node) is not OpClass.RANDOM
     ]
-    names = {s.name for s in p.saved}
+    kept = {s.node for s in p.saved}
     unsaved = [  # backward reads a MUST_SAVE value: then it is saved, as itself
         n.name
         for n in p.joint.forward_nodes()
         if policy_of(n) is Policy.MUST_SAVE
         and isinstance(n.meta.get("val"), torch.Tensor)
         and any(u.meta.get(PHASE) is Phase.BACKWARD for u in n.users)
-        and n.name not in names
+        and n not in kept
     ]
     if recomputed or saved or unsaved:
-        tags = {n: t.name for n, v in nodes.items() if (t := policy_of(v)) is not None}
+        tags = {n.name: t.name for n in p.joint.fx_graph.nodes if (t := policy_of(n)) is not None}
         raise AssertionError(
             f"strategy {p.strategy!r} ignored remat tags: recomputed MUST_SAVE {recomputed}, "
             f"saved MUST_RECOMPUTE {saved}, did not save MUST_SAVE {unsaved} that backward "
