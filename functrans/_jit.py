@@ -37,7 +37,7 @@ from ._jit_cache import Cache, Signature, Slot, leaves_order
 from ._joint import joint
 from ._logs import log
 from ._partition import Partition, Strategy, partition
-from ._pytree import Flat, exact_key, leaves_of, split, unflatten, wrap_static
+from ._pytree import Flat, exact_key, flatten_leaves, leaves_of, unflatten, wrap_static
 from ._state import State, autocast_off, capture, grad_enabled, no_autocast
 from ._trace import _TRACING, arg_names, is_tracing, trace
 
@@ -267,7 +267,7 @@ class _Jitted:
         """The exact path: the entry by its full key (compiled on a miss); the guarded path
         above is the same lookup, cheaper, for trees :class:`Guards` can describe."""
         leaves, spec = leaves_of(tree)
-        tensors, flat = split(leaves, spec, self._opts.static_argnums)
+        tensors, flat = flatten_leaves(leaves, spec, self._opts.static_argnums)
         if not all(map(_plain, tensors)):
             self._as_written(flat, tensors)
         key = (exact_key(flat, tensors), state)

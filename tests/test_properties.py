@@ -107,7 +107,7 @@ def test_regression_layer_norm_over_two_elements_float32():
     by 1.25e-5 in float32 (an ill-conditioned op, not a wrong gradient); float64 agrees tightly.
     """
     from functrans.testing import check_partition
-    from functrans.testing._programs import InputSpec, Program, Step
+    from functrans.testing._program import InputSpec, Program, Step
 
     for dtype in (torch.float32, torch.float64):
         prog = Program(  # exactly the shrunk case (unused inputs keep the example values)

@@ -21,7 +21,7 @@ from .._trace import trace
 from ._backend import check_compiled
 from ._check import describe, partition_and_check, seeded
 from ._program import Program
-from ._programs import programs
+from ._random_programs import programs
 
 __all__ = [
     "check_policy_tags",

@@ -1,4 +1,5 @@
-"""Hypothesis strategy for small random straight-line PyTorch programs.
+"""Random programs: the hypothesis strategy that draws small straight-line PyTorch programs
+(the :class:`Program` data type, its op table and printing live in :mod:`._program`).
 
 A :class:`Program` is a list of :class:`Step` s, each applying one op (a :data:`STEP_KINDS`
 name) to earlier values; the value list is the inputs followed by the step results.  Programs
@@ -46,7 +47,7 @@ from ._values import (
     reshape_targets,
 )
 
-__all__ = ["INPUT_BOUND", "STEP_KINDS", "InputSpec", "Program", "Step", "programs"]
+__all__ = ["programs"]
 
 
 # op -> whether a value can be its first operand (for the kinds of this module)
@@ -227,7 +228,7 @@ def programs(
     A program built by hand:
 
     >>> import torch
-    >>> from functrans.testing._programs import InputSpec, Program, Step
+    >>> from functrans.testing._program import InputSpec, Program, Step
     >>> prog = Program(
     ...     inputs=(InputSpec((2, 3), torch.float64),),
     ...     steps=(Step("tanh", (0,), (), (2, 3)), Step("sum", (1,), (1, 0), (2,))),
