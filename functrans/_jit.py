@@ -38,7 +38,7 @@ from ._joint import joint
 from ._logs import log
 from ._partition import Partition, Strategy, partition
 from ._pytree import Flat, exact_key, flatten_leaves, leaves_of, unflatten, wrap_static
-from ._state import State, autocast_off, capture, grad_enabled, no_autocast
+from ._state import ModuleFlags, State, autocast_off, capture, grad_enabled, no_autocast
 from ._trace import _TRACING, arg_names, is_tracing, trace
 
 __all__ = ["CacheInfo", "jit"]
@@ -63,15 +63,33 @@ class CacheInfo:
     compile_s: float = 0.0
 
 
+@dataclass(frozen=True, slots=True)
+class _OutMeta:
+    """One flat output of a compiled forward, as its backward needs it."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+    takes_tangent: bool  # floating outputs; integers and booleans are not differentiable
+
+    @classmethod
+    def of(cls, val: torch.Tensor, takes_tangent: bool) -> _OutMeta:
+        return cls(val.shape, val.dtype, val.device, takes_tangent)
+
+    def zeros(self) -> torch.Tensor:
+        """The tangent autograd passes as None: zeros of this output's type."""
+        return torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+
+
 @dataclass(frozen=True)
 class _Entry:
     """One compiled specialization: flat-tensor callables plus how to rebuild the outputs."""
 
     forward: Callable[..., list[Any]]
-    backward: Callable[..., list[Any]] | None
+    backward: Callable[..., list[Any]] | None  # None: an inference entry (forward only)
     out_flat: Flat
-    out_meta: tuple[tuple[torch.Size, torch.dtype, torch.device, bool], ...]  # ..., tangent?
-    num_diff: int
+    out_meta: tuple[_OutMeta, ...]
+    num_diff: int  # the first num_diff inputs are differentiated
     num_inputs: int
     partition: Partition | None
     copies: dict[int, int]  # flat output -> flat input it is an unmodified copy of
@@ -79,7 +97,7 @@ class _Entry:
     @functools.cached_property
     def frozen(self) -> tuple[int, ...]:
         """The outputs that take no tangent (integers, booleans): not differentiable."""
-        return tuple(i for i, m in enumerate(self.out_meta) if not m[3])
+        return tuple(i for i, m in enumerate(self.out_meta) if not m.takes_tangent)
 
 
 class _Apply(torch.autograd.Function):
@@ -100,9 +118,9 @@ class _Apply(torch.autograd.Function):
         entry: _Entry = ctx.entry
         assert entry.backward is not None
         tangents = [
-            g.contiguous() if g is not None else torch.zeros(shape, dtype=dtype, device=device)
-            for g, (shape, dtype, device, wants) in zip(grads, entry.out_meta, strict=True)
-            if wants
+            g.contiguous() if g is not None else m.zeros()
+            for g, m in zip(grads, entry.out_meta, strict=True)
+            if m.takes_tangent
         ]
         with autocast_off():  # the backward graph holds its own casts
             flat_grads = entry.backward(*ctx.saved_tensors, *tangents)
@@ -192,7 +210,7 @@ class _Jitted:
         return unflatten(entry.out_flat, outs)
 
     def run_or_none(
-        self, args: Any, kwargs: Any, module_flags: tuple[Any, ...]
+        self, args: Any, kwargs: Any, module_flags: ModuleFlags
     ) -> tuple[list[Any], _Entry, Sequence[torch.Tensor]] | None:
         """For callers that check :func:`inline` and read the module flags themselves: flat
         outputs, the entry that computed them and the inputs in the entry's order; None where
@@ -203,7 +221,7 @@ class _Jitted:
             return None
 
     def _run(
-        self, args: Any, kwargs: Any, module_flags: tuple[Any, ...] | None
+        self, args: Any, kwargs: Any, module_flags: ModuleFlags | None
     ) -> tuple[list[Any], _Entry, Sequence[torch.Tensor]]:
         """Flat outputs, the entry that computed them and the inputs in the entry's order.
 
@@ -233,7 +251,7 @@ class _Jitted:
                     continue
                 apply = _Apply.apply
             entry = slot.entry
-            if state[4] is not None or state[5] is not None:  # autocast: see no_autocast
+            if state.autocast_cpu is not None or state.autocast_cuda is not None:  # no_autocast
                 with no_autocast(state):
                     return _execute(apply, entry, ordered), entry, ordered
             if entry.backward is None:
@@ -241,7 +259,7 @@ class _Jitted:
             return list(apply(entry, *ordered)), entry, ordered
         raise TraceError(f"{self._owner}: the captured tensors keep changing while compiling")
 
-    def _module_flags(self) -> tuple[Any, ...]:
+    def _module_flags(self) -> ModuleFlags:
         """``(module, training)`` of every module the function reaches, read now."""
         reader = self._modules
         if reader is None:
@@ -429,12 +447,16 @@ class _Jitted:
             self._times.trace_s += t1 - t0
             self._times.compile_s += time.perf_counter() - t1
             vals = [n for n in g.output_nodes()]
-            meta = tuple(
-                (v.meta["val"].shape, v.meta["val"].dtype, v.meta["val"].device, False)
-                for v in vals
+            entry = _Entry(
+                forward=fwd,
+                backward=None,
+                out_flat=g.out_flat,
+                out_meta=tuple(_OutMeta.of(v.meta["val"], False) for v in vals),
+                num_diff=0,
+                num_inputs=len(inputs),
+                partition=None,
+                copies=_copies(g.placeholders(), vals),
             )
-            copies = _copies(g.placeholders(), vals)
-            entry = _Entry(fwd, None, g.out_flat, meta, 0, len(inputs), None, copies)
             return entry, g.graph_module
         jg = joint(flat_f, argnums=0, decompositions=decompositions)(*example)
         t1 = time.perf_counter()
@@ -451,14 +473,21 @@ class _Jitted:
         self._times.partition_s += t2 - t1
         self._times.compile_s += time.perf_counter() - t2
         wants = _tangent_mask(jg)
-        meta = tuple(
-            (v.meta["val"].shape, v.meta["val"].dtype, v.meta["val"].device, w)
-            for v, w in zip(jg.forward_outputs(), wants, strict=True)
-        )
         tangents = set(jg.tangents())
         primals = [n for n in jg.placeholders() if n not in tangents]
-        copies = _copies(primals, jg.forward_outputs())
-        entry = _Entry(fwd, bwd, jg.fn_out, meta, len(example[0]), len(inputs), p, copies)
+        entry = _Entry(
+            forward=fwd,
+            backward=bwd,
+            out_flat=jg.fn_out,
+            out_meta=tuple(
+                _OutMeta.of(v.meta["val"], w)
+                for v, w in zip(jg.forward_outputs(), wants, strict=True)
+            ),
+            num_diff=len(example[0]),
+            num_inputs=len(inputs),
+            partition=p,
+            copies=_copies(primals, jg.forward_outputs()),
+        )
         return entry, jg.graph_module
 
 
@@ -540,7 +569,12 @@ def jit(
     if not isinstance(cache_size, int) or isinstance(cache_size, bool) or cache_size < 1:
         raise FunctransError(f"jit: cache_size must be a positive int, got {cache_size!r}")
     opts = _Options(
-        partition, backend, tuple(static_argnums), decompositions, partition_options, cache_size
+        partition=partition,
+        backend=backend,
+        static_argnums=tuple(static_argnums),
+        decompositions=decompositions,
+        partition_options=partition_options,
+        cache_size=cache_size,
     )
     if isinstance(f, torch.nn.Module):
         from ._jit_module import JitModule

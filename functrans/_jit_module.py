@@ -15,6 +15,7 @@ from ._jit import CacheInfo, _Jitted, _Options, inline
 from ._module_view import ModuleView
 from ._partition import Partition
 from ._pytree import NAMESPACE, unflatten
+from ._state import ModuleFlags
 
 __all__ = ["JitModule"]
 
@@ -40,7 +41,7 @@ def _compiled_call(module: torch.nn.Module, options: _Options) -> _Jitted:
 
 def _gather(
     module: torch.nn.Module,
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], tuple[Any, ...]]:
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], ModuleFlags]:
     """``named_parameters()``, ``named_buffers()`` and every module's ``(module, training)``
     in one walk, in ``named_modules()`` order (each module, parameter and buffer once)."""
     params: dict[str, torch.Tensor] = {}

@@ -234,6 +234,7 @@ class Guards(Generic[_V]):
     than mutating them."""
 
     def __init__(self) -> None:
+        # (layout, [(extra, guard, value), ...]): tuples, destructured on every jitted call
         self._by_layout: list[tuple[_Node, list[tuple[Any, _Guard, _V]]]] = []
 
     def find(self, tree: Any, extra: Any) -> tuple[_V, tuple[torch.Tensor, ...]] | None:
@@ -260,7 +261,10 @@ class Guards(Generic[_V]):
 
     def remove(self, v: _V) -> None:
         """Forget ``v`` (an evicted entry); call it with the writers' lock held."""
-        kept = [(lay, [g for g in gs if g[2] is not v]) for lay, gs in self._by_layout]
+        kept = [
+            (lay, [(x, guard, value) for x, guard, value in gs if value is not v])
+            for lay, gs in self._by_layout
+        ]
         self._by_layout = [(lay, gs) for lay, gs in kept if gs]
 
 
