@@ -26,7 +26,7 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Generic, ParamSpec, Protocol, TypeVar, cast, overload
 
 import torch
 
@@ -41,7 +41,14 @@ from ._pytree import Flat, exact_key, flatten_leaves, leaves_of, unflatten, wrap
 from ._state import ModuleFlags, State, autocast_off, capture, grad_enabled, no_autocast
 from ._trace import _TRACING, arg_names, is_tracing, trace
 
-__all__ = ["CacheInfo", "jit"]
+if TYPE_CHECKING:
+    from ._jit_module import JitModule
+
+__all__ = ["CacheInfo", "JitDecorator", "Jitted", "jit"]
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+_M = TypeVar("_M", bound=torch.nn.Module)
 
 #: Default number of compiled entries a jitted function keeps (least recently used out).
 CACHE_SIZE = 32
@@ -104,7 +111,7 @@ class _Apply(torch.autograd.Function):
     """Runs a compiled forward graph; its backward runs the compiled backward graph."""
 
     @staticmethod
-    def forward(ctx: Any, entry: _Entry, *tensors: torch.Tensor) -> Any:  # type: ignore[override]
+    def forward(ctx: Any, entry: _Entry, *tensors: torch.Tensor) -> Any:
         n = len(entry.out_meta)
         flat = entry.forward(*tensors)
         ctx.entry = entry
@@ -114,7 +121,7 @@ class _Apply(torch.autograd.Function):
         return tuple(flat[:n])
 
     @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:  # type: ignore[override]
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
         entry: _Entry = ctx.entry
         assert entry.backward is not None
         tangents = [
@@ -166,12 +173,13 @@ def _plain(t: torch.Tensor) -> bool:
     return type(t) is torch.Tensor or type(t) is torch.nn.Parameter
 
 
-class _Jitted:
-    """The callable ``jit`` returns (see :func:`jit`)."""
+class Jitted(Generic[_P, _R]):
+    """The callable ``jit(f)`` returns (see :func:`jit`): called like ``f``, with the same
+    parameters and result type, plus :meth:`cache_info` and :meth:`partitions`."""
 
     def __init__(
         self,
-        f: Callable[..., Any],
+        f: Callable[_P, _R],
         options: _Options,
         module_names: Callable[[], Sequence[str]] | None = None,
     ) -> None:
@@ -200,14 +208,15 @@ class _Jitted:
         """The partition of every cached training specialization (saved values, bytes, ...)."""
         return [s.entry.partition for s in self._cache.by_key.values() if s.entry.partition]
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: _P.args, **kwargs: _P.kwargs) -> _R:
         if _functorch_active() or _TRACING.get():
             return self._f(*args, **kwargs)  # see inline()
         try:
             outs, entry, _ = self._run(args, kwargs, None)
         except _AsWritten:
             return self._f(*args, **kwargs)
-        return unflatten(entry.out_flat, outs)
+        result: _R = unflatten(entry.out_flat, outs)  # the same tree f returns
+        return result
 
     def run_or_none(
         self, args: Any, kwargs: Any, module_flags: ModuleFlags
@@ -363,9 +372,10 @@ class _Jitted:
             return call(*a, **kw)
 
         names = self._names(flat)
-        flat_f.__functrans_paths__ = [names[i] for i in diff + other]  # type: ignore[attr-defined]
+        paths = [names[i] for i in diff + other]
+        flat_f.__functrans_paths__ = paths  # type: ignore[attr-defined]  # arg_names reads it
         flat_f.__qualname__ = getattr(self._f, "__qualname__", self._owner)
-        flat_f.__wrapped__ = self._f  # type: ignore[attr-defined]
+        functools.update_wrapper(flat_f, self._f, assigned=(), updated=())  # sets __wrapped__
         example = (
             tuple(tensors[i].detach() for i in diff),
             tuple(tensors[i].detach() for i in other),
@@ -521,8 +531,53 @@ def _tangent_mask(jg: Any) -> list[bool]:
     return [bool(v.meta["val"].is_floating_point()) for v in jg.forward_outputs()]
 
 
+class JitDecorator(Protocol):
+    """What ``jit(partition=..., ...)`` (options, no function) returns: a decorator that
+    compiles a module or a function with those options, as :func:`jit` does."""
+
+    @overload
+    def __call__(  # type: ignore[overload-overlap]  # a Module is callable: first one wins
+        self, f: _M, /
+    ) -> JitModule: ...
+    @overload
+    def __call__(self, f: Callable[_P, _R], /) -> Jitted[_P, _R]: ...
+
+
+@overload
 def jit(
-    f: Any = None,
+    f: _M,
+    *,
+    partition: str | Strategy = ...,
+    backend: str = ...,
+    static_argnums: Sequence[int] = ...,
+    decompositions: Decompositions = ...,
+    cache_size: int = ...,
+    **partition_options: Any,
+) -> JitModule: ...
+@overload
+def jit(
+    f: Callable[_P, _R],
+    *,
+    partition: str | Strategy = ...,
+    backend: str = ...,
+    static_argnums: Sequence[int] = ...,
+    decompositions: Decompositions = ...,
+    cache_size: int = ...,
+    **partition_options: Any,
+) -> Jitted[_P, _R]: ...
+@overload
+def jit(
+    f: None = None,
+    *,
+    partition: str | Strategy = ...,
+    backend: str = ...,
+    static_argnums: Sequence[int] = ...,
+    decompositions: Decompositions = ...,
+    cache_size: int = ...,
+    **partition_options: Any,
+) -> JitDecorator: ...
+def jit(
+    f: Callable[..., Any] | None = None,
     *,
     partition: str | Strategy = "min_cut",
     backend: str = "aten",
@@ -530,7 +585,7 @@ def jit(
     decompositions: Decompositions = "auto",
     cache_size: int = CACHE_SIZE,
     **partition_options: Any,
-) -> Any:
+) -> JitModule | Jitted[..., Any] | JitDecorator:
     """Compile ``f``: trace on first call per input signature, partition with ``partition``,
     compile forward and backward with ``backend``; results are ordinary autograd tensors.
 
@@ -547,6 +602,10 @@ def jit(
     composite ops such as ``gelu_backward`` whole (``"minimal"``); a code generator that fuses
     wants small ``"core"`` ops. Any value :func:`functrans.trace` takes overrides it.
 
+    ``jit(f)`` has ``f``'s parameters and result type (a :class:`Jitted`); ``jit(module)`` is
+    a :class:`~functrans._jit_module.JitModule`; ``jit(partition=..., ...)`` without ``f`` is
+    a decorator with those options (``@ft.jit(partition="default")``).
+
     >>> import torch, functrans as ft
     >>> @ft.jit
     ... def f(x, w):
@@ -557,7 +616,8 @@ def jit(
     (torch.Size([3, 3]), 1)
     """
     if f is None:
-        return functools.partial(
+        # mypy sees partial(jit) through jit's first overload only
+        decorate = functools.partial(
             jit,
             partition=partition,
             backend=backend,
@@ -566,6 +626,7 @@ def jit(
             cache_size=cache_size,
             **partition_options,
         )
+        return cast(JitDecorator, decorate)
     if not isinstance(cache_size, int) or isinstance(cache_size, bool) or cache_size < 1:
         raise FunctransError(f"jit: cache_size must be a positive int, got {cache_size!r}")
     opts = _Options(
@@ -580,4 +641,4 @@ def jit(
         from ._jit_module import JitModule
 
         return JitModule(f, opts)
-    return _Jitted(f, opts)
+    return Jitted(f, opts)

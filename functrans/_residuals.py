@@ -43,7 +43,9 @@ class Residual:
         return f"{self.type} {format_bytes(self.nbytes)}{shared} {self.origin}{used}"
 
 
-def _functional(f: Any, args: tuple[Any, ...]) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+def _functional(
+    f: Callable[..., Any] | torch.nn.Module, args: tuple[Any, ...]
+) -> tuple[Callable[..., Any], tuple[Any, ...]]:
     """Lift a module's parameters and buffers to an argument so they show as inputs."""
     if not isinstance(f, torch.nn.Module):
         return f, args
@@ -71,7 +73,10 @@ def _origin(node: Any, where: bool = True) -> str:
 
 
 def saved_residuals(
-    f: Any, *args: Any, partition: str | Strategy = "default", **options: Any
+    f: Callable[..., Any] | torch.nn.Module,
+    *args: Any,
+    partition: str | Strategy = "default",
+    **options: Any,
 ) -> list[Residual]:
     """The values ``f`` saves for backward under ``partition`` (functions or modules).
 
@@ -112,7 +117,10 @@ def _partition_of(jg: Any, strategy: Any, options: dict[str, Any]) -> Any:
 
 
 def print_saved_residuals(
-    f: Any, *args: Any, partition: str | Strategy = "default", **options: Any
+    f: Callable[..., Any] | torch.nn.Module,
+    *args: Any,
+    partition: str | Strategy = "default",
+    **options: Any,
 ) -> None:
     """Print :func:`saved_residuals`, one line per saved value, then the total.
 
