@@ -17,7 +17,7 @@ from ._partition import Partition, format_bytes
 
 __all__ = ["to_dot"]
 
-_FILL = {Phase.FORWARD: "#dbe9f6", Phase.BACKWARD: "#f8d7d0"}
+_FILL: dict[Phase | None, str] = {Phase.FORWARD: "#dbe9f6", Phase.BACKWARD: "#f8d7d0"}
 
 
 def _label(node: fx.Node) -> str:
@@ -28,7 +28,7 @@ def _label(node: fx.Node) -> str:
 def _node_line(node: fx.Node, dashed: bool) -> str:
     role = node.meta.get(ROLE)
     phase = node.meta.get(PHASE)
-    fill = "#e8e8e8" if isinstance(role, Role) else _FILL.get(phase, "#ffffff")  # type: ignore[arg-type]
+    fill = "#e8e8e8" if isinstance(role, Role) else _FILL.get(phase, "#ffffff")
     style = "filled,dashed" if dashed else "filled"
     return f'  "{node.name}" [label="{_label(node)}", style="{style}", fillcolor="{fill}"];'
 
