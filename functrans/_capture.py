@@ -25,7 +25,7 @@ import functools
 import types
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -297,15 +297,27 @@ class Reader:
 # what reading a path that no longer leads anywhere raises
 _GONE = (LookupError, AttributeError, ValueError, TypeError)
 
-_Plan = list[tuple[Callable[[Any, Any], Any], Any, list[int], Any]]
+
+class _Read(NamedTuple):
+    """One step of a :class:`Reader`'s plan: ``read(obj, key)``, put the result at ``leaves``
+    of the output, and go on from it with ``children`` (a tuple: destructured on every read)."""
+
+    read: Callable[[Any, Any], Any]
+    key: Any
+    leaves: list[int]
+    children: list[_Read]
+
+
+_Plan = list[_Read]
 
 
 def _plan(trie: dict[Any, Any]) -> _Plan:
-    return [
-        (_READ[step[0]], step[1], node.get(None, []), _plan(node))
-        for step, node in trie.items()
-        if step is not None
-    ]
+    plan = []
+    for step, node in trie.items():
+        if step is not None:  # None holds the leaves that end at this node
+            kind, key = step
+            plan.append(_Read(_READ[kind], key, node.get(None, []), _plan(node)))
+    return plan
 
 
 def _visit(plan: _Plan, obj: Any, out: list[Any]) -> None:
