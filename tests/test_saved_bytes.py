@@ -166,8 +166,7 @@ def test_a_saved_partial_view_keeps_its_whole_base() -> None:
         64,
     )
     assert p.activation_bytes == eager_saved_bytes(lambda w, x: f(x, w), args[1], args[0])
-    nodes = {n.name: n for n in jg.fx_graph.nodes}
-    assert activation_bytes(nodes[row.name]) == 64
+    assert activation_bytes(row.node) == 64
     for budget in (1.0, 0.5):
         limit, _ = MemoryBudget(budget=budget).limit(jg)
         assert ft.partition(jg, MemoryBudget(budget=budget)).activation_bytes <= limit
