@@ -96,7 +96,7 @@ def ours(jg: ft.JointGraph, **options: Any) -> dict[str, Any]:
         "recompute_flops": p.recompute_flops,
         "peak_bytes": p.peak_bytes,
         "ms": ms,
-        "recomputed": list(p.recomputed),
+        "recomputed": [n.name for n in p.recomputed],
         "warnings": [str(w.message) for w in caught],
         "partition": p,
     }

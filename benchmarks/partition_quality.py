@@ -61,7 +61,7 @@ def measure_ours(jg: ft.JointGraph, strategy: str, repeats: int, **options: Any)
         "peak_bytes": getattr(p, "peak_bytes", None),
         "time_ms": 1e3 * statistics.median(times),
         "n_saved": len(p.saved),
-        "recomputed": list(p.recomputed),
+        "recomputed": [n.name for n in p.recomputed],
     }
 
 

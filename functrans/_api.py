@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import torch
 
@@ -18,15 +18,19 @@ from ._validate import describe
 
 __all__ = ["grad", "value_and_grad", "vjp"]
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
 
 def vjp(
-    f: Callable[..., Any],
+    f: Callable[..., _R],
     *primals: Any,
     partition: str | Strategy = "default",
     **options: Any,
-) -> tuple[Any, Callable[[Any], tuple[Any, ...]]]:
+) -> tuple[_R, Callable[[Any], tuple[Any, ...]]]:
     """Run ``f`` forward and return ``(outputs, vjp_fn)``; ``vjp_fn(cotangents)`` gives one
     gradient pytree per primal. Only what ``partition`` chose is kept between the two calls.
+    ``outputs`` has ``f``'s result type.
 
     >>> import torch, functrans as ft
     >>> out, vjp_fn = ft.vjp(torch.sin, torch.zeros(2), partition="full_remat")
@@ -37,6 +41,7 @@ def vjp(
         return _torch_func_vjp(f, primals)
     jg = joint(f)(*primals)
     p = _partition(jg, partition, options)
+    outs: _R
     outs, saved = p.forward(*primals)
 
     def vjp_fn(cotangents: Any) -> tuple[Any, ...]:
@@ -63,8 +68,8 @@ def _partition(jg: Any, strategy: str | Strategy, options: dict[str, Any]) -> An
 # same derivative comes from torch.func itself, with the same calling conventions. Which
 # values are saved is then torch.func's business, not the partition strategy's.
 def _torch_func_vjp(
-    f: Callable[..., Any], primals: tuple[Any, ...]
-) -> tuple[Any, Callable[[Any], tuple[Any, ...]]]:
+    f: Callable[..., _R], primals: tuple[Any, ...]
+) -> tuple[_R, Callable[[Any], tuple[Any, ...]]]:
     found: Any = torch.func.vjp(f, *primals)
     return found[0], found[1]
 
@@ -77,21 +82,22 @@ def _torch_func_value_and_grad(
 
 
 def value_and_grad(
-    f: Callable[..., Any],
+    f: Callable[_P, _R],
     argnums: int | Sequence[int] = 0,
     has_aux: bool = False,
     *,
     partition: str | Strategy = "default",
     **options: Any,
-) -> Callable[..., tuple[Any, Any]]:
-    """Like :func:`grad` but returns ``(value, grads)`` (``((value, aux), grads)`` with aux).
+) -> Callable[_P, tuple[_R, Any]]:
+    """Like :func:`grad` but returns ``(value, grads)`` (``((value, aux), grads)`` with aux):
+    it takes ``f``'s parameters and ``value`` is what ``f`` returns.
 
     >>> import torch, functrans as ft
     >>> ft.value_and_grad(lambda x: (x * x).sum())(torch.tensor([1.0, 2.0]))
     (tensor(5.), tensor([2., 4.]))
     """
 
-    def run(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
+    def run(*args: _P.args, **kwargs: _P.kwargs) -> tuple[_R, Any]:
         check_differentiable(f, args, argnums)
         if torch._C._are_functorch_transforms_active():
             return _torch_func_value_and_grad(f, argnums, has_aux, args, kwargs)
@@ -175,14 +181,15 @@ def _positional_names(f: Callable[..., Any]) -> list[str]:
 
 
 def grad(
-    f: Callable[..., Any],
+    f: Callable[_P, Any],
     argnums: int | Sequence[int] = 0,
     has_aux: bool = False,
     *,
     partition: str | Strategy = "default",
     **options: Any,
-) -> Callable[..., Any]:
-    """The gradient of scalar-valued ``f`` with respect to the arguments ``argnums``.
+) -> Callable[_P, Any]:
+    """The gradient of scalar-valued ``f`` with respect to the arguments ``argnums``; it takes
+    ``f``'s parameters.
 
     >>> import torch, functrans as ft
     >>> ft.grad(lambda x, y: (x * y).sum(), argnums=(0, 1))(torch.ones(2), torch.full((2,), 3.0))
@@ -190,7 +197,7 @@ def grad(
     """
     vg = value_and_grad(f, argnums, has_aux, partition=partition, **options)
 
-    def run(*args: Any, **kwargs: Any) -> Any:
+    def run(*args: _P.args, **kwargs: _P.kwargs) -> Any:
         value, grads = vg(*args, **kwargs)
         return (grads, value[1]) if has_aux else grads
 

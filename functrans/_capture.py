@@ -25,7 +25,7 @@ import functools
 import types
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -34,7 +34,7 @@ from ._graph import SOURCE
 __all__ = ["Path", "Reach", "Reader", "captured_constants", "reach", "swapped"]
 
 # a step from one object to the next: (kind, key); kinds are the rows of _READ
-Step = tuple[str, Any]
+PathStep = tuple[str, Any]
 
 _READ: dict[str, Callable[[Any, Any], Any]] = {
     "cell": lambda f, i: f.__closure__[i].cell_contents,
@@ -94,7 +94,7 @@ _WRITE: dict[str, Callable[[Any, Any, Any], None]] = {
 class Path:
     """How to reach one object from the root function, and its readable name."""
 
-    steps: tuple[Step, ...]
+    steps: tuple[PathStep, ...]
     name: str
     writable: bool  # the last container can be written (not a tuple, not a method's self)
 
@@ -144,10 +144,10 @@ def reach(f: Any) -> Reach:
     docstring); the first path found to an object is the shortest."""
     found = Reach(f)
     seen: set[int] = {id(f)}
-    frontier: list[tuple[Any, tuple[Step, ...], str]] = [(f, (), "")]
+    frontier: list[tuple[Any, tuple[PathStep, ...], str]] = [(f, (), "")]
     budget = _MAX_OBJECTS
     for _ in range(_MAX_DEPTH):
-        nxt: list[tuple[Any, tuple[Step, ...], str]] = []
+        nxt: list[tuple[Any, tuple[PathStep, ...], str]] = []
         for obj, steps, name in frontier:
             for step, child, child_name, child_writable in _children(obj, name):
                 if isinstance(child, torch.Tensor):
@@ -168,7 +168,7 @@ def reach(f: Any) -> Reach:
     return found
 
 
-_Child = tuple[Step, Any, str, bool]
+_Child = tuple[PathStep, Any, str, bool]
 
 
 def _children(obj: Any, name: str) -> Iterator[_Child]:
@@ -297,15 +297,27 @@ class Reader:
 # what reading a path that no longer leads anywhere raises
 _GONE = (LookupError, AttributeError, ValueError, TypeError)
 
-_Plan = list[tuple[Callable[[Any, Any], Any], Any, list[int], Any]]
+
+class _Read(NamedTuple):
+    """One step of a :class:`Reader`'s plan: ``read(obj, key)``, put the result at ``leaves``
+    of the output, and go on from it with ``children`` (a tuple: destructured on every read)."""
+
+    read: Callable[[Any, Any], Any]
+    key: Any
+    leaves: list[int]
+    children: list[_Read]
+
+
+_Plan = list[_Read]
 
 
 def _plan(trie: dict[Any, Any]) -> _Plan:
-    return [
-        (_READ[step[0]], step[1], node.get(None, []), _plan(node))
-        for step, node in trie.items()
-        if step is not None
-    ]
+    plan = []
+    for step, node in trie.items():
+        if step is not None:  # None holds the leaves that end at this node
+            kind, key = step
+            plan.append(_Read(_READ[kind], key, node.get(None, []), _plan(node)))
+    return plan
 
 
 def _visit(plan: _Plan, obj: Any, out: list[Any]) -> None:

@@ -17,7 +17,7 @@ from ._partition import Partition, format_bytes
 
 __all__ = ["to_dot"]
 
-_FILL = {Phase.FORWARD: "#dbe9f6", Phase.BACKWARD: "#f8d7d0"}
+_FILL: dict[Phase | None, str] = {Phase.FORWARD: "#dbe9f6", Phase.BACKWARD: "#f8d7d0"}
 
 
 def _label(node: fx.Node) -> str:
@@ -28,7 +28,7 @@ def _label(node: fx.Node) -> str:
 def _node_line(node: fx.Node, dashed: bool) -> str:
     role = node.meta.get(ROLE)
     phase = node.meta.get(PHASE)
-    fill = "#e8e8e8" if isinstance(role, Role) else _FILL.get(phase, "#ffffff")  # type: ignore[arg-type]
+    fill = "#e8e8e8" if isinstance(role, Role) else _FILL.get(phase, "#ffffff")
     style = "filled,dashed" if dashed else "filled"
     return f'  "{node.name}" [label="{_label(node)}", style="{style}", fillcolor="{fill}"];'
 
@@ -42,16 +42,16 @@ def to_dot(obj: Partition | Graph) -> str:
     digraph functrans {
     """
     graph = obj.joint if isinstance(obj, Partition) else obj
-    saved: dict[str, int] = {}
-    recomputed: set[str] = set()
+    saved: dict[fx.Node, int] = {}
+    recomputed: set[fx.Node] = set()
     if isinstance(obj, Partition):
         shared = obj.shared_storage()  # a storage's bytes label the edge of its first value
-        saved = {s.name: 0 if s.name in shared else s.activation_bytes for s in obj.saved}
+        saved = {s.node: 0 if s.node in shared else s.activation_bytes for s in obj.saved}
         recomputed = set(obj.recomputed)
     lines = ["digraph functrans {", "  rankdir=TB; node [shape=box, fontname=monospace];"]
     for node in graph.fx_graph.nodes:
         if node.op != "output":
-            lines.append(_node_line(node, node.name in recomputed))
+            lines.append(_node_line(node, node in recomputed))
     for node in graph.fx_graph.nodes:
         for user in node.users:
             if user.op == "output":
@@ -61,10 +61,10 @@ def to_dot(obj: Partition | Graph) -> str:
     return "\n".join(lines)
 
 
-def _edge(node: fx.Node, user: fx.Node, saved: dict[str, int], recomputed: set[str]) -> str:
-    in_backward = user.meta.get(PHASE) is Phase.BACKWARD or user.name in recomputed
-    crosses = node.name in saved and in_backward
+def _edge(node: fx.Node, user: fx.Node, saved: dict[fx.Node, int], recomputed: set[fx.Node]) -> str:
+    in_backward = user.meta.get(PHASE) is Phase.BACKWARD or user in recomputed
+    crosses = node in saved and in_backward
     if crosses:
-        label = f"saved {format_bytes(saved[node.name])}"
+        label = f"saved {format_bytes(saved[node])}"
         return f'  "{node.name}" -> "{user.name}" [color="#c0392b", penwidth=2.5, label="{label}"];'
     return f'  "{node.name}" -> "{user.name}";'

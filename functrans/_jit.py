@@ -26,7 +26,7 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Generic, ParamSpec, Protocol, TypeVar, cast, overload
 
 import torch
 
@@ -37,11 +37,18 @@ from ._jit_cache import Cache, Signature, Slot, leaves_order
 from ._joint import joint
 from ._logs import log
 from ._partition import Partition, Strategy, partition
-from ._pytree import Flat, exact_key, leaves_of, split, unflatten, wrap_static
-from ._state import State, autocast_off, capture, grad_enabled, no_autocast
+from ._pytree import Flat, exact_key, flatten_leaves, leaves_of, unflatten, wrap_static
+from ._state import ModuleFlags, State, autocast_off, capture, grad_enabled, no_autocast
 from ._trace import _TRACING, arg_names, is_tracing, trace
 
-__all__ = ["CacheInfo", "jit"]
+if TYPE_CHECKING:
+    from ._jit_module import JitModule
+
+__all__ = ["CacheInfo", "JitDecorator", "Jitted", "jit"]
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+_M = TypeVar("_M", bound=torch.nn.Module)
 
 #: Default number of compiled entries a jitted function keeps (least recently used out).
 CACHE_SIZE = 32
@@ -63,15 +70,33 @@ class CacheInfo:
     compile_s: float = 0.0
 
 
+@dataclass(frozen=True, slots=True)
+class _OutMeta:
+    """One flat output of a compiled forward, as its backward needs it."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+    takes_tangent: bool  # floating outputs; integers and booleans are not differentiable
+
+    @classmethod
+    def of(cls, val: torch.Tensor, takes_tangent: bool) -> _OutMeta:
+        return cls(val.shape, val.dtype, val.device, takes_tangent)
+
+    def zeros(self) -> torch.Tensor:
+        """The tangent autograd passes as None: zeros of this output's type."""
+        return torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+
+
 @dataclass(frozen=True)
 class _Entry:
     """One compiled specialization: flat-tensor callables plus how to rebuild the outputs."""
 
     forward: Callable[..., list[Any]]
-    backward: Callable[..., list[Any]] | None
+    backward: Callable[..., list[Any]] | None  # None: an inference entry (forward only)
     out_flat: Flat
-    out_meta: tuple[tuple[torch.Size, torch.dtype, torch.device, bool], ...]  # ..., tangent?
-    num_diff: int
+    out_meta: tuple[_OutMeta, ...]
+    num_diff: int  # the first num_diff inputs are differentiated
     num_inputs: int
     partition: Partition | None
     copies: dict[int, int]  # flat output -> flat input it is an unmodified copy of
@@ -79,14 +104,14 @@ class _Entry:
     @functools.cached_property
     def frozen(self) -> tuple[int, ...]:
         """The outputs that take no tangent (integers, booleans): not differentiable."""
-        return tuple(i for i, m in enumerate(self.out_meta) if not m[3])
+        return tuple(i for i, m in enumerate(self.out_meta) if not m.takes_tangent)
 
 
 class _Apply(torch.autograd.Function):
     """Runs a compiled forward graph; its backward runs the compiled backward graph."""
 
     @staticmethod
-    def forward(ctx: Any, entry: _Entry, *tensors: torch.Tensor) -> Any:  # type: ignore[override]
+    def forward(ctx: Any, entry: _Entry, *tensors: torch.Tensor) -> Any:
         n = len(entry.out_meta)
         flat = entry.forward(*tensors)
         ctx.entry = entry
@@ -96,13 +121,13 @@ class _Apply(torch.autograd.Function):
         return tuple(flat[:n])
 
     @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:  # type: ignore[override]
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
         entry: _Entry = ctx.entry
         assert entry.backward is not None
         tangents = [
-            g.contiguous() if g is not None else torch.zeros(shape, dtype=dtype, device=device)
-            for g, (shape, dtype, device, wants) in zip(grads, entry.out_meta, strict=True)
-            if wants
+            g.contiguous() if g is not None else m.zeros()
+            for g, m in zip(grads, entry.out_meta, strict=True)
+            if m.takes_tangent
         ]
         with autocast_off():  # the backward graph holds its own casts
             flat_grads = entry.backward(*ctx.saved_tensors, *tangents)
@@ -148,12 +173,13 @@ def _plain(t: torch.Tensor) -> bool:
     return type(t) is torch.Tensor or type(t) is torch.nn.Parameter
 
 
-class _Jitted:
-    """The callable ``jit`` returns (see :func:`jit`)."""
+class Jitted(Generic[_P, _R]):
+    """The callable ``jit(f)`` returns (see :func:`jit`): called like ``f``, with the same
+    parameters and result type, plus :meth:`cache_info` and :meth:`partitions`."""
 
     def __init__(
         self,
-        f: Callable[..., Any],
+        f: Callable[_P, _R],
         options: _Options,
         module_names: Callable[[], Sequence[str]] | None = None,
     ) -> None:
@@ -182,17 +208,18 @@ class _Jitted:
         """The partition of every cached training specialization (saved values, bytes, ...)."""
         return [s.entry.partition for s in self._cache.by_key.values() if s.entry.partition]
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: _P.args, **kwargs: _P.kwargs) -> _R:
         if _functorch_active() or _TRACING.get():
             return self._f(*args, **kwargs)  # see inline()
         try:
             outs, entry, _ = self._run(args, kwargs, None)
         except _AsWritten:
             return self._f(*args, **kwargs)
-        return unflatten(entry.out_flat, outs)
+        result: _R = unflatten(entry.out_flat, outs)  # the same tree f returns
+        return result
 
     def run_or_none(
-        self, args: Any, kwargs: Any, module_flags: tuple[Any, ...]
+        self, args: Any, kwargs: Any, module_flags: ModuleFlags
     ) -> tuple[list[Any], _Entry, Sequence[torch.Tensor]] | None:
         """For callers that check :func:`inline` and read the module flags themselves: flat
         outputs, the entry that computed them and the inputs in the entry's order; None where
@@ -203,7 +230,7 @@ class _Jitted:
             return None
 
     def _run(
-        self, args: Any, kwargs: Any, module_flags: tuple[Any, ...] | None
+        self, args: Any, kwargs: Any, module_flags: ModuleFlags | None
     ) -> tuple[list[Any], _Entry, Sequence[torch.Tensor]]:
         """Flat outputs, the entry that computed them and the inputs in the entry's order.
 
@@ -233,7 +260,7 @@ class _Jitted:
                     continue
                 apply = _Apply.apply
             entry = slot.entry
-            if state[4] is not None or state[5] is not None:  # autocast: see no_autocast
+            if state.autocast_cpu is not None or state.autocast_cuda is not None:  # no_autocast
                 with no_autocast(state):
                     return _execute(apply, entry, ordered), entry, ordered
             if entry.backward is None:
@@ -241,7 +268,7 @@ class _Jitted:
             return list(apply(entry, *ordered)), entry, ordered
         raise TraceError(f"{self._owner}: the captured tensors keep changing while compiling")
 
-    def _module_flags(self) -> tuple[Any, ...]:
+    def _module_flags(self) -> ModuleFlags:
         """``(module, training)`` of every module the function reaches, read now."""
         reader = self._modules
         if reader is None:
@@ -267,7 +294,7 @@ class _Jitted:
         """The exact path: the entry by its full key (compiled on a miss); the guarded path
         above is the same lookup, cheaper, for trees :class:`Guards` can describe."""
         leaves, spec = leaves_of(tree)
-        tensors, flat = split(leaves, spec, self._opts.static_argnums)
+        tensors, flat = flatten_leaves(leaves, spec, self._opts.static_argnums)
         if not all(map(_plain, tensors)):
             self._as_written(flat, tensors)
         key = (exact_key(flat, tensors), state)
@@ -345,9 +372,10 @@ class _Jitted:
             return call(*a, **kw)
 
         names = self._names(flat)
-        flat_f.__functrans_paths__ = [names[i] for i in diff + other]  # type: ignore[attr-defined]
+        paths = [names[i] for i in diff + other]
+        flat_f.__functrans_paths__ = paths  # type: ignore[attr-defined]  # arg_names reads it
         flat_f.__qualname__ = getattr(self._f, "__qualname__", self._owner)
-        flat_f.__wrapped__ = self._f  # type: ignore[attr-defined]
+        functools.update_wrapper(flat_f, self._f, assigned=(), updated=())  # sets __wrapped__
         example = (
             tuple(tensors[i].detach() for i in diff),
             tuple(tensors[i].detach() for i in other),
@@ -429,12 +457,16 @@ class _Jitted:
             self._times.trace_s += t1 - t0
             self._times.compile_s += time.perf_counter() - t1
             vals = [n for n in g.output_nodes()]
-            meta = tuple(
-                (v.meta["val"].shape, v.meta["val"].dtype, v.meta["val"].device, False)
-                for v in vals
+            entry = _Entry(
+                forward=fwd,
+                backward=None,
+                out_flat=g.out_flat,
+                out_meta=tuple(_OutMeta.of(v.meta["val"], False) for v in vals),
+                num_diff=0,
+                num_inputs=len(inputs),
+                partition=None,
+                copies=_copies(g.placeholders(), vals),
             )
-            copies = _copies(g.placeholders(), vals)
-            entry = _Entry(fwd, None, g.out_flat, meta, 0, len(inputs), None, copies)
             return entry, g.graph_module
         jg = joint(flat_f, argnums=0, decompositions=decompositions)(*example)
         t1 = time.perf_counter()
@@ -451,14 +483,21 @@ class _Jitted:
         self._times.partition_s += t2 - t1
         self._times.compile_s += time.perf_counter() - t2
         wants = _tangent_mask(jg)
-        meta = tuple(
-            (v.meta["val"].shape, v.meta["val"].dtype, v.meta["val"].device, w)
-            for v, w in zip(jg.forward_outputs(), wants, strict=True)
-        )
         tangents = set(jg.tangents())
         primals = [n for n in jg.placeholders() if n not in tangents]
-        copies = _copies(primals, jg.forward_outputs())
-        entry = _Entry(fwd, bwd, jg.fn_out, meta, len(example[0]), len(inputs), p, copies)
+        entry = _Entry(
+            forward=fwd,
+            backward=bwd,
+            out_flat=jg.fn_out,
+            out_meta=tuple(
+                _OutMeta.of(v.meta["val"], w)
+                for v, w in zip(jg.forward_outputs(), wants, strict=True)
+            ),
+            num_diff=len(example[0]),
+            num_inputs=len(inputs),
+            partition=p,
+            copies=_copies(primals, jg.forward_outputs()),
+        )
         return entry, jg.graph_module
 
 
@@ -492,8 +531,53 @@ def _tangent_mask(jg: Any) -> list[bool]:
     return [bool(v.meta["val"].is_floating_point()) for v in jg.forward_outputs()]
 
 
+class JitDecorator(Protocol):
+    """What ``jit(partition=..., ...)`` (options, no function) returns: a decorator that
+    compiles a module or a function with those options, as :func:`jit` does."""
+
+    @overload
+    def __call__(  # type: ignore[overload-overlap]  # a Module is callable: first one wins
+        self, f: _M, /
+    ) -> JitModule: ...
+    @overload
+    def __call__(self, f: Callable[_P, _R], /) -> Jitted[_P, _R]: ...
+
+
+@overload
 def jit(
-    f: Any = None,
+    f: _M,
+    *,
+    partition: str | Strategy = ...,
+    backend: str = ...,
+    static_argnums: Sequence[int] = ...,
+    decompositions: Decompositions = ...,
+    cache_size: int = ...,
+    **partition_options: Any,
+) -> JitModule: ...
+@overload
+def jit(
+    f: Callable[_P, _R],
+    *,
+    partition: str | Strategy = ...,
+    backend: str = ...,
+    static_argnums: Sequence[int] = ...,
+    decompositions: Decompositions = ...,
+    cache_size: int = ...,
+    **partition_options: Any,
+) -> Jitted[_P, _R]: ...
+@overload
+def jit(
+    f: None = None,
+    *,
+    partition: str | Strategy = ...,
+    backend: str = ...,
+    static_argnums: Sequence[int] = ...,
+    decompositions: Decompositions = ...,
+    cache_size: int = ...,
+    **partition_options: Any,
+) -> JitDecorator: ...
+def jit(
+    f: Callable[..., Any] | None = None,
     *,
     partition: str | Strategy = "min_cut",
     backend: str = "aten",
@@ -501,7 +585,7 @@ def jit(
     decompositions: Decompositions = "auto",
     cache_size: int = CACHE_SIZE,
     **partition_options: Any,
-) -> Any:
+) -> JitModule | Jitted[..., Any] | JitDecorator:
     """Compile ``f``: trace on first call per input signature, partition with ``partition``,
     compile forward and backward with ``backend``; results are ordinary autograd tensors.
 
@@ -518,6 +602,10 @@ def jit(
     composite ops such as ``gelu_backward`` whole (``"minimal"``); a code generator that fuses
     wants small ``"core"`` ops. Any value :func:`functrans.trace` takes overrides it.
 
+    ``jit(f)`` has ``f``'s parameters and result type (a :class:`Jitted`); ``jit(module)`` is
+    a :class:`~functrans._jit_module.JitModule`; ``jit(partition=..., ...)`` without ``f`` is
+    a decorator with those options (``@ft.jit(partition="default")``).
+
     >>> import torch, functrans as ft
     >>> @ft.jit
     ... def f(x, w):
@@ -528,7 +616,8 @@ def jit(
     (torch.Size([3, 3]), 1)
     """
     if f is None:
-        return functools.partial(
+        # mypy sees partial(jit) through jit's first overload only
+        decorate = functools.partial(
             jit,
             partition=partition,
             backend=backend,
@@ -537,13 +626,19 @@ def jit(
             cache_size=cache_size,
             **partition_options,
         )
+        return cast(JitDecorator, decorate)
     if not isinstance(cache_size, int) or isinstance(cache_size, bool) or cache_size < 1:
         raise FunctransError(f"jit: cache_size must be a positive int, got {cache_size!r}")
     opts = _Options(
-        partition, backend, tuple(static_argnums), decompositions, partition_options, cache_size
+        partition=partition,
+        backend=backend,
+        static_argnums=tuple(static_argnums),
+        decompositions=decompositions,
+        partition_options=partition_options,
+        cache_size=cache_size,
     )
     if isinstance(f, torch.nn.Module):
         from ._jit_module import JitModule
 
         return JitModule(f, opts)
-    return _Jitted(f, opts)
+    return Jitted(f, opts)

@@ -14,7 +14,7 @@ import itertools
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, NamedTuple, TypeVar
 
 import torch
 
@@ -22,7 +22,7 @@ from ._logs import log
 from ._pytree import Flat, Guards
 from ._state import State, describe
 
-__all__ = ["RECOMPILE_WARNING", "Cache", "RecompileWarning", "Signature", "Slot"]
+__all__ = ["RECOMPILE_WARNING", "Cache", "RecompileWarning", "Signature", "Slot", "TensorMeta"]
 
 #: Misses after which a jitted function warns that it keeps recompiling (torch's limit is 8).
 RECOMPILE_WARNING = 8
@@ -34,13 +34,29 @@ class RecompileWarning(UserWarning):
     """A jitted function recompiles often (each recompile traces and compiles again)."""
 
 
+class TensorMeta(NamedTuple):
+    """What a compiled entry depends on of one tensor argument (a tuple: compared field by
+    field to name what changed)."""
+
+    type: type
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    requires_grad: bool
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> TensorMeta:
+        return cls(type(t), tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad)
+
+
 @dataclass(frozen=True)
 class Signature:
     """What one entry was compiled for, kept to explain later misses."""
 
     flat: Flat
     names: tuple[str, ...]  # every leaf's name (``x``, ``params['w']``), in flat order
-    tensors: tuple[tuple[Any, ...], ...]  # (type, shape, stride, dtype, device, requires_grad)
+    tensors: tuple[TensorMeta, ...]
     state: State
     module_names: tuple[str, ...]
 
@@ -53,14 +69,8 @@ class Signature:
         state: State,
         module_names: Sequence[str],
     ) -> Signature:
-        meta = tuple(
-            (type(t), tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad)
-            for t in tensors
-        )
+        meta = tuple(TensorMeta.of(t) for t in tensors)
         return cls(flat, tuple(names), meta, state, tuple(module_names))
-
-
-_FIELDS = ("type", "shape", "stride", "dtype", "device", "requires_grad")
 
 
 def differences(old: Signature, new: Signature) -> list[str]:
@@ -87,7 +97,7 @@ def differences(old: Signature, new: Signature) -> list[str]:
         elif is_t:
             changes = [
                 _tensor_change(field, x, y)
-                for field, x, y in zip(_FIELDS, before or (), after or (), strict=True)
+                for field, x, y in zip(TensorMeta._fields, before or (), after or (), strict=True)
                 if x != y
             ]
             out.extend(f"{name}: {c}" for c in changes)

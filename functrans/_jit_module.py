@@ -11,15 +11,16 @@ import torch
 import torch.utils._pytree as torch_pytree
 
 from ._errors import TraceError
-from ._jit import CacheInfo, _Jitted, _Options, inline
+from ._jit import CacheInfo, Jitted, _Options, inline
 from ._module_view import ModuleView
 from ._partition import Partition
 from ._pytree import NAMESPACE, unflatten
+from ._state import ModuleFlags
 
 __all__ = ["JitModule"]
 
 
-def _compiled_call(module: torch.nn.Module, options: _Options) -> _Jitted:
+def _compiled_call(module: torch.nn.Module, options: _Options) -> Jitted[..., Any]:
     """``module``'s forward as a function of its parameters and buffers, jitted."""
 
     def call(
@@ -35,12 +36,12 @@ def _compiled_call(module: torch.nn.Module, options: _Options) -> _Jitted:
 
     call.__qualname__ = type(module).__qualname__
     statics = tuple(i + 2 for i in options.static_argnums)  # after params and buffers
-    return _Jitted(call, dataclasses.replace(options, static_argnums=statics), names)
+    return Jitted(call, dataclasses.replace(options, static_argnums=statics), names)
 
 
 def _gather(
     module: torch.nn.Module,
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], tuple[Any, ...]]:
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], ModuleFlags]:
     """``named_parameters()``, ``named_buffers()`` and every module's ``(module, training)``
     in one walk, in ``named_modules()`` order (each module, parameter and buffer once)."""
     params: dict[str, torch.Tensor] = {}
@@ -99,15 +100,15 @@ class JitModule(ModuleView):
         self.__dict__["_jitted"] = _compiled_call(self._wrapped, self.__dict__["_opts"])
 
     @property
-    def _compiled(self) -> _Jitted:
-        jitted: _Jitted = self.__dict__["_jitted"]
+    def _compiled(self) -> Jitted[..., Any]:
+        jitted: Jitted[..., Any] = self.__dict__["_jitted"]
         return jitted
 
     def __repr__(self) -> str:
         return f"jit({self._wrapped!r})"
 
     def cache_info(self) -> CacheInfo:
-        """The compiled entries' statistics (see :meth:`_Jitted.cache_info`)."""
+        """The compiled entries' statistics (see :meth:`Jitted.cache_info`)."""
         return self._compiled.cache_info()
 
     def partitions(self) -> list[Partition]:

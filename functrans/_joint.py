@@ -8,7 +8,7 @@ graph, connected only by data flow, which is what lets a partitioner plan global
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, ParamSpec
 
 import optree
 import torch
@@ -24,6 +24,8 @@ from ._state import autocast_off
 from ._trace import arg_names, check_inputs, run_traced, trace, trace_module
 
 __all__ = ["joint", "normalize_argnums"]
+
+_P = ParamSpec("_P")
 
 
 def normalize_argnums(argnums: int | Sequence[int] | None, nargs: int) -> tuple[int, ...]:
@@ -70,17 +72,18 @@ def _grads_structure(args: tuple[Any, ...], argnums: tuple[int, ...], is_int: bo
 
 
 def joint(
-    f: Callable[..., Any],
+    f: Callable[_P, Any],
     *,
     argnums: int | Sequence[int] | None = None,
     has_aux: bool = False,
     decompositions: Decompositions = "core",
-) -> Callable[..., JointGraph]:
+) -> Callable[_P, JointGraph]:
     """Trace ``f`` forward+backward into one :class:`JointGraph`.
 
     The result computes ``(outputs, grads)`` from ``(primals, tangents)``: ``primals`` are the
     positional arguments, ``tangents`` one cotangent per floating-point output leaf. With
-    ``has_aux``, ``f`` returns ``(output, aux)`` and ``aux`` gets no tangent.
+    ``has_aux``, ``f`` returns ``(output, aux)`` and ``aux`` gets no tangent. ``joint(f)``
+    takes ``f``'s parameters.
 
     >>> import torch, functrans as ft
     >>> jg = ft.joint(lambda x: (x * x).sum())(torch.ones(3))
@@ -90,7 +93,7 @@ def joint(
     """
     table = decomposition_table(decompositions)
 
-    def traced(*args: Any, **kwargs: Any) -> JointGraph:
+    def traced(*args: _P.args, **kwargs: _P.kwargs) -> JointGraph:
         try:
             with no_gc():
                 return build(*args, **kwargs)

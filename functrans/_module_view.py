@@ -51,8 +51,8 @@ class ModuleView(torch.nn.Module):
         return module
 
     # the module's flag is the flag: model.eval() and view.eval() are one switch
-    @property  # type: ignore[override]
-    def training(self) -> bool:  # type: ignore[override]
+    @property
+    def training(self) -> bool:
         module = self.__dict__.get("module")
         return True if module is None else bool(module.training)
 

@@ -7,7 +7,7 @@ modes and in traced graphs, where policies see it with its name.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import optree
 import torch
@@ -15,6 +15,8 @@ import torch
 from ._pytree import NAMESPACE
 
 __all__ = ["checkpoint_name", "checkpoint_name_op"]
+
+_T = TypeVar("_T")
 
 
 @functools.cache
@@ -34,14 +36,17 @@ def checkpoint_name_op() -> Any:
     return torch.ops.functrans.checkpoint_name.default
 
 
-def checkpoint_name(x: Any, name: str) -> Any:
-    """Name ``x`` (a tensor or pytree of tensors) for ``save_only_these_names`` and friends.
+def checkpoint_name(x: _T, name: str) -> _T:
+    """Name ``x`` (a tensor or pytree of tensors) for ``save_only_these_names`` and friends;
+    the result has ``x``'s structure and type.
 
     >>> import torch, functrans as ft
     >>> ft.checkpoint_name(torch.ones(2), "h")
     tensor([1., 1.])
     """
     op = checkpoint_name_op()
-    return optree.tree_map(
-        lambda t: op(t, name) if isinstance(t, torch.Tensor) else t, x, namespace=NAMESPACE
+    tree: Any = x  # any pytree
+    named = optree.tree_map(
+        lambda t: op(t, name) if isinstance(t, torch.Tensor) else t, tree, namespace=NAMESPACE
     )
+    return cast(_T, named)  # the same tree, a named tensor for each tensor

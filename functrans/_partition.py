@@ -39,10 +39,10 @@ class SavedValue:
     ``storage`` names the buffer the value lives in (the value that allocated it, ``name[i]``
     for one output of a multi-output op) and ``storage_bytes`` is that buffer's size: a view
     lives in its base's storage and keeps all of it alive. Values that share a storage count it
-    once in :attr:`Partition.activation_bytes`.
+    once in :attr:`Partition.activation_bytes`. ``node`` is the value's node in the joint graph.
     """
 
-    name: str
+    node: fx.Node
     op: str  # producing op, or "input" for a primal
     shape: tuple[int, ...]
     dtype: torch.dtype | None
@@ -51,6 +51,11 @@ class SavedValue:
     source: str | None  # the user's source line, where known
     storage: str
     storage_bytes: int
+
+    @property
+    def name(self) -> str:
+        """The node's name (for printing; look values up by :attr:`node`)."""
+        return self.node.name
 
     @property
     def activation_bytes(self) -> int:
@@ -63,7 +68,7 @@ class SavedValue:
         tensor = val if isinstance(val, torch.Tensor) else None
         root, index = storage_of(node)
         return cls(
-            name=node.name,
+            node=node,
             op="input" if node.op == "placeholder" else op_name(node.target),
             shape=tuple(int(s) for s in tensor.shape) if tensor is not None else (),
             dtype=tensor.dtype if tensor is not None else None,
@@ -80,8 +85,8 @@ class Partition:
     """A joint graph cut into ``forward`` and ``backward`` graphs.
 
     ``outs, saved = p.forward(*args)`` runs the forward pass; ``grads = p.backward(saved,
-    tangents)`` the backward pass. ``saved`` describes what crosses the cut, ``recomputed`` names
-    the forward ops backward runs again.
+    tangents)`` the backward pass. ``saved`` describes what crosses the cut, ``recomputed`` holds
+    the forward ops backward runs again (nodes of ``joint``, as :attr:`SavedValue.node` is).
     """
 
     joint: JointGraph
@@ -89,7 +94,7 @@ class Partition:
     forward: Graph
     backward: Graph
     saved: tuple[SavedValue, ...]
-    recomputed: tuple[str, ...]
+    recomputed: tuple[fx.Node, ...]
     recompute_flops: int
     #: values the shared save/recompute rules (:meth:`~functrans.extend.CutProblem.legalize`)
     #: added to or removed from the strategy's choice: empty for a strategy that obeys them
@@ -116,9 +121,9 @@ class Partition:
         """All saved bytes, inputs included, each storage counted once."""
         return sum(s.storage_bytes for s in self._counted())
 
-    def shared_storage(self) -> dict[str, str]:
+    def shared_storage(self) -> dict[fx.Node, fx.Node]:
         """For each saved value whose storage an earlier saved value already holds (a view of it,
-        or both views of one base): the name of that earlier value, which counts the bytes.
+        or both views of one base): that earlier value, which counts the bytes (as nodes).
 
         >>> import torch, functrans as ft
         >>> jg = ft.joint(lambda x: (x.exp() * x.exp().t()).sum())(torch.ones(4, 4))
@@ -126,19 +131,19 @@ class Partition:
         >>> [(s.name, s.storage, s.activation_bytes) for s in p.saved]
         [('exp', 'exp', 64), ('permute', 'exp', 64)]
         >>> p.shared_storage(), p.activation_bytes
-        ({'permute': 'exp'}, 64)
+        ({permute: exp}, 64)
         """
-        first: dict[str, str] = {}
-        out: dict[str, str] = {}
+        first: dict[str, fx.Node] = {}
+        out: dict[fx.Node, fx.Node] = {}
         for s in self.saved:
-            owner = first.setdefault(s.storage, s.name)
-            if owner != s.name:
-                out[s.name] = owner
+            owner = first.setdefault(s.storage, s.node)
+            if owner is not s.node:
+                out[s.node] = owner
         return out
 
     def _counted(self) -> list[SavedValue]:
         shared = self.shared_storage()
-        return [s for s in self.saved if s.name not in shared]
+        return [s for s in self.saved if s.node not in shared]
 
     def report(self) -> str:
         """A table of the saved values with totals, and the recomputed ops.
@@ -157,7 +162,7 @@ class Partition:
                 if s.dtype is not None
                 else "-",
                 str(s.dtype).replace("torch.", ""),
-                f"shared with {shared[s.name]}" if s.name in shared else str(s.storage_bytes),
+                f"shared with {shared[s.node].name}" if s.node in shared else str(s.storage_bytes),
                 "yes" if s.is_input else "no",
                 _short_source(s.source),
             )
@@ -173,7 +178,8 @@ class Partition:
             lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)))
         lines.append(f"  activation bytes: {self.activation_bytes}")
         lines.append(f"  peak bytes (forward then backward): {self.peak_bytes}")
-        lines.append(f"  recomputed in backward: {', '.join(self.recomputed) or '-'}")
+        redone = ", ".join(n.name for n in self.recomputed)
+        lines.append(f"  recomputed in backward: {redone or '-'}")
         return "\n".join(line.rstrip() for line in lines)
 
     def __str__(self) -> str:
@@ -228,7 +234,7 @@ def partition(joint: JointGraph, strategy: str | Strategy = "default", **options
     >>> jg = ft.joint(lambda x, w: torch.tanh(x @ w).sum())(torch.ones(4, 4), torch.ones(4, 4))
     >>> p = ft.partition(jg, "full_remat")
     >>> [s.name for s in p.saved], p.activation_bytes, p.recomputed
-    (['primals_1', 'primals_2'], 0, ('mm', 'tanh'))
+    (['primals_1', 'primals_2'], 0, (mm, tanh))
     """
     name, fn = get_strategy(strategy)
     check_call(name, fn, options)  # unknown options list the accepted ones
@@ -248,7 +254,7 @@ def partition(joint: JointGraph, strategy: str | Strategy = "default", **options
         forward=s.forward,
         backward=s.backward,
         saved=tuple(SavedValue.of(n) for n in s.saved),
-        recomputed=tuple(n.name for n in s.recomputed),
+        recomputed=s.recomputed,
         recompute_flops=sum(flops(n) for n in s.recomputed),
         adjusted=tuple(n for n in joint.fx_graph.nodes if (n in picked) != (n in legal)),
     )

@@ -31,8 +31,8 @@ __all__ = [
     "check_matches",
     "exact_key",
     "flatten",
+    "flatten_leaves",
     "leaves_of",
-    "split",
     "unflatten",
     "unwrap_static",
     "wrap_static",
@@ -82,13 +82,20 @@ def flatten(tree: Any, *, static_argnums: tuple[int, ...] = ()) -> tuple[list[to
     With ``static_argnums``, ``tree`` is ``(args, kwargs)`` and the listed positional arguments
     become single opaque static leaves.
     """
-    return split(*leaves_of(wrap_tree(tree, static_argnums)), static_argnums)
+    return flatten_leaves(*leaves_of(wrap_tree(tree, static_argnums)), static_argnums)
 
 
-def split(
+def flatten_leaves(
     leaves: list[Any], spec: optree.PyTreeSpec, static_argnums: tuple[int, ...] = ()
 ) -> tuple[list[torch.Tensor], Flat]:
-    """:func:`flatten` from the output of :func:`leaves_of`."""
+    """:func:`flatten` from the output of :func:`leaves_of`: the tensor leaves, and a
+    :class:`Flat` holding the spec and the static leaves.
+
+    >>> import torch
+    >>> tensors, flat = flatten_leaves(*leaves_of(((torch.ones(2), 3), {})))
+    >>> len(tensors), flat.is_tensor, flat.static
+    (1, (True, False), (None, 3))
+    """
     is_tensor = tuple([isinstance(x, torch.Tensor) for x in leaves])
     static = tuple([None if t else x for x, t in zip(leaves, is_tensor, strict=True)])
     tensors = list(itertools.compress(leaves, is_tensor))
@@ -227,6 +234,7 @@ class Guards(Generic[_V]):
     than mutating them."""
 
     def __init__(self) -> None:
+        # (layout, [(extra, guard, value), ...]): tuples, destructured on every jitted call
         self._by_layout: list[tuple[_Node, list[tuple[Any, _Guard, _V]]]] = []
 
     def find(self, tree: Any, extra: Any) -> tuple[_V, tuple[torch.Tensor, ...]] | None:
@@ -253,7 +261,10 @@ class Guards(Generic[_V]):
 
     def remove(self, v: _V) -> None:
         """Forget ``v`` (an evicted entry); call it with the writers' lock held."""
-        kept = [(lay, [g for g in gs if g[2] is not v]) for lay, gs in self._by_layout]
+        kept = [
+            (lay, [(x, guard, value) for x, guard, value in gs if value is not v])
+            for lay, gs in self._by_layout
+        ]
         self._by_layout = [(lay, gs) for lay, gs in kept if gs]
 
 

@@ -16,7 +16,7 @@ import functools
 import operator
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, ParamSpec, Protocol, TypeVar, cast, overload
 
 import optree
 import torch
@@ -28,10 +28,14 @@ from torch.utils._pytree import tree_map
 from . import policies
 from ._module_view import ModuleView
 from ._pytree import NAMESPACE
-from ._tags import REMAT, Policy
+from ._tags import REMAT, Policy, PolicyLike
 from ._trace import is_tracing
 
-__all__ = ["RematModule", "remat"]
+__all__ = ["RematDecorator", "RematModule", "remat"]
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+_M = TypeVar("_M", bound=torch.nn.Module)
 
 
 class _Cache:
@@ -41,11 +45,11 @@ class _Cache:
         self.store: dict[tuple[Any, int], Any] = {}
 
 
-class _Record(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
+class _Record(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's class is untyped
     """Forward: run every op, ask the policy, keep the outputs it saves."""
 
     def __init__(self, decide: Callable[..., Policy], cache: _Cache) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
+        super().__init__()  # type: ignore[no-untyped-call]  # torch's class is untyped
         self.decide, self.cache = decide, cache
         self.calls: dict[Any, int] = defaultdict(int)
 
@@ -59,18 +63,19 @@ class _Record(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
         return out
 
 
-class _Replay(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
+class _Replay(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's class is untyped
     """Recompute: serve saved outputs, run the rest. Entries are kept (not popped), so a
     second backward with ``retain_graph=True`` recomputes correctly."""
 
     def __init__(self, cache: _Cache) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
+        super().__init__()  # type: ignore[no-untyped-call]  # torch's class is untyped
         self.cache = cache
         self.calls: dict[Any, int] = defaultdict(int)
 
     def __enter__(self) -> _Replay:
         self.calls.clear()  # every recomputation replays the region from its first op
-        return super().__enter__()  # type: ignore[no-untyped-call,no-any-return]
+        super().__enter__()  # type: ignore[no-untyped-call]  # torch's class is untyped
+        return self  # what TorchDispatchMode.__enter__ returns
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         key = (func, self.calls[func])
@@ -88,26 +93,29 @@ def _detach(x: Any) -> Any:
     return x.detach() if isinstance(x, torch.Tensor) else x
 
 
-def _eager(f: Callable[..., Any], decide: Callable[..., Policy], args: Any, kwargs: Any) -> Any:
+def _eager(f: Callable[_P, _R], decide: Callable[..., Policy], args: Any, kwargs: Any) -> _R:
     """torch's non-reentrant checkpoint (saved-tensor hooks, RNG replay, early stop) with our
     caching modes at the op layer."""
     if not torch.is_grad_enabled():
         return f(*args, **kwargs)
     from torch.utils.checkpoint import checkpoint
 
+    out: _R  # checkpoint returns what f returns
     if decide is _SAVE_NOTHING:  # no op-layer modes needed: plain checkpointing
-        return checkpoint(f, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+        out = checkpoint(f, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+        return out
 
     def contexts() -> tuple[_Record, _Replay]:
         cache = _Cache()
         return _Record(decide, cache), _Replay(cache)
 
-    return checkpoint(
+    out = checkpoint(
         f, *args, use_reentrant=False, context_fn=contexts, preserve_rng_state=True, **kwargs
     )
+    return out
 
 
-def _traced(f: Callable[..., Any], decide: Callable[..., Policy], args: Any, kwargs: Any) -> Any:
+def _traced(f: Callable[_P, _R], decide: Callable[..., Policy], args: Any, kwargs: Any) -> _R:
     mode = get_proxy_mode()
     if mode is None:  # evaluating shapes only: nothing to tag
         return f(*args, **kwargs)
@@ -116,7 +124,8 @@ def _traced(f: Callable[..., Any], decide: Callable[..., Policy], args: Any, kwa
     out = f(*args, **kwargs)
     # the region's outputs belong to the code around it (as in JAX and torch's checkpoint):
     # whether they are saved is decided outside, so they stay untagged
-    outputs = {_node_of(t, mode) for t in optree.tree_leaves(out, namespace=NAMESPACE)}
+    tree: Any = out  # any pytree
+    outputs = {_node_of(t, mode) for t in optree.tree_leaves(tree, namespace=NAMESPACE)}
     node = last.next
     while node is not graph._root:
         if REMAT not in node.meta and node not in outputs:
@@ -141,24 +150,63 @@ def _decision(node: fx.Node, decide: Callable[..., Policy]) -> Policy | None:
     if node.op != "call_function":
         return None
     if target is operator.getitem and isinstance(node.args[0], fx.Node):
-        return node.args[0].meta.get(REMAT)  # type: ignore[no-any-return]
+        return node.args[0].meta.get(REMAT)
     if not isinstance(target, torch._ops.OpOverload):
         return None
     a, k = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
     return decide(target, *a, **k)
 
 
+class RematDecorator(Protocol):
+    """What ``remat(policy=...)`` (options, no function) returns: a decorator that applies
+    :func:`remat` with those options to a module or a function."""
+
+    @overload
+    def __call__(  # type: ignore[overload-overlap]  # a Module is callable: first one wins
+        self, f: _M, /
+    ) -> RematModule: ...
+    @overload
+    def __call__(self, f: Callable[_P, _R], /) -> Callable[_P, _R]: ...
+
+
+@overload
 def remat(
-    f: Any = None,
+    f: _M,
     *,
-    policy: Any = None,
+    policy: PolicyLike = ...,
+    prevent_cse: bool = ...,
+    static_argnums: Sequence[int] = ...,
+) -> RematModule: ...
+@overload
+def remat(
+    f: Callable[_P, _R],
+    *,
+    policy: PolicyLike = ...,
+    prevent_cse: bool = ...,
+    static_argnums: Sequence[int] = ...,
+) -> Callable[_P, _R]: ...
+@overload
+def remat(
+    f: None = None,
+    *,
+    policy: PolicyLike = ...,
+    prevent_cse: bool = ...,
+    static_argnums: Sequence[int] = ...,
+) -> RematDecorator: ...
+def remat(
+    f: Callable[..., Any] | None = None,
+    *,
+    policy: PolicyLike = None,
     prevent_cse: bool = True,
     static_argnums: Sequence[int] = (),
-) -> Any:
+) -> RematModule | Callable[..., Any] | RematDecorator:
     """Rematerialize ``f`` in backward, saving only what ``policy`` says (JAX's ``checkpoint``).
 
     ``policy=None`` saves nothing inside but the region's inputs. Usable as ``@remat``,
-    ``@remat(policy=...)``, ``remat(f, policy=...)`` and on ``nn.Module`` instances.
+    ``@remat(policy=...)``, ``remat(f, policy=...)`` and on ``nn.Module`` instances; on a
+    function it keeps the function's signature, on a module it is a :class:`RematModule`.
+    ``policy`` is a :class:`~functrans.policies.PolicyFn` or anything
+    :data:`~functrans.policies.PolicyLike` names.
     ``prevent_cse`` and ``static_argnums`` are accepted for JAX compatibility: functrans graphs
     are never CSE'd across regions, and non-tensor arguments are passed through unchanged.
 
@@ -170,22 +218,27 @@ def remat(
     ['mm', 'primals_1', 'primals_2']
     """
     if f is None:
-        return functools.partial(
+        # mypy sees partial(remat) through remat's first overload only
+        decorate = functools.partial(
             remat, policy=policy, prevent_cse=prevent_cse, static_argnums=static_argnums
         )
+        return cast(RematDecorator, decorate)
     if isinstance(f, torch.nn.Module):
         return RematModule(f, policy=policy)
+    return _remat_function(f, policy)
+
+
+def _remat_function(f: Callable[_P, _R], policy: PolicyLike) -> Callable[_P, _R]:
     decide = (
         _SAVE_NOTHING if policy in (None, policies.nothing_saveable) else policies.normalize(policy)
     )
 
     @functools.wraps(f)
-    def wrapped(*args: Any, **kwargs: Any) -> Any:
+    def wrapped(*args: _P.args, **kwargs: _P.kwargs) -> _R:
         if is_tracing():
             return _traced(f, decide, args, kwargs)
         return _eager(f, decide, args, kwargs)
 
-    wrapped.__functrans_remat__ = decide  # type: ignore[attr-defined]
     return wrapped
 
 
@@ -196,7 +249,7 @@ class RematModule(ModuleView):
 
     _derived = ("_call",)
 
-    def __init__(self, module: torch.nn.Module, *, policy: Any = None) -> None:
+    def __init__(self, module: torch.nn.Module, *, policy: PolicyLike = None) -> None:
         super().__init__(module)
         self.__dict__["_policy"] = policy
         self._derive()

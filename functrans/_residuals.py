@@ -43,7 +43,9 @@ class Residual:
         return f"{self.type} {format_bytes(self.nbytes)}{shared} {self.origin}{used}"
 
 
-def _functional(f: Any, args: tuple[Any, ...]) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+def _functional(
+    f: Callable[..., Any] | torch.nn.Module, args: tuple[Any, ...]
+) -> tuple[Callable[..., Any], tuple[Any, ...]]:
     """Lift a module's parameters and buffers to an argument so they show as inputs."""
     if not isinstance(f, torch.nn.Module):
         return f, args
@@ -71,7 +73,10 @@ def _origin(node: Any, where: bool = True) -> str:
 
 
 def saved_residuals(
-    f: Any, *args: Any, partition: str | Strategy = "default", **options: Any
+    f: Callable[..., Any] | torch.nn.Module,
+    *args: Any,
+    partition: str | Strategy = "default",
+    **options: Any,
 ) -> list[Residual]:
     """The values ``f`` saves for backward under ``partition`` (functions or modules).
 
@@ -86,18 +91,17 @@ def saved_residuals(
     fn, call_args = _functional(f, args)
     jg = joint(fn)(*call_args)
     p = _partition_of(jg, partition, options)
-    by_name = {n.name: n for n in jg.fx_graph.nodes}
-    placeholders = {n.name: n for n in p.backward.placeholders()}
     shared = p.shared_storage()
     out = []
-    for s in p.saved:
-        node = by_name[s.name]
-        users = placeholders[s.name].users if s.name in placeholders else {}
-        owner = by_name[shared[s.name]] if s.name in shared and not s.is_input else None
+    # backward's placeholders are the saved values, in order, then the tangents
+    for s, placeholder in zip(p.saved, p.backward.placeholders(), strict=False):
+        node = s.node
+        users = placeholder.users
+        owner = shared.get(node) if not s.is_input else None
         out.append(
             Residual(
                 type=format_value_type(node.meta.get("val")),
-                nbytes=0 if s.name in shared else s.activation_bytes,
+                nbytes=0 if node in shared else s.activation_bytes,
                 origin=_origin(node),
                 consumers=tuple(u.name for u in users if u.op != "output"),
                 shares=None
@@ -113,7 +117,10 @@ def _partition_of(jg: Any, strategy: Any, options: dict[str, Any]) -> Any:
 
 
 def print_saved_residuals(
-    f: Any, *args: Any, partition: str | Strategy = "default", **options: Any
+    f: Callable[..., Any] | torch.nn.Module,
+    *args: Any,
+    partition: str | Strategy = "default",
+    **options: Any,
 ) -> None:
     """Print :func:`saved_residuals`, one line per saved value, then the total.
 

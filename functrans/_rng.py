@@ -84,12 +84,12 @@ def _wrap(module: Any, name: str, original: Callable[..., Any]) -> Callable[...,
     @functools.wraps(original)
     def seeder(*args: Any, **kwargs: Any) -> Any:
         seeding = _CURRENT.get()
-        recording = seeding is not None and seeding.call is None
-        if recording and not _restores_same_state(name, args, kwargs):
-            seeding.call = qualified  # type: ignore[union-attr]
+        recording = seeding is not None and seeding.call is None  # the first reseeding only
+        if seeding is not None and recording and not _restores_same_state(name, args, kwargs):
+            seeding.call = qualified
         return original(*args, **kwargs)
 
-    seeder.__functrans_original__ = original  # type: ignore[attr-defined]
+    seeder.__functrans_original__ = original  # type: ignore[attr-defined]  # marks our wrapper
     return seeder
 
 

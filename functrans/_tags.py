@@ -8,10 +8,13 @@ PREFER_* are preferences for strategies that optimize.
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
+from typing import Any, Protocol, TypeAlias
 
 import torch.fx as fx
+from torch.utils.checkpoint import CheckpointPolicy  # torch imports it anyway
 
-__all__ = ["REMAT", "Policy", "policy_of"]
+__all__ = ["REMAT", "Policy", "PolicyFn", "PolicyLike", "policy_of"]
 
 REMAT = "functrans.remat"
 
@@ -23,6 +26,31 @@ class Policy(enum.Enum):
     PREFER_SAVE = "prefer_save"
     MUST_RECOMPUTE = "must_recompute"
     PREFER_RECOMPUTE = "prefer_recompute"
+
+
+class PolicyFn(Protocol):
+    """A remat policy: called with every ATen op a region runs and the op's arguments (real
+    tensors in eager mode, FakeTensors when traced), it answers whether to save the op's output:
+    a :class:`Policy`, a bool (``True``: ``MUST_SAVE``, ``False``: ``MUST_RECOMPUTE``) or a
+    torch ``CheckpointPolicy``.
+
+    >>> import torch
+    >>> def dots(op: object, *args: object, **kwargs: object) -> bool:
+    ...     return op is torch.ops.aten.mm.default
+    >>> policy: PolicyFn = dots
+    >>> policy(torch.ops.aten.mm.default, torch.ones(2, 2), torch.ones(2, 2))
+    True
+    """
+
+    def __call__(
+        self, op: Any, /, *args: Any, **kwargs: Any
+    ) -> Policy | bool | CheckpointPolicy: ...
+
+
+#: What ``remat(policy=...)`` accepts: a :class:`PolicyFn`; one decision for every op (a
+#: :class:`Policy` or torch ``CheckpointPolicy``); ops (``OpOverload`` or ``OpOverloadPacket``)
+#: whose outputs to save; or None, which saves nothing.
+PolicyLike: TypeAlias = PolicyFn | Policy | CheckpointPolicy | Iterable[Any] | None
 
 
 def policy_of(node: fx.Node) -> Policy | None:

@@ -13,7 +13,7 @@ import inspect
 import math
 import numbers
 import reprlib
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any, TypeVar
 
 import torch.fx as fx
@@ -84,14 +84,7 @@ def check_number(
     kind = "an int" if integer else "a number" if allow_inf else "a finite number"
     bound = f" >= {at_least:g}" if at_least is not None else ""
     bound += f" > {above:g}" if above is not None else ""
-    ok = isinstance(value, numbers.Integral if integer else numbers.Real)
-    ok = ok and not isinstance(value, bool)
-    if ok and not integer:
-        ok = not math.isnan(value) and (allow_inf or not math.isinf(value))  # type: ignore[arg-type]
-    if ok and at_least is not None:
-        ok = value >= at_least  # type: ignore[operator]
-    if ok and above is not None:
-        ok = value > above  # type: ignore[operator]
+    ok = _in_range(value, integer, allow_inf, at_least, above)
     check_option(where, name, value, ok, kind + bound + (f" ({meaning})" if meaning else ""))
 
 
@@ -120,6 +113,19 @@ def parse_options(
     accepted = [f.name for f in dataclasses.fields(options_type)]  # type: ignore[arg-type]  # a dataclass type, checked by fields()
     check_names(where, options, accepted, hints=hints)
     return options_type(**options)
+
+
+def _in_range(
+    value: object, integer: bool, allow_inf: bool, at_least: float | None, above: float | None
+) -> bool:
+    if isinstance(value, bool) or not isinstance(
+        value, numbers.Integral if integer else numbers.Real
+    ):
+        return False
+    if not integer and (math.isnan(value) or (math.isinf(value) and not allow_inf)):
+        return False
+    # not NaN here, so "not <" is ">=": numbers.Real declares only < and <= (typeshed)
+    return (at_least is None or not value < at_least) and (above is None or not value <= above)
 
 
 def check_names(
@@ -189,13 +195,11 @@ def saved_items(name: str, chosen: object) -> list[str | fx.Node]:
         raise InvalidPartitionError(
             f"{what} the string {chosen!r}; a strategy must return {RETURNS}, e.g. [{chosen!r}]"
         )
-    try:
-        it = iter(chosen)  # type: ignore[call-overload]
-    except TypeError:
+    if not isinstance(chosen, Iterable):
         raise InvalidPartitionError(
             f"{what} {describe(chosen)}, which is not iterable; a strategy must return {RETURNS}"
-        ) from None
-    items = list(it)
+        )
+    items = list(chosen)
     for i, item in enumerate(items):
         if not isinstance(item, (str, fx.Node)):
             raise InvalidPartitionError(

@@ -1,9 +1,10 @@
 """Remat policies: per-op decisions of what a ``remat`` region saves for backward.
 
-A policy is a callable ``(op, *args, **kwargs) -> Policy | bool`` called for every ATen op in
-the region (``True`` means save: ``Policy.MUST_SAVE``; ``False`` means recompute:
-``Policy.MUST_RECOMPUTE``). torch's ``CheckpointPolicy`` values and plain lists of ops are
-accepted wherever a policy is. The built-ins carry JAX's names and meanings.
+A policy (:class:`PolicyFn`) is a callable ``(op, *args, **kwargs) -> Policy | bool`` called
+for every ATen op in the region (``True`` means save: ``Policy.MUST_SAVE``; ``False`` means
+recompute: ``Policy.MUST_RECOMPUTE``). torch's ``CheckpointPolicy`` values and plain lists of ops
+are accepted wherever a policy is (:data:`PolicyLike`). The built-ins carry JAX's names and
+meanings.
 
 >>> import torch
 >>> from functrans import policies
@@ -21,12 +22,13 @@ import torch
 
 from ._cost import COMPUTE_INTENSIVE
 from ._errors import FunctransError
-from ._tags import Policy
+from ._tags import Policy, PolicyFn, PolicyLike
 
 __all__ = [
     "InvalidPolicyError",
     "Policy",
     "PolicyFn",
+    "PolicyLike",
     "dots_saveable",
     "dots_with_no_batch_dims_saveable",
     "everything_saveable",
@@ -38,7 +40,6 @@ __all__ = [
     "save_ops",
 ]
 
-PolicyFn = Callable[..., "Policy | bool"]
 aten = torch.ops.aten
 
 
@@ -110,7 +111,7 @@ def save_ops(*ops: Any) -> PolicyFn:
     return policy
 
 
-def save_from_both_policies(a: Any, b: Any) -> PolicyFn:
+def save_from_both_policies(a: PolicyLike, b: PolicyLike) -> PolicyFn:
     """Save what either policy saves."""
     fa, fb = normalize(a), normalize(b)
 
@@ -160,7 +161,7 @@ class InvalidPolicyError(FunctransError, ValueError):
     """
 
 
-def normalize(policy: Any) -> Callable[..., Policy]:
+def normalize(policy: PolicyLike) -> Callable[..., Policy]:
     """Accept a policy callable, a ``CheckpointPolicy`` for every op, or a list of ops to save;
     return a callable that always answers with a :class:`Policy`."""
     if policy is None:

@@ -56,7 +56,7 @@ class MemoryBudget:
     >>> jg = ft.joint(lambda x, w: torch.tanh(x @ w).sum())(torch.ones(8, 8), torch.ones(8, 8))
     >>> p = ft.partition(jg, MemoryBudget(budget=0.0))
     >>> p.activation_bytes, p.recomputed
-    (0, ('mm', 'tanh'))
+    (0, (mm, tanh))
     """
 
     budget: float | None = None

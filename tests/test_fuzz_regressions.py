@@ -6,7 +6,7 @@ import functrans as ft
 from functrans import partitioners
 from functrans.testing import check_policy_tags
 from functrans.testing._check import partition_and_check
-from functrans.testing._programs import InputSpec, Program, Step
+from functrans.testing._program import InputSpec, Program, Step
 from functrans.testing._suite import register_partitioner_tests  # noqa: F401  (the suite)
 
 

@@ -1,4 +1,4 @@
-"""Tests of the random-program generator ``functrans.testing._programs``."""
+"""Tests of the random-program generator ``functrans.testing._random_programs``."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from functrans.testing._programs import STEP_KINDS, InputSpec, Program, Step, programs
+from functrans.testing._program import STEP_KINDS, InputSpec, Program, Step
+from functrans.testing._random_programs import programs
 
 SETTINGS = settings(max_examples=200, deadline=None)
 

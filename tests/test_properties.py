@@ -23,17 +23,13 @@ from functrans.testing import (
 PROGRAMS = programs(dtypes=(torch.float64, torch.float32))
 
 
-def _nodes(p):
-    return {n.name: n for n in p.joint.fx_graph.nodes}
-
-
 def default_recomputes_nothing(p, options):
     assert p.recomputed == () and p.recompute_flops == 0, "default recomputed something"
 
 
 def full_remat_saves_only_inputs(p, options):
-    nodes, problem = _nodes(p), cut_problem(p.joint)
-    kept = [s.name for s in p.saved if s.op != "input" and problem[nodes[s.name]].can_recompute]
+    problem = cut_problem(p.joint)
+    kept = [s.name for s in p.saved if s.op != "input" and problem[s.node].can_recompute]
     assert not kept, f"full_remat saved {kept}: only what may not be recomputed may be saved"
 
 
@@ -42,8 +38,8 @@ def min_cut_saves_least_and_respects_bans(p, options):
 
     default = ft.partition(p.joint, "default")
     assert p.activation_bytes <= default.activation_bytes, "min_cut saves more than default"
-    nodes, opts, problem = _nodes(p), MinCutOptions(**options), cut_problem(p.joint)
-    broken = [r for r in p.recomputed if banned(problem[nodes[r]], opts)]
+    opts, problem = MinCutOptions(**options), cut_problem(p.joint)
+    broken = [r.name for r in p.recomputed if banned(problem[r], opts)]
     assert not broken, f"min_cut recomputed banned (random, compute-intensive...) ops {broken}"
 
 
@@ -53,8 +49,7 @@ def budget_is_respected(p, options):
     limit, low = MemoryBudget(**options).limit(p.joint)
     if limit >= low:  # feasible
         assert p.activation_bytes <= limit, f"{p.activation_bytes} bytes > budget {limit}"
-    nodes = _nodes(p)
-    assert not [r for r in p.recomputed if op_class(nodes[r]) is OpClass.RANDOM]
+    assert not [r for r in p.recomputed if op_class(r) is OpClass.RANDOM]
 
 
 INVARIANTS = {
@@ -113,7 +108,7 @@ def test_regression_layer_norm_over_two_elements_float32():
     by 1.25e-5 in float32 (an ill-conditioned op, not a wrong gradient); float64 agrees tightly.
     """
     from functrans.testing import check_partition
-    from functrans.testing._programs import InputSpec, Program, Step
+    from functrans.testing._program import InputSpec, Program, Step
 
     for dtype in (torch.float32, torch.float64):
         prog = Program(  # exactly the shrunk case (unused inputs keep the example values)

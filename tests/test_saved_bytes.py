@@ -123,23 +123,21 @@ def test_attention_output_and_its_view_count_once() -> None:
     jg = ft.joint(model.fn, argnums=0)(params, x)
     p = ft.partition(jg, "default")
     shared = p.shared_storage()
-    by_name = {s.name: s for s in p.saved}
     attention = [s for s in p.saved if s.storage.endswith("attention_for_cpu[0]")]
     assert len(attention) >= 2 and {s.storage for s in attention} == {attention[0].storage}
     view = attention[1]
-    assert shared[view.name] == attention[0].name
+    assert shared[view.node] is attention[0].node
     assert view.storage_bytes == attention[0].storage_bytes == 1 * 8 * 32 * 4
-    counted = [s for s in p.saved if not s.is_input and s.name not in shared]
+    counted = [s for s in p.saved if not s.is_input and s.node not in shared]
     assert p.activation_bytes == sum(s.storage_bytes for s in counted)
     assert p.activation_bytes < sum(s.nbytes for s in p.saved if not s.is_input)  # the old sum
-    nodes = {n.name: n for n in jg.fx_graph.nodes}
-    assert saved_activation_bytes(nodes[s.name] for s in p.saved) == p.activation_bytes
+    assert saved_activation_bytes(s.node for s in p.saved) == p.activation_bytes
     assert f"shared with {attention[0].name}" in p.report()
     assert f"activation bytes: {p.activation_bytes}\n" in p.report()
     residuals = ft.saved_residuals(model.fn, params, x)
     assert sum(r.nbytes for r in residuals) == p.activation_bytes
     shared_lines = [str(r) for r in residuals if r.shares]
-    assert len(shared_lines) == len([n for n in shared if not by_name[n].is_input])
+    assert len(shared_lines) == len([s for s in p.saved if s.node in shared and not s.is_input])
     assert all(" 0 B (shares the storage of the " in line for line in shared_lines)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -168,8 +166,7 @@ def test_a_saved_partial_view_keeps_its_whole_base() -> None:
         64,
     )
     assert p.activation_bytes == eager_saved_bytes(lambda w, x: f(x, w), args[1], args[0])
-    nodes = {n.name: n for n in jg.fx_graph.nodes}
-    assert activation_bytes(nodes[row.name]) == 64
+    assert activation_bytes(row.node) == 64
     for budget in (1.0, 0.5):
         limit, _ = MemoryBudget(budget=budget).limit(jg)
         assert ft.partition(jg, MemoryBudget(budget=budget)).activation_bytes <= limit

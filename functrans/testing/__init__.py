@@ -20,8 +20,8 @@ from ._check import saved_sets as saved_sets
 from ._check import seeded as seeded
 from ._check import split_and_check as split_and_check
 from ._check import tolerances as tolerances
-from ._programs import Program as Program
-from ._programs import programs as programs
+from ._program import Program as Program
+from ._random_programs import programs as programs
 from ._suite import check_policy_tags as check_policy_tags
 from ._suite import register_backend_tests as register_backend_tests
 from ._suite import register_partitioner_tests as register_partitioner_tests

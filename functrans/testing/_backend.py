@@ -85,7 +85,7 @@ def check_compiled(
     saved = [f"{s.name}: {s.op} {s.dtype} {list(s.shape)}" for s in p.saved]
     context = (
         f"backend: {backend!r}, strategy: {p.strategy!r}\n  saved: {saved}\n"
-        f"  recomputed: {list(p.recomputed)}"
+        f"  recomputed: {[n.name for n in p.recomputed]}"
     )
     compare(f, args, p.joint, compile_partition(p, args, backend), context)
     if not inference:

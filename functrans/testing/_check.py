@@ -109,7 +109,8 @@ def _reference64(
     def up(x: Any) -> Any:
         return x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
 
-    up_args: Any = optree.tree_map(up, tuple(args), namespace=NAMESPACE)  # type: ignore[arg-type]
+    tree: Any = tuple(args)  # any pytree (optree's PyTree type takes no tuple[Any, ...])
+    up_args: Any = optree.tree_map(up, tree, namespace=NAMESPACE)
     with seeded():
         result: tuple[Any, Any] = eager_vjp(f, up_args, tuple(up(t) for t in tangents))
     return result
@@ -161,7 +162,8 @@ def eager_vjp(f: Callable[..., Any], args: Sequence[Any], tangents: Sequence[tor
             return x.detach().clone().requires_grad_(True)
         return x
 
-    leaves: Any = optree.tree_map(prep, tuple(args), namespace=NAMESPACE)  # type: ignore[arg-type]
+    tree: Any = tuple(args)  # any pytree, as above
+    leaves: Any = optree.tree_map(prep, tree, namespace=NAMESPACE)
     outs = f(*leaves)
     out_leaves, _ = flatten(outs)
     pairs = [
@@ -243,7 +245,7 @@ def check_split(
 
 
 def _names(s: Split | Partition) -> list[str]:
-    return [n if isinstance(n, str) else n.name for n in s.recomputed]
+    return [n.name for n in s.recomputed]
 
 
 def check_partition(
@@ -255,7 +257,7 @@ def check_partition(
     >>> from functrans.testing import check_partition
     >>> p = check_partition(lambda x: torch.tanh(x).sum(), (torch.randn(3),), "full_remat")
     >>> p.recomputed
-    ('tanh',)
+    (tanh,)
     """
     jg = joint(f)(*args)
     jg.verify()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -40,8 +40,14 @@ class Step:
     shape: tuple[int, ...]
 
 
-# op -> (eager implementation taking (operands, params, result shape), source template)
 _Impl = Callable[[list[Any], tuple[int, ...], tuple[int, ...]], torch.Tensor]
+
+
+class _Op(NamedTuple):
+    """How one step kind runs and prints."""
+
+    run: _Impl  # (operands, params, result shape) -> the result, in eager PyTorch
+    source: str  # its Python source: a str.format template (fields: see _expr)
 
 
 def _index(x: torch.Tensor, entries: Sequence[int], shape: Sequence[int]) -> torch.Tensor:
@@ -53,7 +59,8 @@ def _strided(x: torch.Tensor, d: int, start: int) -> torch.Tensor:
     return x[(slice(None),) * d + (slice(start, None, 2),)]
 
 
-_OPS: dict[str, tuple[_Impl, str]] = {
+# op -> (run, source): see _Op
+_TABLE: dict[str, tuple[_Impl, str]] = {
     "neg": (lambda o, p, s: -o[0], "-{x}"),
     "tanh": (lambda o, p, s: torch.tanh(o[0]), "torch.tanh({x})"),
     "sin": (lambda o, p, s: torch.sin(o[0]), "torch.sin({x})"),
@@ -124,6 +131,7 @@ _OPS: dict[str, tuple[_Impl, str]] = {
     "addmm": (lambda o, p, s: torch.addmm(o[2], o[0], o[1].mT if p[0] else o[1]),
               "torch.addmm({z}, {x}, {y}{t})"),
 }  # fmt: skip
+_OPS = {op: _Op(*row) for op, row in _TABLE.items()}
 STEP_KINDS: tuple[str, ...] = tuple(_OPS)
 """Every ``Step.op``, simplest first: the order hypothesis shrinks towards."""
 
@@ -194,7 +202,7 @@ class Program:
                 values.append(None)
                 continue
             operands = [values[a] if isinstance(a, int) else a for a in step.args]
-            values.append(_OPS[step.op][0](operands, step.params, step.shape))
+            values.append(_OPS[step.op].run(operands, step.params, step.shape))
         return tuple(values[i] for i in self.outputs)
 
     def example_inputs(self, seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -230,7 +238,7 @@ def _expr(step: Step, names: Sequence[str]) -> str:
     ops = [names[a] if isinstance(a, int) else f"({a!r})" if a < 0 else repr(a) for a in step.args]
     ops += [""] * (3 - len(ops))
     p = step.params
-    return _OPS[step.op][1].format(
+    return _OPS[step.op].source.format(
         x=ops[0], y=ops[1], z=ops[2], p=", ".join(map(str, p)), p0=p[0] if p else "",
         keep=bool(p[-1]) if p else "", s=step.shape, t=".mT" if p and p[0] else "",
         p1=p[1] if len(p) > 1 else "", colons=":, " * (p[0] if p else 0), idx=list(p[1:]),

@@ -2,7 +2,7 @@
 comparisons and masks, indexing, scans, extra reductions and views, stack and addmm.
 
 Each kind has an eligibility predicate over (all values, index of the first operand) and a
-generator ``(draw, vals, i) -> (Step, Val)``; :mod:`._programs` dispatches to them.
+generator ``(draw, vals, i) -> (Step, Val)``; :mod:`._random_programs` dispatches to them.
 """
 
 from __future__ import annotations

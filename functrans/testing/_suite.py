@@ -20,7 +20,7 @@ from .._trace import trace
 from ._backend import check_compiled
 from ._check import describe, partition_and_check, seeded
 from ._program import Program
-from ._programs import programs
+from ._random_programs import programs
 
 __all__ = [
     "check_policy_tags",
@@ -73,16 +73,17 @@ def check_policy_tags(p: Partition) -> None:
     >>> check_policy_tags(ft.partition(ft.joint(f)(torch.ones(3)), "default"))
     """
     problem = cut_problem(p.joint)
-    nodes = {n.name: n for n in p.joint.fx_graph.nodes}
-    saved = {nodes[s.name] for s in p.saved}
-    broken = problem.violations(saved, [nodes[r] for r in p.recomputed])
+    saved = {s.node for s in p.saved}
+    broken = problem.violations(saved, p.recomputed)
     broken += [
         f"does not save {v.describe()}, which backward depends on"
         for v in problem
         if v.must_save and v.node not in saved
     ]
     if broken:
-        raise AssertionError(f"strategy {p.strategy!r} ignored remat tags: {'; '.join(broken)}")
+        raise AssertionError(
+            f"strategy {p.strategy!r} ignored remat tags: {'; '.join(broken)}\n{p.report()}"
+        )
 
 
 def _option_sets(strategy: str | Strategy, options: dict[str, Any]) -> tuple[dict[str, Any], ...]:

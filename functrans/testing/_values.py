@@ -8,7 +8,7 @@ import math
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from hypothesis import strategies as st
 
@@ -17,8 +17,16 @@ MAX_NUMEL = 256
 SATURATE = 4.0  # tanh, sigmoid, gelu, softmax... of larger values may round to exact ties
 CONSTANTS = (0.5, 2.0, -1.5)
 
-# unary op -> (result bound from operand bound, largest operand bound keeping a value generic)
-UNARY: dict[str, tuple[Callable[[float], float], float]] = {
+
+class Unary(NamedTuple):
+    """What a unary op does to the tracked facts about its operand."""
+
+    bound: Callable[[float], float]  # the result's magnitude bound from the operand's
+    generic_below: float  # the largest operand bound that keeps the result generic
+
+
+# unary op -> (bound, generic_below): see Unary
+_UNARY: dict[str, tuple[Callable[[float], float], float]] = {
     "neg": (lambda b: b, math.inf),
     "tanh": (lambda b: 1.0, SATURATE),
     "sin": (lambda b: 1.0, math.inf),
@@ -39,6 +47,7 @@ UNARY: dict[str, tuple[Callable[[float], float], float]] = {
     "dropout": (lambda b: 2 * b, -1.0),  # zeros where the mask drops
     "clone": (lambda b: b, math.inf),
 }
+UNARY = {op: Unary(*row) for op, row in _UNARY.items()}
 KINKED = ("relu", "abs", "clamp")  # kinks or ties: their operands must be generic
 # binary op -> result bound from operand bounds
 BINARY: dict[str, Callable[[float, float], float]] = {

@@ -1,4 +1,5 @@
-"""Hypothesis strategy for small random straight-line PyTorch programs.
+"""Random programs: the hypothesis strategy that draws small straight-line PyTorch programs
+(the :class:`Program` data type, its op table and printing live in :mod:`._program`).
 
 A :class:`Program` is a list of :class:`Step` s, each applying one op (a :data:`STEP_KINDS`
 name) to earlier values; the value list is the inputs followed by the step results.  Programs
@@ -46,7 +47,7 @@ from ._values import (
     reshape_targets,
 )
 
-__all__ = ["INPUT_BOUND", "STEP_KINDS", "InputSpec", "Program", "Step", "programs"]
+__all__ = ["programs"]
 
 
 # op -> whether a value can be its first operand (for the kinds of this module)
@@ -79,7 +80,7 @@ def _eligible(kind: str, vals: Sequence[Val], i: int) -> bool:
     if not v.is_float:  # bool and int values are only ever outputs or masks
         return False
     if kind in UNARY:  # no relu/abs of exact zeros, where they have a kink
-        return UNARY[kind][0](v.bound) <= MAX_BOUND and (v.generic or kind not in KINKED)
+        return UNARY[kind].bound(v.bound) <= MAX_BOUND and (v.generic or kind not in KINKED)
     if kind in ("maximum", "minimum"):
         return any(independent(v, w) and bcast(v.shape, w.shape) for w in vals)
     if kind in BINARY:  # a constant operand is always possible
@@ -101,7 +102,8 @@ def _gen_step(draw: st.DrawFn, kind: str, vals: Sequence[Val]) -> tuple[Step, Va
     dims = range(len(shape))
     perm: tuple[int, ...]
     if kind in UNARY:
-        bound, generic = UNARY[kind][0](bound), generic and bound <= UNARY[kind][1]
+        rule = UNARY[kind]
+        bound, generic = rule.bound(bound), generic and bound <= rule.generic_below
     elif kind in BINARY:
         clamp = kind in ("maximum", "minimum")
         cands = [
@@ -227,7 +229,7 @@ def programs(
     A program built by hand:
 
     >>> import torch
-    >>> from functrans.testing._programs import InputSpec, Program, Step
+    >>> from functrans.testing._program import InputSpec, Program, Step
     >>> prog = Program(
     ...     inputs=(InputSpec((2, 3), torch.float64),),
     ...     steps=(Step("tanh", (0,), (), (2, 3)), Step("sum", (1,), (1, 0), (2,))),
@@ -262,9 +264,10 @@ def programs(
         shapes = draw(st.lists(_SHAPES, min_size=1, max_size=max_inputs))
         vals = [Val(s, INPUT_BOUND, True, frozenset([k])) for k, s in enumerate(shapes)]
         steps: list[Step] = []
-        while len(steps) < max_steps and (step := draw(_next_step(vals, not steps, allowed))):
-            steps.append(step[0])
-            vals.append(step[1])
+        while len(steps) < max_steps and (drawn := draw(_next_step(vals, not steps, allowed))):
+            step, val = drawn
+            steps.append(step)
+            vals.append(val)
         offsets = draw(st.lists(st.integers(0, len(vals) - 1), min_size=1, max_size=3, unique=True))
         return Program(
             inputs=tuple(InputSpec(s, dtype) for s in shapes),
