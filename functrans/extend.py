@@ -18,6 +18,7 @@ from ._cost import read_bytes as read_bytes
 from ._cost import saved_activation_bytes as saved_activation_bytes
 from ._cost import storage_nbytes as storage_nbytes
 from ._cost import storage_of as storage_of
+from ._decomp import decomposition_table_all as decomposition_table_all
 from ._errors import FunctransError as FunctransError
 from ._errors import InvalidArgumentError as InvalidArgumentError
 from ._errors import InvalidPartitionError as InvalidPartitionError
@@ -37,6 +38,7 @@ from ._split import split as split
 from ._tags import REMAT as REMAT
 from ._tags import Policy as Policy
 from ._tags import policy_of as policy_of
+from ._trace import retrace as retrace
 from ._validate import check_names as check_names
 from ._validate import check_number as check_number
 from ._validate import check_option as check_option

@@ -21,10 +21,14 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from functrans._decomp import decomposition_table_all
-from functrans._graph import RECOMPUTED
-from functrans._trace import retrace
-from functrans.extend import Graph, nbytes, read_bytes
+from functrans.extend import (
+    RECOMPUTED,
+    Graph,
+    decomposition_table_all,
+    nbytes,
+    read_bytes,
+    retrace,
+)
 
 from . import runtime
 from .fusion import fuse

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from functrans._errors import FunctransError
+from functrans.extend import FunctransError
 
 from .._cache import cache_root
 from ._arguments import argument_problem
