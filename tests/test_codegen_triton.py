@@ -17,6 +17,7 @@ pytest.importorskip("triton")
 
 from functrans.codegen.triton import (
     TritonBackend,
+    aot,
     runtime,
 )
 
@@ -493,6 +494,6 @@ def test_every_generated_kernel_compiles_for_gpus(arch):
     """Runs last in this file: every kernel the tests above interpreted, compiled for sm_XX."""
     assert GENERATED, "run with the rest of the file"
     for src in GENERATED.values():
-        art = runtime.compile_for_gpu(src, ("cuda", arch, 32))
+        art = aot.compile_for_gpu(src, ("cuda", arch, 32))
         assert f".entry {src.name}" in art.ptx
         assert art.cubin or art.cubin_missing_reason
