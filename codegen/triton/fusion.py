@@ -31,16 +31,13 @@ from .layout import layout
 from .lowering import LOWERINGS, REDUCTIONS, triton_dtype
 from .regions import Access, Kernel, Plan, is_slice, is_view_op
 from .schedule import order
+from .traced import traced_value
 
 __all__ = ["fuse", "lowerable"]
 
 
-def _val(node: Any) -> Any:
-    return node.meta.get("val") if isinstance(node, fx.Node) else None
-
-
 def _tensor_dtypes_ok(node: fx.Node) -> bool:
-    vals = [_val(a) for a in node.all_input_nodes] + [_val(node)]
+    vals = [traced_value(a) for a in node.all_input_nodes] + [traced_value(node)]
     flat: list[Any] = []
     for v in vals:
         flat.extend(v if isinstance(v, (tuple, list)) else [v])
@@ -264,7 +261,7 @@ def fuse(graph: fx.Graph) -> Plan:
                 access[n] = acc
                 return acc
             needs_tensor.add(n)  # a view we cannot address: run it (free in torch)
-        v = _val(n)
+        v = traced_value(n)
         if not isinstance(v, torch.Tensor):  # a tuple of an extern's outputs: getitems read it
             return Access(n, 0, (), ())
         acc = Access(n, 0, tuple(v.shape), tuple(int(s) for s in v.stride()))
@@ -304,7 +301,7 @@ def fuse(graph: fx.Graph) -> Plan:
 
 def _view_access(view: fx.Node, base: Access) -> Access | None:
     """The view read in place from ``base`` 's root, or None when the trace cannot tell."""
-    v, r = _val(view), _val(base.root)
+    v, r = traced_value(view), traced_value(base.root)
     if not (isinstance(v, torch.Tensor) and isinstance(r, torch.Tensor)) or v.dtype != r.dtype:
         return None  # a view that reinterprets the bytes (view_as_real, view(dtype)): run it
     if v.is_complex() or v.is_conj() or v.is_neg():

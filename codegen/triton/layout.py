@@ -28,6 +28,7 @@ import torch
 import torch.fx as fx
 
 from .lowering import LOWERINGS, REDUCTIONS
+from .traced import first_output
 
 __all__ = ["FDims", "Layout", "layout", "links", "operand_fdims", "reduced_dims", "shape"]
 
@@ -37,10 +38,7 @@ Layout = tuple[tuple[int, ...], frozenset[int], dict[fx.Node, FDims]]
 
 def shape(node: fx.Node) -> tuple[int, ...]:
     """The (first) output shape of ``node``."""
-    v = node.meta.get("val")
-    if isinstance(v, (tuple, list)):
-        v = v[0]
-    return tuple(int(s) for s in v.shape)  # type: ignore[union-attr]
+    return tuple(int(s) for s in first_output(node).shape)
 
 
 def reduced_dims(node: fx.Node, rank: int) -> tuple[list[int], bool]:

@@ -20,13 +20,9 @@ import torch.fx as fx
 from .layout import FDims
 from .lowering import LOWERINGS, REDUCTIONS, compute_dtype, literal, triton_dtype
 from .regions import Kernel
+from .traced import first_output
 
 __all__ = ["Reductions"]
-
-
-def _val(n: fx.Node) -> Any:
-    v = n.meta["val"]
-    return v[0] if isinstance(v, (tuple, list)) else v
 
 
 def _tl(dtype: torch.dtype) -> str:
@@ -89,7 +85,7 @@ class Reductions:
         _, combine = REDUCTIONS[n.target]
         src = n.args[0]
         assert isinstance(src, fx.Node)
-        acc_t = _tl(_val(n).dtype)
+        acc_t = _tl(first_output(n).dtype)
         parts: list[str]
         if not self.reduce:  # reduces only size-1 dims: each output is its one input element
             v = self.operand(n, src)
@@ -108,8 +104,9 @@ class Reductions:
             m2 = self.sum_rows(n, src, lambda v: f"({v} - {mean}) * ({v} - {mean})", acc_t)
             var = self.top_line(f"{m2} / {literal(float(self.rnumel - _correction(n)))}")
             parts = [var, mean] if combine == "var_mean" else [var]
-        if compute_dtype(_val(n).dtype) != _val(n).dtype:  # rounded like eager's result
-            parts = [self.top_line(as_dtype(p, _val(n).dtype)) for p in parts]
+        dtype = first_output(n).dtype
+        if compute_dtype(dtype) != dtype:  # rounded like eager's result
+            parts = [self.top_line(as_dtype(p, dtype)) for p in parts]
         self.top[key] = parts  # type: ignore[assignment]
         return parts
 

@@ -32,9 +32,10 @@ from .lowering import (
     pointer_type,
     triton_dtype,
 )
-from .reduce import Reductions, _tl, _val, as_dtype
+from .reduce import Reductions, _tl, as_dtype
 from .regions import Access, Kernel, is_slice
 from .shifted import ShiftedReads
+from .traced import first_output
 
 __all__ = ["Rendered", "render"]
 
@@ -173,7 +174,7 @@ class _Emitter(Reductions, ShiftedReads):
         mask = self.mask(fdims)
         if self.piece_mask is not None:
             mask = self.piece_mask if mask is None else f"{mask} & {self.piece_mask}"
-        dtype = _val(a).dtype
+        dtype = first_output(a).dtype
         other = "" if mask is None else f", {mask}, other=0"
         name = self.fresh()
         address = self.address(acc, fdims)
@@ -220,14 +221,14 @@ class _Emitter(Reductions, ShiftedReads):
     def compute(self, n: fx.Node, fd: FDims, get: Any) -> str:
         """Emit pointwise/index node ``n`` (dim map ``fd``) from its operands' names."""
         low = LOWERINGS[n.target]
-        out_dtype = _val(n).dtype
+        out_dtype = first_output(n).dtype
         args: list[Any] = []
         tensor_pos = 0
         for a in n.args:
             if isinstance(a, fx.Node):
                 v = get(a)
                 cast = low.cast == "out" or (low.cast == "values" and tensor_pos > 0)
-                if cast and compute_dtype(_val(a).dtype) != compute_dtype(out_dtype):
+                if cast and compute_dtype(first_output(a).dtype) != compute_dtype(out_dtype):
                     v = f"{v}.to({_tl(out_dtype)})"
                 elif low.cast == "promote":
                     v = f"{v}.to({_tl(_promote(n))})"
@@ -264,7 +265,7 @@ class _Emitter(Reductions, ShiftedReads):
         return self.inline_value(a, fa) if a in self.inline else self.load(a, fa)
 
     def index_value(self, n: fx.Node, fd: FDims, args: list[Any]) -> str:
-        dtype = _tl(_val(n).dtype)
+        dtype = _tl(first_output(n).dtype)
         if n.target is torch.ops.aten.arange.start_step:
             f = fd[0]
             if f is None:  # one element: the start
@@ -289,7 +290,7 @@ class _Emitter(Reductions, ShiftedReads):
         address = self.address(acc, fd)
         if mask is None:  # one element: a block of pointers to it, so block values store
             address, mask = f"{address} + 0 * xindex", "xmask"
-        dtype = triton_dtype(_val(n).dtype)
+        dtype = triton_dtype(first_output(n).dtype)
         self.emit(f"tl.store({ptr} + ({address}), {v}.to({dtype}), {mask})")
 
 
@@ -359,17 +360,17 @@ def render(
     head = ", ".join([*params, *(f"{c}: tl.constexpr" for c in constexprs)])
     body = "\n".join(e.lines)
     source = f"{_HEADER}def {name}({head}):\n{body}\n"
-    signature = {e.params[r]: pointer_type(_val(r).dtype) for r in (*inputs, *outputs)}
+    signature = {e.params[r]: pointer_type(first_output(r).dtype) for r in (*inputs, *outputs)}
     grid = ((e.xnumel + e.xblock - 1) // e.xblock,)
     read = sum(_read_bytes(r, e.reads[r]) for r in inputs)
-    written = sum(nbytes(_val(o)) for o in outputs)
+    written = sum(nbytes(first_output(o)) for o in outputs)
     return Rendered(name, source, signature, constexprs, inputs, outputs, grid, read, written)
 
 
 def _read_bytes(root: fx.Node, accesses: set[tuple[Any, ...]]) -> int:
     """Bytes of ``root`` the loads touch: each access's distinct elements (broadcast dims
     once), summed over accesses and capped at the buffer's size."""
-    v = _val(root)
+    v = first_output(root)
     total = 0
     for _, dims in accesses:
         total += math.prod(s for s, st in dims if st != 0 and s != 1)

@@ -16,8 +16,9 @@ import torch.fx as fx
 
 from .layout import FDims
 from .lowering import concat_pieces
-from .reduce import _tl, _val
+from .reduce import _tl
 from .regions import slice_params
+from .traced import first_output
 
 __all__ = ["ShiftedReads"]
 
@@ -75,7 +76,7 @@ class ShiftedReads:
         elif parts:
             expr = parts.pop()[1]
         else:  # every piece is empty, and so is the result
-            expr = f"tl.full({self.one}, 0, {_tl(_val(n).dtype)})"
+            expr = f"tl.full({self.one}, 0, {_tl(first_output(n).dtype)})"
         for cond, v in reversed(parts):
             expr = f"tl.where({cond}, {v}, {expr})"
         return self.top_line(expr)

@@ -18,8 +18,8 @@ import torch
 import torch.fx as fx
 
 from .._fastcall import copy_module
-from .fusion import _val
 from .layout import reduced_dims
+from .traced import traced_value
 
 __all__ = ["unview"]
 
@@ -54,7 +54,7 @@ def _through(r: fx.Node) -> list[int] | None:
     view = r.args[0]
     assert isinstance(view, fx.Node)
     src = view.args[0]
-    a, b = tuple(_val(src).shape), tuple(_val(view).shape)
+    a, b = tuple(traced_value(src).shape), tuple(traced_value(view).shape)
     groups = _groups(a, b)
     if groups is None:
         return None
@@ -80,7 +80,7 @@ def unview(gm: fx.GraphModule) -> fx.GraphModule:
         and isinstance(n.args[0], fx.Node)
         and n.args[0].target in _RESHAPES
         and isinstance(n.args[0].args[0], fx.Node)
-        and isinstance(_val(n), torch.Tensor)
+        and isinstance(traced_value(n), torch.Tensor)
         and (dims := _through(n)) is not None
     ]
     if not todo:
@@ -95,11 +95,11 @@ def unview(gm: fx.GraphModule) -> fx.GraphModule:
         src = view.args[0]
         with graph.inserting_before(r):
             s = graph.call_function(r.target, (src, dims, False), dict(r.kwargs))  # type: ignore[arg-type]
-            s.meta = {**r.meta, "val": r.target(_val(src), dims, False, **r.kwargs)}  # type: ignore[operator]
-            shape = list(_val(r).shape)
-            if list(_val(s).shape) != shape:
+            s.meta = {**r.meta, "val": r.target(traced_value(src), dims, False, **r.kwargs)}  # type: ignore[operator]
+            shape = list(traced_value(r).shape)
+            if list(traced_value(s).shape) != shape:
                 s = graph.call_function(aten.view.default, (s, shape))
-                s.meta = {**r.meta, "val": _val(s.args[0]).view(shape)}  # type: ignore[union-attr]
+                s.meta = {**r.meta, "val": traced_value(s.args[0]).view(shape)}  # type: ignore[union-attr]
         r.replace_all_uses_with(s)
         graph.erase_node(r)
         if not view.users:
