@@ -71,10 +71,18 @@ def decompose(gm: fx.GraphModule) -> fx.GraphModule:
     return retrace(gm, todo) if todo else gm
 
 
+@dataclass(frozen=True)
+class Built:
+    """One kernel region rendered to source and loaded, ready to launch."""
+
+    rendered: Rendered
+    kernel: runtime.Kernel
+
+
 class Compiled:
     """A graph compiled to Triton kernels; call it with the graph's flat tensors."""
 
-    def __init__(self, gm: fx.GraphModule, plan: Plan, kernels: dict[int, tuple[Rendered, Any]]):
+    def __init__(self, gm: fx.GraphModule, plan: Plan, kernels: dict[Kernel, Built]):
         self.graph_module = gm
         self.plan = plan
         self._kernels = kernels
@@ -84,7 +92,7 @@ class Compiled:
 
     @property
     def rendered(self) -> list[Rendered]:
-        return [r for r, _ in self._kernels.values()]
+        return [b.rendered for b in self._kernels.values()]
 
     @property
     def source(self) -> str:
@@ -164,7 +172,7 @@ def _view(node: fx.Node, acc: Access) -> Step:
     return step
 
 
-def _launch(rendered: Rendered, kernel: Any) -> Step:
+def _launch(rendered: Rendered, kernel: runtime.Kernel) -> Step:
     outs = [
         (o, tuple(o.meta["val"].shape), tuple(o.meta["val"].stride()), o.meta["val"].dtype)
         for o in rendered.outputs
@@ -179,16 +187,16 @@ def _launch(rendered: Rendered, kernel: Any) -> Step:
 
 
 def _steps(
-    gm: fx.GraphModule, plan: Plan, kernels: dict[int, tuple[Rendered, Any]]
+    gm: fx.GraphModule, plan: Plan, kernels: dict[Kernel, Built]
 ) -> list[tuple[Step, list[fx.Node]]]:
     """One step per region, each with the values that die after it (freed by liveness)."""
     steps: list[tuple[Step, list[fx.Node]]] = []
     uses: list[set[fx.Node]] = []
     for r in plan.regions:
         if isinstance(r, Kernel):
-            rendered, kernel = kernels[id(r)]
-            steps.append((_launch(rendered, kernel), []))
-            uses.append(set(rendered.inputs))
+            built = kernels[r]
+            steps.append((_launch(built.rendered, built.kernel), []))
+            uses.append(set(built.rendered.inputs))
         elif isinstance(r, View):
             acc = plan.access[r.node]
             steps.append((_view(r.node, acc), []))
@@ -225,11 +233,11 @@ class TritonBackend:
     def compile(self, graph: Graph, example_inputs: Sequence[torch.Tensor]) -> Compiled:
         gm = unview(relayout(decompose(graph.graph_module)))
         plan = fuse(gm.graph)
-        kernels: dict[int, tuple[Rendered, Any]] = {}
+        kernels: dict[Kernel, Built] = {}
         for i, r in enumerate(x for x in plan.regions if isinstance(x, Kernel)):
             rendered = render(r, plan.access, i, plan.inline, self.persistent_limit, self.max_block)
             src = runtime.KernelSource(
                 rendered.name, rendered.source, rendered.signature, rendered.constexprs
             )
-            kernels[id(r)] = (rendered, runtime.load(src))
+            kernels[r] = Built(rendered, runtime.load(src))
         return Compiled(gm, plan, kernels)

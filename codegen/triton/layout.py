@@ -12,9 +12,9 @@ per-channel value would have to index two different dims.
 >>> import torch, functrans as ft
 >>> g = ft.trace(lambda x, s: x * s.unsqueeze(-1))(torch.ones(2, 3, 4), torch.ones(3))
 >>> nodes = list(g.ops())
->>> space, rdims, fdims = layout(nodes)
->>> space, [fdims[n] for n in nodes]
-((2, 3, 4), [(1, None), (0, 1, 2)])
+>>> lay = layout(nodes)
+>>> lay.space, lay.rdims, [lay.fdims[n] for n in nodes]
+((2, 3, 4), frozenset(), [(1, None), (0, 1, 2)])
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,7 +34,17 @@ from .traced import first_output
 __all__ = ["FDims", "Layout", "layout", "links", "operand_fdims", "reduced_dims", "shape"]
 
 FDims = tuple[int | None, ...]
-Layout = tuple[tuple[int, ...], frozenset[int], dict[fx.Node, FDims]]
+"""A value's dim map: for each of its dims, the space dim it indexes (None: a size-1 dim)."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where the values of nodes fused together live: the iteration ``space``, the space dims
+    ``rdims`` it reduces, and each node's dim map ``fdims``."""
+
+    space: tuple[int, ...]
+    rdims: frozenset[int]
+    fdims: dict[fx.Node, FDims]
 
 
 def shape(node: fx.Node) -> tuple[int, ...]:
@@ -150,7 +161,7 @@ def layout(nodes: Sequence[fx.Node]) -> Layout | None:
     if concat and reductions:  # shifted reads are rendered straight-line only
         return None
     rdims = _rdims(reductions, members, fd, space)
-    return None if rdims is None else (space, rdims, fd)
+    return None if rdims is None else Layout(space, rdims, fd)
 
 
 def _propagate(

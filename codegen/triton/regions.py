@@ -33,9 +33,13 @@ class Access:
     strides: tuple[int, ...]
 
 
-@dataclass
+@dataclass(eq=False)
 class Kernel:
-    """Nodes computed by one Triton kernel over ``space`` (reducing ``rdims``)."""
+    """Nodes computed by one Triton kernel over ``space`` (reducing ``rdims``).
+
+    A kernel is its own identity (compared and hashed as an object, not by its fields, which
+    fusion still edits): the schedule and the backend key their tables on it.
+    """
 
     nodes: list[fx.Node]
     space: tuple[int, ...] = ()
