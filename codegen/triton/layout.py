@@ -54,7 +54,7 @@ def shape(node: fx.Node) -> tuple[int, ...]:
 
 def reduced_dims(node: fx.Node, rank: int) -> tuple[list[int], bool]:
     """The dims a reduction node reduces (of its ``rank`` -dim input) and its keepdim."""
-    pos, _ = REDUCTIONS[node.target]
+    pos = REDUCTIONS[node.target].dim_arg
     dims: Any = node.args[pos] if 0 <= pos < len(node.args) else node.kwargs.get("dim")
     keep = node.args[pos + 1] if 0 <= pos < len(node.args) - 1 else False
     keepdim = bool(node.kwargs.get("keepdim", keep))
