@@ -16,7 +16,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.fx as fx
@@ -186,23 +186,28 @@ def _launch(rendered: Rendered, kernel: runtime.Kernel) -> Step:
     return step
 
 
-def _steps(
-    gm: fx.GraphModule, plan: Plan, kernels: dict[Kernel, Built]
-) -> list[tuple[Step, list[fx.Node]]]:
-    """One step per region, each with the values that die after it (freed by liveness)."""
-    steps: list[tuple[Step, list[fx.Node]]] = []
+class _Scheduled(NamedTuple):
+    """One region's step, and the values that die after it (freed by liveness)."""
+
+    run: Step
+    frees: list[fx.Node]
+
+
+def _steps(gm: fx.GraphModule, plan: Plan, kernels: dict[Kernel, Built]) -> list[_Scheduled]:
+    """One step per region, each with the values that die after it."""
+    steps: list[_Scheduled] = []
     uses: list[set[fx.Node]] = []
     for r in plan.regions:
         if isinstance(r, Kernel):
             built = kernels[r]
-            steps.append((_launch(built.rendered, built.kernel), []))
+            steps.append(_Scheduled(_launch(built.rendered, built.kernel), []))
             uses.append(set(built.rendered.inputs))
         elif isinstance(r, View):
             acc = plan.access[r.node]
-            steps.append((_view(r.node, acc), []))
+            steps.append(_Scheduled(_view(r.node, acc), []))
             uses.append({acc.root})
         else:
-            steps.append((_run_node(r.node, gm), []))
+            steps.append(_Scheduled(_run_node(r.node, gm), []))
             uses.append(set(r.node.all_input_nodes))
     output = next(n for n in gm.graph.nodes if n.op == "output")
     keep = set(output.all_input_nodes)
@@ -212,7 +217,7 @@ def _steps(
             last[n] = i
     for n, i in last.items():
         if n not in keep and n.op != "placeholder":
-            steps[i][1].append(n)
+            steps[i].frees.append(n)
     return steps
 
 

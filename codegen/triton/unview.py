@@ -14,6 +14,8 @@ dims), and then one kernel computes ``grad``, stores it for the matmul and sums 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.fx as fx
 
@@ -28,9 +30,17 @@ _RESHAPES = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 _REDUCTIONS = (aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default)
 
 
-def _groups(a: tuple[int, ...], b: tuple[int, ...]) -> list[tuple[list[int], list[int]]] | None:
+class _DimGroup(NamedTuple):
+    """Consecutive dims of a reshape's input (``src``) and output (``dst``) holding the same
+    elements."""
+
+    src: list[int]
+    dst: list[int]
+
+
+def _groups(a: tuple[int, ...], b: tuple[int, ...]) -> list[_DimGroup] | None:
     """Consecutive dims of ``a`` and ``b`` with equal products: how a reshape regroups them."""
-    groups: list[tuple[list[int], list[int]]] = []
+    groups: list[_DimGroup] = []
     i = j = 0
     while i < len(a) or j < len(b):
         ga, gb, pa, pb = [], [], 1, 1
@@ -45,7 +55,7 @@ def _groups(a: tuple[int, ...], b: tuple[int, ...]) -> list[tuple[list[int], lis
                 gb, pb, j = [*gb, j], pb * b[j], j + 1
             else:
                 return None
-        groups.append((ga, gb))
+        groups.append(_DimGroup(ga, gb))
     return groups
 
 
@@ -58,14 +68,14 @@ def _through(r: fx.Node) -> list[int] | None:
     groups = _groups(a, b)
     if groups is None:
         return None
-    dims, _ = reduced_dims(r, len(b))
+    dims = reduced_dims(r, len(b)).dims
     out: list[int] = []
-    for ga, gb in groups:
-        hit = [d for d in gb if d in dims and b[d] != 1]
-        if hit and len(hit) != len([d for d in gb if b[d] != 1]):
+    for g in groups:
+        hit = [d for d in g.dst if d in dims and b[d] != 1]
+        if hit and len(hit) != len([d for d in g.dst if b[d] != 1]):
             return None  # part of a group: the sum splits what the reshape merged
         if hit:
-            out += [d for d in ga if a[d] != 1]
+            out += [d for d in g.src if a[d] != 1]
     return out or None
 
 
