@@ -190,12 +190,14 @@ class Scope:
 
     def shifted(self, f: int | None, expr: str, mask: str | None) -> Scope:
         """A scope reading space dim ``f`` at index ``expr`` and loading only where ``mask``
-        holds. It shares no values: those computed at shifted indices differ."""
+        holds. It shares no values: those computed at shifted indices differ. Inside a loop it
+        stays inside the loop (a slice read by a looped reduction)."""
         shift = self.shift if f is None else {**self.shift, f: expr}
         piece = self.piece_mask
         if mask is not None:
             piece = mask if piece is None else f"{piece} & {mask}"
-        return Scope(shift=shift, piece_mask=piece)
+        loop: dict[ValueKey, str] | None = None if self.loop is None else {}
+        return Scope(loop=loop, shift=shift, piece_mask=piece)
 
 
 class Emitter:
