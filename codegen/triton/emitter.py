@@ -45,7 +45,6 @@ __all__ = [
     "Extent",
     "Geometry",
     "InlineKey",
-    "Level",
     "LoadKey",
     "Read",
     "Scope",
@@ -151,13 +150,6 @@ class Read(NamedTuple):
     extents: tuple[Extent, ...]
 
 
-class Level(NamedTuple):
-    """Whether a value varies along the kernel's kept dims and along its reduced dims."""
-
-    kept: bool
-    reduced: bool
-
-
 @dataclass(frozen=True)
 class Scope:
     """What the next lines may reuse, and at which index they read.
@@ -259,17 +251,19 @@ class Emitter:
             stride *= sizes[d]
         return list(reversed(out))
 
-    def level(self, fdims: Sequence[int | None]) -> Level:
-        """Along which kinds of space dims a value with dim map ``fdims`` varies."""
-        kept = any(f is not None and f not in self.k.rdims for f in fdims)
-        reduced = any(f is not None and f in self.k.rdims for f in fdims)
-        return Level(kept, reduced)
+    def varies_kept(self, fdims: Sequence[int | None]) -> bool:
+        """Whether a value with dim map ``fdims`` varies along the kernel's kept dims."""
+        return any(f is not None and f not in self.k.rdims for f in fdims)
+
+    def varies_reduced(self, fdims: Sequence[int | None]) -> bool:
+        """Whether a value with dim map ``fdims`` varies along a row (the reduced dims)."""
+        return any(f is not None and f in self.k.rdims for f in fdims)
 
     def mask(self, fdims: Sequence[int | None]) -> str | None:
         """The mask of a value with dim map ``fdims`` on the ragged edges (None: one element)."""
-        lv = self.level(fdims)
-        parts = (["xmask"] if lv.kept else []) + (["rmask"] if lv.reduced else [])
-        return " & ".join(parts) or None
+        kept = ["xmask"] if self.varies_kept(fdims) else []
+        reduced = ["rmask"] if self.varies_reduced(fdims) else []
+        return " & ".join(kept + reduced) or None
 
     def address(self, acc: Access, fdims: Sequence[int | None]) -> str:
         """The element offset in ``acc.root`` 's buffer of a value with dim map ``fdims``."""
@@ -296,7 +290,7 @@ class Emitter:
 
     def values(self, fdims: Sequence[int | None]) -> dict[ValueKey, str]:
         """The table of the current scope a value with dim map ``fdims`` belongs in."""
-        return self.scope.values(self.level(fdims).reduced)
+        return self.scope.values(self.varies_reduced(fdims))
 
     def load(self, a: fx.Node, fdims: FDims) -> str:
         """Load the value ``a`` (in memory, per ``access``) with dim map ``fdims``, in its

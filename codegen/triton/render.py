@@ -90,7 +90,7 @@ def render(
     for n in k.nodes:  # reductions first, in order: their loops sit at the top level
         if n.target in REDUCTIONS:
             reduction_parts(em, n)
-    rows = [s for s in k.stores if em.level(k.fdims[s]).reduced]
+    rows = [s for s in k.stores if em.varies_reduced(k.fdims[s])]
     for s in k.stores:
         if s not in rows:
             store(em, s)
@@ -235,7 +235,7 @@ def prepare(em: Emitter, n: fx.Node) -> None:
     """Emit at the top level every row-independent value a loop over ``n`` will need."""
     if n not in em.members:
         return
-    row = em.level(em.k.fdims[n]).reduced
+    row = em.varies_reduced(em.k.fdims[n])
     if not row or n.target in REDUCTIONS or n.target is operator.getitem:
         value(em, n)  # computed once at the top level
         return
@@ -245,7 +245,7 @@ def prepare(em: Emitter, n: fx.Node) -> None:
     for a in n.all_input_nodes:
         if a in em.members:
             prepare(em, a)
-        elif not em.level(em.operand_fdims(n, a)).reduced:
+        elif not em.varies_reduced(em.operand_fdims(n, a)):
             operand(em, n, a)
 
 
