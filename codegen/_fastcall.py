@@ -18,7 +18,7 @@ True
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.fx as fx
@@ -27,30 +27,46 @@ __all__ = ["copy_module", "fast_target", "use_fast_calls"]
 
 aten = torch.ops.aten
 _T = torch.Tensor
-# overload -> (binding, keyword arguments it accepts with the schema's meaning)
-_FAST: dict[Any, tuple[Callable[..., Any], frozenset[str]]] = {
-    aten.view.default: (_T.view, frozenset()),
-    aten._unsafe_view.default: (_T.view, frozenset()),  # graphs are functional: aliasing is moot
-    aten.t.default: (torch.t, frozenset()),
-    aten.transpose.int: (torch.transpose, frozenset()),
-    aten.permute.default: (torch.permute, frozenset()),
-    aten.expand.default: (_T.expand, frozenset()),
-    aten.unsqueeze.default: (torch.unsqueeze, frozenset()),
-    aten.squeeze.dim: (torch.squeeze, frozenset()),
-    aten.select.int: (torch.select, frozenset()),
-    aten.mm.default: (torch.mm, frozenset()),
-    aten.bmm.default: (torch.bmm, frozenset()),
-    aten.addmm.default: (torch.addmm, frozenset({"beta", "alpha"})),
-    aten.add.Tensor: (torch.add, frozenset({"alpha"})),
-    aten.sub.Tensor: (torch.sub, frozenset({"alpha"})),
-    aten.mul.Tensor: (torch.mul, frozenset()),
-    aten.div.Tensor: (torch.div, frozenset()),
-    aten.neg.default: (torch.neg, frozenset()),
-    aten.exp.default: (torch.exp, frozenset()),
-    aten.tanh.default: (torch.tanh, frozenset()),
-    aten.where.self: (torch.where, frozenset()),
-    aten.clone.default: (torch.clone, frozenset({"memory_format"})),
-    aten.cat.default: (torch.cat, frozenset()),
+
+
+class _Binding(NamedTuple):
+    """A fast Python binding of an overload, and the keyword arguments it accepts with the
+    schema's meaning."""
+
+    fn: Callable[..., Any]
+    kwargs: frozenset[str] = frozenset()
+
+
+class _Guarded(NamedTuple):
+    """A binding that matches its overload only where ``applies(node)``."""
+
+    binding: _Binding
+    applies: Callable[[fx.Node], bool]
+
+
+_FAST: dict[Any, _Binding] = {
+    aten.view.default: _Binding(_T.view),
+    aten._unsafe_view.default: _Binding(_T.view),  # graphs are functional: aliasing is moot
+    aten.t.default: _Binding(torch.t),
+    aten.transpose.int: _Binding(torch.transpose),
+    aten.permute.default: _Binding(torch.permute),
+    aten.expand.default: _Binding(_T.expand),
+    aten.unsqueeze.default: _Binding(torch.unsqueeze),
+    aten.squeeze.dim: _Binding(torch.squeeze),
+    aten.select.int: _Binding(torch.select),
+    aten.mm.default: _Binding(torch.mm),
+    aten.bmm.default: _Binding(torch.bmm),
+    aten.addmm.default: _Binding(torch.addmm, frozenset({"beta", "alpha"})),
+    aten.add.Tensor: _Binding(torch.add, frozenset({"alpha"})),
+    aten.sub.Tensor: _Binding(torch.sub, frozenset({"alpha"})),
+    aten.mul.Tensor: _Binding(torch.mul),
+    aten.div.Tensor: _Binding(torch.div),
+    aten.neg.default: _Binding(torch.neg),
+    aten.exp.default: _Binding(torch.exp),
+    aten.tanh.default: _Binding(torch.tanh),
+    aten.where.self: _Binding(torch.where),
+    aten.clone.default: _Binding(torch.clone, frozenset({"memory_format"})),
+    aten.cat.default: _Binding(torch.cat),
 }
 
 
@@ -60,18 +76,18 @@ def _has_dim(node: fx.Node) -> bool:
 
 
 # ops whose binding only matches the overload under a condition on the node's arguments
-_GUARDED: dict[Any, tuple[Callable[..., Any], frozenset[str], Callable[[fx.Node], bool]]] = {
-    aten.sum.dim_IntList: (torch.sum, frozenset({"dtype"}), _has_dim),
-    aten.mean.dim: (torch.mean, frozenset({"dtype"}), _has_dim),
+_GUARDED: dict[Any, _Guarded] = {
+    aten.sum.dim_IntList: _Guarded(_Binding(torch.sum, frozenset({"dtype"})), _has_dim),
+    aten.mean.dim: _Guarded(_Binding(torch.mean, frozenset({"dtype"})), _has_dim),
 }
 
 
 def fast_target(target: Any, kwargs: Mapping[str, Any]) -> Callable[..., Any] | None:
     """The fast binding for ``target`` called with keyword arguments ``kwargs``, or None."""
     entry = _FAST.get(target)
-    if entry is None or not set(kwargs) <= entry[1]:
+    if entry is None or not set(kwargs) <= entry.kwargs:
         return None
-    return entry[0]
+    return entry.fn
 
 
 def use_fast_calls(gm: fx.GraphModule) -> fx.GraphModule:
@@ -82,8 +98,12 @@ def use_fast_calls(gm: fx.GraphModule) -> fx.GraphModule:
             continue
         fast = fast_target(node.target, node.kwargs)
         guarded = _GUARDED.get(node.target)
-        if guarded is not None and set(node.kwargs) <= guarded[1] and guarded[2](node):
-            fast = guarded[0]
+        if (
+            guarded is not None
+            and set(node.kwargs) <= guarded.binding.kwargs
+            and guarded.applies(node)
+        ):
+            fast = guarded.binding.fn
         if fast is not None:
             node.target = fast
     gm.recompile()

@@ -1,4 +1,5 @@
-"""``"aten"``: run the FX graph of ATen ops as it is. The oracle for every other backend."""
+"""``"aten"``: run the FX graph of ATen ops as it is; ``jit`` 's default backend. Like every
+backend it is checked against eager autograd (:func:`functrans.testing.check_backend`)."""
 
 from __future__ import annotations
 

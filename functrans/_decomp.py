@@ -59,6 +59,15 @@ def _core_table() -> Mapping[Any, Callable[..., Any]]:
 
 
 def decomposition_table_all() -> Mapping[Any, Callable[..., Any]]:
+    """Every decomposition torch registers (``torch._decomp.decomposition_table``): op
+    overload -> a function computing it from smaller ATen ops. A backend picks the entries it
+    wants and passes them to :func:`~functrans.extend.retrace`.
+
+    >>> import torch
+    >>> silu = decomposition_table_all()[torch.ops.aten.silu.default]
+    >>> torch.allclose(silu(torch.ones(2)), torch.nn.functional.silu(torch.ones(2)))
+    True
+    """
     from torch._decomp import decomposition_table
 
     return decomposition_table

@@ -272,7 +272,16 @@ def retrace(
     gm: fx.GraphModule, table: Mapping[Any, Callable[..., Any]], *, functional: bool = False
 ) -> fx.GraphModule:
     """Trace ``gm`` again through ``table`` (and functionalization when ``functional``),
-    keeping our namespaced node meta (see :func:`functionalize`)."""
+    keeping our namespaced node meta (see :func:`functionalize`).
+
+    >>> import torch, functrans as ft
+    >>> from functrans.extend import decomposition_table_all
+    >>> g = ft.trace(torch.nn.functional.silu, decompositions="minimal")(torch.randn(3))
+    >>> silu = torch.ops.aten.silu.default
+    >>> gm = retrace(g.graph_module, {silu: decomposition_table_all()[silu]})
+    >>> [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+    ['aten.sigmoid.default', 'aten.mul.Tensor']
+    """
     vals = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
     for n in gm.graph.nodes:
         ours = {k: v for k, v in n.meta.items() if k.startswith(_OURS)}

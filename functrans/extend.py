@@ -24,6 +24,7 @@ from ._cut_problem import CutProblem as CutProblem
 from ._cut_problem import ForwardValue as ForwardValue
 from ._cut_problem import OpRule as OpRule
 from ._cut_problem import cut_problem as cut_problem
+from ._decomp import decomposition_table_all as decomposition_table_all
 from ._errors import FunctransError as FunctransError
 from ._errors import InvalidArgumentError as InvalidArgumentError
 from ._errors import InvalidPartitionError as InvalidPartitionError
@@ -43,6 +44,7 @@ from ._split import split as split
 from ._tags import REMAT as REMAT
 from ._tags import Policy as Policy
 from ._tags import policy_of as policy_of
+from ._trace import retrace as retrace
 from ._validate import check_names as check_names
 from ._validate import check_number as check_number
 from ._validate import check_option as check_option

@@ -17,6 +17,7 @@ pytest.importorskip("triton")
 
 from functrans.codegen.triton import (
     TritonBackend,
+    aot,
     runtime,
 )
 
@@ -333,6 +334,20 @@ def test_looped_reductions_match(limit):
     _check_graph(ft.trace(f)(*args), args, "looped", persistent_limit=limit, max_block=16)
 
 
+def test_regression_slices_read_inside_a_reduction_loop():
+    """Found by hand while giving the emitter an explicit scope: a slice of a recomputed value,
+    read by a reduction that loops over its row, was written outside the loop's body (its
+    shifted scope dropped the loop), so the kernel did not import."""
+
+    def f(x):
+        y = x * 2
+        return (y[:, 1:] * y[:, :-1]).sum(-1)
+
+    args = [torch.randn(4, 65)]
+    run, _ = _check_graph(ft.trace(f)(*args), args, "sliced", persistent_limit=16, max_block=16)
+    assert run.num_kernels == 1 and "for roffset" in run.source
+
+
 def test_regression_kernel_reading_a_view_waits_for_the_extern_it_views():
     """Shrunk by hypothesis: a kernel whose in-kernel view reads an extern's output (and whose
     view is also a graph output) was scheduled before that extern."""
@@ -493,6 +508,6 @@ def test_every_generated_kernel_compiles_for_gpus(arch):
     """Runs last in this file: every kernel the tests above interpreted, compiled for sm_XX."""
     assert GENERATED, "run with the rest of the file"
     for src in GENERATED.values():
-        art = runtime.compile_for_gpu(src, ("cuda", arch, 32))
+        art = aot.compile_for_gpu(src, ("cuda", arch, 32))
         assert f".entry {src.name}" in art.ptx
         assert art.cubin or art.cubin_missing_reason

@@ -19,12 +19,12 @@ pytest.importorskip("triton")
 import triton
 import triton.language as tl
 import triton.language.extra.cuda.libdevice as cuda_libdevice
-from functrans.codegen.triton import runtime
+from functrans.codegen.triton import aot, runtime
+from functrans.codegen.triton.aot import compile_for_gpu
 from functrans.codegen.triton.runtime import (
     KernelError,
     KernelSource,
     TritonUnavailableError,
-    compile_for_gpu,
     load,
 )
 from triton.language.extra import libdevice
@@ -408,7 +408,7 @@ def test_compile_for_gpu(make, arch, ptx_target):
 
 
 def test_compile_without_ptxas_gives_ptx_and_says_why(monkeypatch):
-    monkeypatch.setattr(runtime, "_ptxas_missing", lambda triton, arch: "no ptxas (test)")
+    monkeypatch.setattr(aot, "_ptxas_missing", lambda triton, arch: "no ptxas (test)")
     art = compile_for_gpu(_add_kernel(), ("cuda", 86, 32))  # an arch no other test compiles
     assert ".entry add_kernel(" in art.ptx and ".target sm_86" in art.ptx
     assert art.cubin is None and art.cubin_missing_reason == "no ptxas (test)"

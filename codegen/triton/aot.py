@@ -6,9 +6,8 @@ be missing (or the cubin not wanted): Triton is then stopped after PTX
 (:func:`_without_cubin_stage`) and :class:`CompiledArtifact` says why there is no cubin.
 
 Like every module of functrans but :mod:`.runtime`, this one does not import :mod:`triton`: it
-gets the module from ``runtime._triton()``. :mod:`.runtime` re-exports :func:`compile_for_gpu`
-and :class:`CompiledArtifact`, and so imports this module; this module imports :mod:`.runtime`
-only when compiling, so either can be imported first.
+gets the module from ``runtime._triton()``. It builds on :mod:`.runtime`, which does not import
+it back.
 """
 
 from __future__ import annotations
@@ -16,10 +15,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from .runtime import KernelSource
+from . import runtime
+from .runtime import KernelSource
 
 __all__ = ["CompiledArtifact", "compile_for_gpu"]
 
@@ -57,7 +56,7 @@ def _without_cubin_stage(triton: Any, arch: int, *, mock_ptxas: bool) -> Iterato
 
     ``mock_ptxas``: ptxas is missing, so also pick the PTX version Triton would ask it for.
     """
-    runtime, nvidia = triton.knobs.runtime, triton.knobs.nvidia
+    knobs, nvidia = triton.knobs.runtime, triton.knobs.nvidia
 
     def hook(*args: Any) -> Any:
         if not args:  # Triton asks for a cache key: keep these out of the full builds' cache
@@ -67,8 +66,8 @@ def _without_cubin_stage(triton: Any, arch: int, *, mock_ptxas: bool) -> Iterato
             stages["cubin"] = lambda src, metadata: b""
         return None
 
-    with runtime.scope(), nvidia.scope():
-        runtime.add_stages_inspection_hook = hook
+    with knobs.scope(), nvidia.scope():
+        knobs.add_stages_inspection_hook = hook
         if not mock_ptxas:
             yield {}
             return
@@ -93,7 +92,7 @@ def compile_for_gpu(
     kernel when Triton rejects it.
 
     >>> import pytest
-    >>> from functrans.codegen.triton.runtime import KernelSource, available
+    >>> from functrans.codegen.triton.runtime import available
     >>> _ = available() or pytest.skip("needs triton")
     >>> src = '''
     ... import triton
@@ -107,8 +106,6 @@ def compile_for_gpu(
     >>> ".entry zero" in art.ptx, art.target, len(art.cubin) > 0
     (True, ('cuda', 90, 32), True)
     """
-    from . import runtime  # not at the top: runtime imports this module
-
     triton = runtime._triton()
     backend, arch, warp_size = target
     if backend != "cuda" or warp_size != 32 or arch not in _CUDA_ARCHS:
@@ -122,8 +119,7 @@ def compile_for_gpu(
     signature = {
         p.name: "constexpr" if p.is_constexpr else kernel.signature[p.name] for p in fn.params
     }
-    # runtime re-exports _ptxas_missing; looked up there so that patching runtime's one works
-    missing = runtime._ptxas_missing(triton, arch)
+    missing = _ptxas_missing(triton, arch)
     skipped = missing if missing is not None else None if cubin else "not requested (cubin=False)"
     gpu_target = triton.backends.compiler.GPUTarget(backend, arch, warp_size)
     options: dict[str, Any] = {"enable_fp_fusion": runtime.ENABLE_FP_FUSION}

@@ -16,15 +16,19 @@ from __future__ import annotations
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.fx as fx
 
-from functrans._decomp import decomposition_table_all
-from functrans._graph import RECOMPUTED
-from functrans._trace import retrace
-from functrans.extend import Graph, nbytes, read_bytes
+from functrans.extend import (
+    RECOMPUTED,
+    Graph,
+    decomposition_table_all,
+    nbytes,
+    read_bytes,
+    retrace,
+)
 
 from . import runtime
 from .fusion import fuse
@@ -67,10 +71,18 @@ def decompose(gm: fx.GraphModule) -> fx.GraphModule:
     return retrace(gm, todo) if todo else gm
 
 
+@dataclass(frozen=True)
+class Built:
+    """One kernel region rendered to source and loaded, ready to launch."""
+
+    rendered: Rendered
+    kernel: runtime.Kernel
+
+
 class Compiled:
     """A graph compiled to Triton kernels; call it with the graph's flat tensors."""
 
-    def __init__(self, gm: fx.GraphModule, plan: Plan, kernels: dict[int, tuple[Rendered, Any]]):
+    def __init__(self, gm: fx.GraphModule, plan: Plan, kernels: dict[Kernel, Built]):
         self.graph_module = gm
         self.plan = plan
         self._kernels = kernels
@@ -80,7 +92,7 @@ class Compiled:
 
     @property
     def rendered(self) -> list[Rendered]:
-        return [r for r, _ in self._kernels.values()]
+        return [b.rendered for b in self._kernels.values()]
 
     @property
     def source(self) -> str:
@@ -160,7 +172,7 @@ def _view(node: fx.Node, acc: Access) -> Step:
     return step
 
 
-def _launch(rendered: Rendered, kernel: Any) -> Step:
+def _launch(rendered: Rendered, kernel: runtime.Kernel) -> Step:
     outs = [
         (o, tuple(o.meta["val"].shape), tuple(o.meta["val"].stride()), o.meta["val"].dtype)
         for o in rendered.outputs
@@ -174,23 +186,28 @@ def _launch(rendered: Rendered, kernel: Any) -> Step:
     return step
 
 
-def _steps(
-    gm: fx.GraphModule, plan: Plan, kernels: dict[int, tuple[Rendered, Any]]
-) -> list[tuple[Step, list[fx.Node]]]:
-    """One step per region, each with the values that die after it (freed by liveness)."""
-    steps: list[tuple[Step, list[fx.Node]]] = []
+class _Scheduled(NamedTuple):
+    """One region's step, and the values that die after it (freed by liveness)."""
+
+    run: Step
+    frees: list[fx.Node]
+
+
+def _steps(gm: fx.GraphModule, plan: Plan, kernels: dict[Kernel, Built]) -> list[_Scheduled]:
+    """One step per region, each with the values that die after it."""
+    steps: list[_Scheduled] = []
     uses: list[set[fx.Node]] = []
     for r in plan.regions:
         if isinstance(r, Kernel):
-            rendered, kernel = kernels[id(r)]
-            steps.append((_launch(rendered, kernel), []))
-            uses.append(set(rendered.inputs))
+            built = kernels[r]
+            steps.append(_Scheduled(_launch(built.rendered, built.kernel), []))
+            uses.append(set(built.rendered.inputs))
         elif isinstance(r, View):
             acc = plan.access[r.node]
-            steps.append((_view(r.node, acc), []))
+            steps.append(_Scheduled(_view(r.node, acc), []))
             uses.append({acc.root})
         else:
-            steps.append((_run_node(r.node, gm), []))
+            steps.append(_Scheduled(_run_node(r.node, gm), []))
             uses.append(set(r.node.all_input_nodes))
     output = next(n for n in gm.graph.nodes if n.op == "output")
     keep = set(output.all_input_nodes)
@@ -200,7 +217,7 @@ def _steps(
             last[n] = i
     for n, i in last.items():
         if n not in keep and n.op != "placeholder":
-            steps[i][1].append(n)
+            steps[i].frees.append(n)
     return steps
 
 
@@ -221,11 +238,11 @@ class TritonBackend:
     def compile(self, graph: Graph, example_inputs: Sequence[torch.Tensor]) -> Compiled:
         gm = unview(relayout(decompose(graph.graph_module)))
         plan = fuse(gm.graph)
-        kernels: dict[int, tuple[Rendered, Any]] = {}
+        kernels: dict[Kernel, Built] = {}
         for i, r in enumerate(x for x in plan.regions if isinstance(x, Kernel)):
             rendered = render(r, plan.access, i, plan.inline, self.persistent_limit, self.max_block)
             src = runtime.KernelSource(
                 rendered.name, rendered.source, rendered.signature, rendered.constexprs
             )
-            kernels[id(r)] = (rendered, runtime.load(src))
+            kernels[r] = Built(rendered, runtime.load(src))
         return Compiled(gm, plan, kernels)

@@ -21,26 +21,24 @@ consume them.
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from .layout import layout
+from .layout import Layout, layout
 from .lowering import LOWERINGS, REDUCTIONS, triton_dtype
 from .regions import Access, Kernel, Plan, is_slice, is_view_op
 from .schedule import order
+from .traced import traced_value
 
 __all__ = ["fuse", "lowerable"]
 
 
-def _val(node: Any) -> Any:
-    return node.meta.get("val") if isinstance(node, fx.Node) else None
-
-
 def _tensor_dtypes_ok(node: fx.Node) -> bool:
-    vals = [_val(a) for a in node.all_input_nodes] + [_val(node)]
+    vals = [traced_value(a) for a in node.all_input_nodes] + [traced_value(node)]
     flat: list[Any] = []
     for v in vals:
         flat.extend(v if isinstance(v, (tuple, list)) else [v])
@@ -137,6 +135,15 @@ def _shares_storage(a: Any, b: Any) -> bool:
         return False
 
 
+@dataclass(eq=False)
+class _Group:
+    """Nodes fused so far, in graph order, and their layout (None until a merge computed it).
+    Every member maps to its group object; groups are compared and hashed as objects."""
+
+    nodes: list[fx.Node]
+    layout: Layout | None = None
+
+
 class _Fuser:
     def __init__(self, graph: fx.Graph) -> None:
         self.nodes = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
@@ -144,8 +151,7 @@ class _Fuser:
         self.lower = {n for n in self.nodes if lowerable(n)}
         self.inline = _inline(self.nodes, self.lower)
         self.lower -= self.inline
-        self.group: dict[fx.Node, list[fx.Node]] = {n: [n] for n in self.lower}
-        self.layouts: dict[int, Any] = {}
+        self.group: dict[fx.Node, _Group] = {n: _Group([n]) for n in self.lower}
         self.output = next(n for n in graph.nodes if n.op == "output")
 
     def try_merge(self, a: fx.Node, b: fx.Node) -> bool:
@@ -153,12 +159,12 @@ class _Fuser:
         ga, gb = self.group[a], self.group[b]
         if ga is gb:
             return True
-        merged = sorted(ga + gb, key=self.index.__getitem__)
-        if self._path_outside(ga, gb) or (lay := layout(merged)) is None:
+        nodes = sorted(ga.nodes + gb.nodes, key=self.index.__getitem__)
+        if self._path_outside(ga.nodes, gb.nodes) or (lay := layout(nodes)) is None:
             return False
-        for n in merged:
+        merged = _Group(nodes, lay)
+        for n in nodes:
             self.group[n] = merged
-        self.layouts[id(merged)] = lay
         return True
 
     def _path_outside(self, ga: list[fx.Node], gb: list[fx.Node]) -> bool:
@@ -179,7 +185,7 @@ class _Fuser:
                 u = stack.pop()
                 if u in seen:
                     continue
-                region = self.group.get(u, [u])
+                region = self.group[u].nodes if u in self.group else [u]
                 seen.update(region)
                 for m in region:
                     if any(w in dst_set for w in m.users):
@@ -202,26 +208,22 @@ class _Fuser:
             for u in readers[1:]:
                 self.try_merge(readers[0], u)
         self._merge_equal_spaces()
-        return self._groups()
+        return [g.nodes for g in self._groups()]
 
-    def _groups(self) -> list[list[fx.Node]]:
-        groups: dict[int, list[fx.Node]] = {}
-        for n in self.nodes:
-            if n in self.lower:
-                groups.setdefault(id(self.group[n]), self.group[n])
-        return list(groups.values())
+    def _groups(self) -> list[_Group]:
+        return list(dict.fromkeys(self.group[n] for n in self.nodes if n in self.lower))
 
     def _merge_equal_spaces(self) -> None:
         """Kernels over one iteration space share a launch even without a shared input (a
         layer's weight and bias gradients: two column sums; recomputed copies of q, k and v)."""
-        by_space: dict[Any, list[fx.Node]] = {}
-        for g in self._groups():
-            lay = self.layouts.get(id(g)) or layout(g)
+        by_space: dict[tuple[tuple[int, ...], frozenset[int]], list[fx.Node]] = {}
+        for g in self._groups():  # as they were before these merges
+            lay = g.layout or layout(g.nodes)
             if lay is None:
                 continue
-            reps = by_space.setdefault((lay[0], lay[1]), [])
-            if not any(self.try_merge(r, g[0]) for r in reps):
-                reps.append(g[0])
+            reps = by_space.setdefault((lay.space, lay.rdims), [])
+            if not any(self.try_merge(r, g.nodes[0]) for r in reps):
+                reps.append(g.nodes[0])
 
 
 def fuse(graph: fx.Graph) -> Plan:
@@ -236,7 +238,7 @@ def fuse(graph: fx.Graph) -> Plan:
         lay = layout(g)
         if lay is None:  # a lone node whose shapes no kernel maps (cannot happen for merged)
             continue
-        kernel = Kernel(g, lay[0], lay[1], lay[2])
+        kernel = Kernel(g, lay.space, lay.rdims, lay.fdims)
         kernels.append(kernel)
         for n in g:
             member[n] = kernel
@@ -264,7 +266,7 @@ def fuse(graph: fx.Graph) -> Plan:
                 access[n] = acc
                 return acc
             needs_tensor.add(n)  # a view we cannot address: run it (free in torch)
-        v = _val(n)
+        v = traced_value(n)
         if not isinstance(v, torch.Tensor):  # a tuple of an extern's outputs: getitems read it
             return Access(n, 0, (), ())
         acc = Access(n, 0, tuple(v.shape), tuple(int(s) for s in v.stride()))
@@ -304,7 +306,7 @@ def fuse(graph: fx.Graph) -> Plan:
 
 def _view_access(view: fx.Node, base: Access) -> Access | None:
     """The view read in place from ``base`` 's root, or None when the trace cannot tell."""
-    v, r = _val(view), _val(base.root)
+    v, r = traced_value(view), traced_value(base.root)
     if not (isinstance(v, torch.Tensor) and isinstance(r, torch.Tensor)) or v.dtype != r.dtype:
         return None  # a view that reinterprets the bytes (view_as_real, view(dtype)): run it
     if v.is_complex() or v.is_conj() or v.is_neg():

@@ -12,9 +12,9 @@ per-channel value would have to index two different dims.
 >>> import torch, functrans as ft
 >>> g = ft.trace(lambda x, s: x * s.unsqueeze(-1))(torch.ones(2, 3, 4), torch.ones(3))
 >>> nodes = list(g.ops())
->>> space, rdims, fdims = layout(nodes)
->>> space, [fdims[n] for n in nodes]
-((2, 3, 4), [(1, None), (0, 1, 2)])
+>>> lay = layout(nodes)
+>>> lay.space, lay.rdims, [lay.fdims[n] for n in nodes]
+((2, 3, 4), frozenset(), [(1, None), (0, 1, 2)])
 """
 
 from __future__ import annotations
@@ -22,40 +22,72 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 import torch.fx as fx
 
 from .lowering import LOWERINGS, REDUCTIONS
+from .traced import first_output
 
-__all__ = ["FDims", "Layout", "layout", "links", "operand_fdims", "reduced_dims", "shape"]
+__all__ = [
+    "FDims",
+    "Layout",
+    "Link",
+    "Reduced",
+    "layout",
+    "links",
+    "operand_fdims",
+    "reduced_dims",
+    "shape",
+]
 
 FDims = tuple[int | None, ...]
-Layout = tuple[tuple[int, ...], frozenset[int], dict[fx.Node, FDims]]
+"""A value's dim map: for each of its dims, the space dim it indexes (None: a size-1 dim)."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where the values of nodes fused together live: the iteration ``space``, the space dims
+    ``rdims`` it reduces, and each node's dim map ``fdims``."""
+
+    space: tuple[int, ...]
+    rdims: frozenset[int]
+    fdims: dict[fx.Node, FDims]
 
 
 def shape(node: fx.Node) -> tuple[int, ...]:
     """The (first) output shape of ``node``."""
-    v = node.meta.get("val")
-    if isinstance(v, (tuple, list)):
-        v = v[0]
-    return tuple(int(s) for s in v.shape)  # type: ignore[union-attr]
+    return tuple(int(s) for s in first_output(node).shape)
 
 
-def reduced_dims(node: fx.Node, rank: int) -> tuple[list[int], bool]:
-    """The dims a reduction node reduces (of its ``rank`` -dim input) and its keepdim."""
-    pos, _ = REDUCTIONS[node.target]
+class Reduced(NamedTuple):
+    """The (sorted) ``dims`` of its input a reduction reduces, and whether it keeps them."""
+
+    dims: list[int]
+    keepdim: bool
+
+
+def reduced_dims(node: fx.Node, rank: int) -> Reduced:
+    """What a reduction node reduces of its ``rank`` -dim input.
+
+    >>> import functrans as ft
+    >>> g = ft.trace(lambda x: x.sum(-1, keepdim=True))(torch.ones(2, 3))
+    >>> reduced_dims(next(g.ops()), 2)
+    Reduced(dims=[1], keepdim=True)
+    """
+    pos = REDUCTIONS[node.target].dim_arg
     dims: Any = node.args[pos] if 0 <= pos < len(node.args) else node.kwargs.get("dim")
     keep = node.args[pos + 1] if 0 <= pos < len(node.args) - 1 else False
     keepdim = bool(node.kwargs.get("keepdim", keep))
     if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
-        return list(range(rank)), keepdim
+        return Reduced(list(range(rank)), keepdim)
     if isinstance(dims, int):
         dims = [dims]
     if rank == 0:  # a 0-dim tensor: dim 0 / -1 name the tensor itself, nothing to reduce
-        return [], keepdim
-    return sorted({d % rank for d in dims}), keepdim
+        return Reduced([], keepdim)
+    return Reduced(sorted({d % rank for d in dims}), keepdim)
 
 
 def _is_squeeze_view(n: fx.Node) -> bool:
@@ -65,35 +97,50 @@ def _is_squeeze_view(n: fx.Node) -> bool:
     )
 
 
-def links(a: fx.Node, n: fx.Node) -> list[tuple[int, int]] | None:
-    """Pairs ``(dim of a, dim of n)`` that index the same space dim when ``n`` reads ``a``
-    (non-1 dims only); None when the read cannot be expressed by index bookkeeping."""
+class Link(NamedTuple):
+    """A dim of a value read (``src``) and a dim of its reader (``dst``) that index the same
+    space dim."""
+
+    src: int
+    dst: int
+
+
+def links(a: fx.Node, n: fx.Node) -> list[Link] | None:
+    """The dims of ``a`` and of ``n`` that index the same space dim when ``n`` reads ``a``
+    (non-1 dims only); None when the read cannot be expressed by index bookkeeping.
+
+    >>> import functrans as ft
+    >>> g = ft.trace(lambda x: x.sum(0))(torch.ones(2, 3))
+    >>> x, total = next(iter(g.graph_module.graph.nodes)), next(g.ops())
+    >>> links(x, total)
+    [Link(src=1, dst=0)]
+    """
     out, a_shape = shape(n), shape(a)
     if n.target is operator.getitem:
-        return [(d, d) for d, s in enumerate(out) if s != 1]
+        return [Link(d, d) for d, s in enumerate(out) if s != 1]
     if n.target in REDUCTIONS:
         if a is not n.args[0]:
             return None
-        dims, keepdim = reduced_dims(n, len(a_shape))
+        reduced = reduced_dims(n, len(a_shape))
         pairs, j = [], 0
         for d, s in enumerate(a_shape):
-            if d in dims:
-                j += keepdim
+            if d in reduced.dims:
+                j += reduced.keepdim
                 continue
             if s != 1:
-                pairs.append((d, j))
+                pairs.append(Link(d, j))
             j += 1
         return pairs
     if LOWERINGS[n.target].kind == "concat":  # same dims; reads shift along the concat dim
-        return [(d, d) for d, s in enumerate(a_shape) if s != 1 or out[d] != 1]
+        return [Link(d, d) for d, s in enumerate(a_shape) if s != 1 or out[d] != 1]
     if _is_squeeze_view(n):
         a_non1 = [d for d, s in enumerate(a_shape) if s != 1]
         o_non1 = [d for d, s in enumerate(out) if s != 1]
         if [a_shape[d] for d in a_non1] != [out[d] for d in o_non1]:
             return None
-        return list(zip(a_non1, o_non1, strict=True))
+        return [Link(da, dn) for da, dn in zip(a_non1, o_non1, strict=True)]
     off = len(out) - len(a_shape)
-    pairs = [(ja, ja + off) for ja, s in enumerate(a_shape) if s != 1]
+    pairs = [Link(ja, ja + off) for ja, s in enumerate(a_shape) if s != 1]
     if any(j < 0 or out[j] != a_shape[ja] for ja, j in pairs):
         return None
     return pairs
@@ -152,7 +199,7 @@ def layout(nodes: Sequence[fx.Node]) -> Layout | None:
     if concat and reductions:  # shifted reads are rendered straight-line only
         return None
     rdims = _rdims(reductions, members, fd, space)
-    return None if rdims is None else (space, rdims, fd)
+    return None if rdims is None else Layout(space, rdims, fd)
 
 
 def _propagate(
@@ -208,7 +255,7 @@ def _rdims(
             if got is None:
                 return None
             fa = list(got)
-        dims, _ = reduced_dims(r, len(a_shape))
+        dims = reduced_dims(r, len(a_shape)).dims
         mapped = {fa[d] for d in dims if a_shape[d] != 1}
         if None in mapped or (rdims is not None and mapped != rdims):
             return None

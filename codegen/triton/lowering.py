@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 import torch.fx as fx
@@ -28,8 +28,13 @@ import torch.fx as fx
 __all__ = [
     "LOWERINGS",
     "REDUCTIONS",
+    "Concat",
     "Lowering",
+    "Piece",
+    "Reduction",
+    "as_dtype",
     "compute_dtype",
+    "compute_triton_dtype",
     "concat_pieces",
     "literal",
     "pointer_type",
@@ -79,6 +84,28 @@ def pointer_type(dtype: torch.dtype) -> str:
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype a value of ``dtype`` is computed in: half types widen to float32."""
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def compute_triton_dtype(dtype: torch.dtype) -> str:
+    """The ``tl`` dtype a value of ``dtype`` is computed in.
+
+    >>> compute_triton_dtype(torch.bfloat16), compute_triton_dtype(torch.float64)
+    ('tl.float32', 'tl.float64')
+    """
+    return triton_dtype(compute_dtype(dtype))
+
+
+def as_dtype(expr: str, dtype: torch.dtype) -> str:
+    """``expr`` as a value of ``dtype``, held in its compute dtype. Half types are rounded to
+    ``dtype`` first, as eager rounds every op's result: a recomputed value must equal the
+    stored one bit for bit (``eq`` against a saved ``amax``, a clamp at its bound).
+
+    >>> as_dtype("tmp0", torch.bfloat16)
+    '(tmp0).to(tl.bfloat16).to(tl.float32)'
+    """
+    if compute_dtype(dtype) != dtype:
+        return f"({expr}).to({triton_dtype(dtype)}).to({compute_triton_dtype(dtype)})"
+    return f"({expr}).to({compute_triton_dtype(dtype)})"
 
 
 def literal(value: Any) -> str:
@@ -193,9 +220,32 @@ def _unit_step(n: fx.Node) -> bool:
     return bool(step == 1)
 
 
-def concat_pieces(n: fx.Node) -> tuple[int, list[tuple[fx.Node, int, int]], fx.Node | None]:
-    """``(dim, [(operand, start, size) along dim], base)`` of a concat node: ``cat`` places its
-    operands one after another; ``slice_scatter`` places ``src`` over ``base``."""
+class Piece(NamedTuple):
+    """An operand of a concat placed at ``start`` along the concat dim, ``size`` long."""
+
+    node: fx.Node
+    start: int
+    size: int
+
+
+class Concat(NamedTuple):
+    """The ``pieces`` a concat places along ``dim``, over ``base`` (None for ``cat``)."""
+
+    dim: int
+    pieces: list[Piece]
+    base: fx.Node | None
+
+
+def concat_pieces(n: fx.Node) -> Concat:
+    """Where the operands of concat node ``n`` go: ``cat`` places its operands one after
+    another; ``slice_scatter`` places ``src`` over ``base``.
+
+    >>> import functrans as ft
+    >>> g = ft.trace(lambda a, b: torch.cat([a, b], 1))(torch.ones(2, 3), torch.ones(2, 5))
+    >>> cat = concat_pieces(next(g.ops()))
+    >>> cat.dim, [(p.node.name, p.start, p.size) for p in cat.pieces], cat.base
+    (1, [('a', 0, 3), ('b', 3, 5)], None)
+    """
     out = n.meta["val"]
     rank = out.dim()
     args: Any = n.args
@@ -205,15 +255,15 @@ def concat_pieces(n: fx.Node) -> tuple[int, list[tuple[fx.Node, int, int]], fx.N
         for a in args[0]:
             val = a.meta["val"]
             size = int(val.shape[dim]) if val.dim() == rank else 0  # legacy empty 1-d pieces
-            pieces.append((a, start, size))
+            pieces.append(Piece(a, start, size))
             start += size
-        return dim, pieces, None
+        return Concat(dim, pieces, None)
     base, src = args[0], args[1]
     dim = int(args[2]) % rank if len(args) > 2 else 0
     start_arg = args[3] if len(args) > 3 else None
     first = 0 if start_arg is None else int(start_arg)
     first = first + int(out.shape[dim]) if first < 0 else min(first, int(out.shape[dim]))
-    return dim, [(src, first, int(src.meta["val"].shape[dim]))], base
+    return Concat(dim, [Piece(src, first, int(src.meta["val"].shape[dim]))], base)
 
 
 LOWERINGS: dict[Any, Lowering] = {
@@ -291,23 +341,33 @@ LOWERINGS: dict[Any, Lowering] = {
     aten.squeeze.dims: Lowering("reshape", _identity, "none"),
     aten.squeeze.default: Lowering("reshape", _identity, "none"),
     aten.expand.default: Lowering("reshape", _identity, "none"),
-    # pieces of other values placed along one dim: each read at a shifted index (render.py)
+    # pieces of other values placed along one dim: each read at a shifted index (shifted.py)
     aten.cat.default: Lowering("concat", _identity, "none", accepts=lambda n: _same_dtype(n)),
     aten.slice_scatter.default: Lowering(
         "concat", _identity, "none", accepts=lambda n: _same_dtype(n) and _unit_step(n)
     ),
 }
 
-#: reduction overload -> (dims argument position, combine kind). Rendering lives in render.py.
-REDUCTIONS: dict[Any, tuple[int, str]] = {
-    aten.sum.dim_IntList: (1, "sum"),
-    aten.sum.default: (-1, "sum"),
-    aten.mean.dim: (1, "mean"),
-    aten.mean.default: (-1, "mean"),
-    aten.amax.default: (1, "max"),
-    aten.amin.default: (1, "min"),
-    aten.var_mean.correction: (1, "var_mean"),
-    aten.var.correction: (1, "var"),
+Combine = Literal["sum", "mean", "max", "min", "var_mean", "var"]
+
+
+class Reduction(NamedTuple):
+    """A reduction overload: the position of its ``dim`` argument (-1: it has none, and
+    reduces everything) and how it combines a row. Rendered by :mod:`.reduce`."""
+
+    dim_arg: int
+    combine: Combine
+
+
+REDUCTIONS: dict[Any, Reduction] = {
+    aten.sum.dim_IntList: Reduction(1, "sum"),
+    aten.sum.default: Reduction(-1, "sum"),
+    aten.mean.dim: Reduction(1, "mean"),
+    aten.mean.default: Reduction(-1, "mean"),
+    aten.amax.default: Reduction(1, "max"),
+    aten.amin.default: Reduction(1, "min"),
+    aten.var_mean.correction: Reduction(1, "var_mean"),
+    aten.var.correction: Reduction(1, "var"),
 }
 for _op in REDUCTIONS:
     LOWERINGS[_op] = Lowering("reduction", _identity)

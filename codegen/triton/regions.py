@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.fx as fx
@@ -16,6 +16,7 @@ __all__ = [
     "Kernel",
     "Plan",
     "Region",
+    "SliceParams",
     "View",
     "is_slice",
     "is_view_op",
@@ -33,9 +34,13 @@ class Access:
     strides: tuple[int, ...]
 
 
-@dataclass
+@dataclass(eq=False)
 class Kernel:
-    """Nodes computed by one Triton kernel over ``space`` (reducing ``rdims``)."""
+    """Nodes computed by one Triton kernel over ``space`` (reducing ``rdims``).
+
+    A kernel is its own identity (compared and hashed as an object, not by its fields, which
+    fusion still edits): the schedule and the backend key their tables on it.
+    """
 
     nodes: list[fx.Node]
     space: tuple[int, ...] = ()
@@ -79,9 +84,23 @@ def is_view_op(node: fx.Node) -> bool:
     return alias is not None and not alias.is_write
 
 
-def slice_params(n: fx.Node) -> tuple[int, int, int] | None:
-    """``(dim, start, step)`` of a forward-stepping ``slice.Tensor`` (start clamped into its
-    input's dim), or None for anything else."""
+class SliceParams(NamedTuple):
+    """A forward-stepping slice: along ``dim``, every ``step`` th element from ``start``."""
+
+    dim: int
+    start: int
+    step: int
+
+
+def slice_params(n: fx.Node) -> SliceParams | None:
+    """What a forward-stepping ``slice.Tensor`` keeps (start clamped into its input's dim), or
+    None for anything else.
+
+    >>> import torch, functrans as ft
+    >>> g = ft.trace(lambda x: x[:, 1::2])(torch.ones(2, 6))
+    >>> slice_params(list(g.ops())[-1])
+    SliceParams(dim=1, start=1, step=2)
+    """
     if n.target is not torch.ops.aten.slice.Tensor or not isinstance(n.args[0], fx.Node):
         return None
     args: list[Any] = [*n.args, *[None] * 5][1:5]
@@ -90,11 +109,11 @@ def slice_params(n: fx.Node) -> tuple[int, int, int] | None:
     size = int(n.args[0].meta["val"].shape[dim])
     start, step = int(args[1] or 0), int(args[3] if args[3] is not None else 1)
     start = min(max(start + size if start < 0 else start, 0), size)
-    return (dim, start, step) if step >= 1 else None
+    return SliceParams(dim, start, step) if step >= 1 else None
 
 
 def is_slice(n: fx.Node) -> bool:
     """A forward-stepping ``slice`` keeping more than one element of its dim: read inside a
     kernel at a shifted index when inline (one element has no index to shift)."""
     params = slice_params(n)
-    return params is not None and int(n.meta["val"].shape[params[0]]) > 1
+    return params is not None and int(n.meta["val"].shape[params.dim]) > 1

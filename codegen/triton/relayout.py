@@ -19,8 +19,9 @@ import torch.fx as fx
 
 from .._fastcall import copy_module
 from .._peephole import permutation
-from .fusion import _val, lowerable
+from .fusion import lowerable
 from .regions import is_view_op
+from .traced import traced_value
 
 __all__ = ["relayout"]
 
@@ -52,7 +53,7 @@ def _chain(clone: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
 def _strides(clone: fx.Node, v: fx.Node, chain: list[fx.Node]) -> list[int] | None:
     """Strides for ``v`` under which the views make it the clone's contiguous layout: undo the
     chain on a contiguous tensor of the clone's shape; None when a step cannot be undone."""
-    cur = torch.empty(tuple(_val(clone).shape), device="meta")
+    cur = torch.empty(tuple(traced_value(clone).shape), device="meta")
     for view, src in zip(reversed(chain), reversed([v, *chain[:-1]]), strict=True):
         try:
             if view.target in _PERMUTES:
@@ -60,14 +61,14 @@ def _strides(clone: fx.Node, v: fx.Node, chain: list[fx.Node]) -> list[int] | No
                 assert order is not None, f"{view.name}: a permute of unknown rank"
                 cur = cur.permute(sorted(range(len(order)), key=order.__getitem__))
             else:
-                cur = cur.view(tuple(_val(src).shape))
+                cur = cur.view(tuple(traced_value(src).shape))
         except RuntimeError:  # a reshape that splits dims the permutes interleaved
             return None
-    out = torch.empty_strided(tuple(_val(v).shape), cur.stride(), device="meta")
+    out = torch.empty_strided(tuple(traced_value(v).shape), cur.stride(), device="meta")
     for view in chain:  # check: replaying the views gives the clone's contiguous layout
         args = [out, *view.args[1:]]
         out = view.target(*args, **view.kwargs)  # type: ignore[operator]
-    want = _val(clone)
+    want = traced_value(clone)
     if tuple(out.shape) != tuple(want.shape) or tuple(out.stride()) != tuple(want.stride()):
         return None
     return list(cur.stride())
@@ -79,7 +80,7 @@ def _alias_views(base: fx.Node) -> None:
     todo = [u for u in base.users if is_view_op(u) and u.args[0] is base]
     while todo:
         view = todo.pop()
-        args = [_val(a) if isinstance(a, fx.Node) else a for a in view.args]
+        args = [traced_value(a) if isinstance(a, fx.Node) else a for a in view.args]
         view.meta["val"] = view.target(*args, **view.kwargs)  # type: ignore[operator]
         todo.extend(u for u in view.users if is_view_op(u) and u.args[0] is view)
 
@@ -91,7 +92,7 @@ def relayout(gm: fx.GraphModule) -> fx.GraphModule:
     for c in gm.graph.nodes:
         if c.op != "call_function" or c.target is not aten.clone.default:
             continue
-        if not isinstance(_val(c), torch.Tensor) or not _val(c).is_contiguous():
+        if not isinstance(traced_value(c), torch.Tensor) or not traced_value(c).is_contiguous():
             continue
         found = _chain(c)
         if found is not None and (strides := _strides(c, *found)) is not None:
@@ -107,10 +108,11 @@ def relayout(gm: fx.GraphModule) -> fx.GraphModule:
         c, v, chain = env[c], env[v], [env[n] for n in chain]
         with graph.inserting_before(c):
             x = graph.call_function(prims.copy_strided.default, (v, strides))
-            x.meta = {**c.meta, "val": prims.copy_strided.default(_val(v), strides)}
+            x.meta = {**c.meta, "val": prims.copy_strided.default(traced_value(v), strides)}
             for view in chain:
                 y = graph.call_function(view.target, (x, *view.args[1:]), dict(view.kwargs))  # type: ignore[arg-type]
-                y.meta = {**c.meta, "val": view.target(_val(x), *view.args[1:], **view.kwargs)}  # type: ignore[operator]
+                val = view.target(traced_value(x), *view.args[1:], **view.kwargs)  # type: ignore[operator]
+                y.meta = {**c.meta, "val": val}
                 x = y
         c.replace_all_uses_with(x)
         graph.erase_node(c)

@@ -9,11 +9,12 @@ This is the only module of functrans that imports :mod:`triton`, an optional dep
 - a :class:`Kernel` launches on CUDA tensors through Triton's JIT, and on CPU tensors through
   Triton's interpreter -- without ``TRITON_INTERPRET=1`` and without leaving interpreter state
   behind, so one process can interpret kernels and compile them for a GPU;
-- :func:`compile_for_gpu` compiles to PTX and cubin for a GPU this machine need not have.
+- :func:`.aot.compile_for_gpu` (built on :func:`load`) compiles to PTX and cubin for a GPU this
+  machine need not have.
 
 The interpreter's work-arounds live in :mod:`._interpreter` and the ahead-of-time compile in
-:mod:`.aot`; neither imports :mod:`triton`: they are handed it from here, and this module
-re-exports :func:`compile_for_gpu` and :class:`CompiledArtifact`.
+:mod:`.aot`; neither imports :mod:`triton`: they are handed it from here. :mod:`.aot` imports
+this module, never the other way round.
 
 >>> KernelSource("add_kernel", "...", {"in_ptr0": "*fp32", "xnumel": "i32"}, {"XBLOCK": 128})
 KernelSource(name='add_kernel', ...)
@@ -37,24 +38,20 @@ from typing import Any
 import numpy as np
 import torch
 
-from functrans._errors import FunctransError
+from functrans.extend import FunctransError
 
 from .._cache import cache_root
 from ._arguments import argument_problem
 from ._interpreter import _interpreter_scope
-from .aot import CompiledArtifact, compile_for_gpu
-from .aot import _ptxas_missing as _ptxas_missing  # re-exported: compile_for_gpu looks it up here
 
 __all__ = [
     "ENABLE_FP_FUSION",
-    "CompiledArtifact",
     "Kernel",
     "KernelError",
     "KernelSource",
     "TritonUnavailableError",
     "available",
     "cache_dir",
-    "compile_for_gpu",
     "load",
 ]
 
@@ -89,7 +86,7 @@ def _triton() -> Any:
 
 
 def available() -> bool:
-    """Whether Triton is installed, so :func:`load` and :func:`compile_for_gpu` can work.
+    """Whether Triton is installed, so :func:`load` and :func:`.aot.compile_for_gpu` work.
 
     >>> isinstance(available(), bool)
     True

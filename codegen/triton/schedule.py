@@ -29,7 +29,6 @@ def order(
 ) -> list[Region]:
     """Regions in an order where every region's inputs are ready (a topological sort)."""
     region_of: dict[fx.Node, Region] = {}
-    regions: list[Region] = []
     for n in nodes:
         if n in needs_tensor and n in access and access[n].root is not n:
             region_of[n] = View(n)  # a free view some extern or the output needs as a tensor
@@ -41,12 +40,8 @@ def order(
             pass  # read in place by the kernels that use it
         else:
             region_of[n] = Extern(n)
-    seen: set[int] = set()
-    for r in region_of.values():
-        if id(r) not in seen:
-            seen.add(id(r))
-            regions.append(r)
-    deps: dict[int, set[int]] = {id(r): set() for r in regions}
+    regions = list(dict.fromkeys(region_of.values()))  # a kernel is the region of all its nodes
+    deps: dict[Region, set[Region]] = {r: set() for r in regions}
 
     def producers(n: fx.Node, own: Kernel | None) -> Iterable[fx.Node]:
         for a in n.all_input_nodes:
@@ -71,22 +66,22 @@ def order(
             for p in producers(m, own):
                 pr = region_of[p]
                 if pr is not r:
-                    deps[id(r)].add(id(pr))
+                    deps[r].add(pr)
     random = [r for r in regions if isinstance(r, Extern) and is_random(r.node)]
     for a, b in itertools.pairwise(random):  # random ops keep their order: same draws
-        deps[id(b)].add(id(a))
+        deps[b].add(a)
     ordered: list[Region] = []
-    done: set[int] = set()
+    done: set[Region] = set()
     pending = list(regions)
     while pending:
-        progress = [r for r in pending if deps[id(r)] <= done]
+        progress = [r for r in pending if deps[r] <= done]
         if not progress:
             stuck = [_describe(r) for r in pending]
             raise AssertionError(f"fusion produced a cycle among {stuck}")
         for r in progress:
             ordered.append(r)
-            done.add(id(r))
-        pending = [r for r in pending if id(r) not in done]
+            done.add(r)
+        pending = [r for r in pending if r not in done]
     return ordered
 
 

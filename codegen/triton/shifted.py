@@ -1,94 +1,65 @@
-"""Reads at shifted indices, the part of the kernel emitter behind ``cat``, ``slice_scatter``
-and slices of recomputed values (``render._Emitter`` provides the rest).
+"""Reads at shifted indices: ``cat``, ``slice_scatter`` and slices of recomputed values.
 
-Inside :meth:`ShiftedReads.shifted` a space dim's index is replaced by an expression (the
-piece's or slice's own index) and, for a concat piece, loads are masked to where the piece is
-valid. Values computed there are not shared with the rest of the kernel.
+Inside :meth:`Emitter.shifted <.emitter.Emitter.shifted>` a space dim's index is replaced by an
+expression (the piece's or slice's own index) and, for a concat piece, loads are masked to where
+the piece is valid. Values computed there are not shared with the rest of the kernel.
+
+These are plain functions of an :class:`~.emitter.Emitter`; how to read a piece, or compute a
+sliced value, the caller (:mod:`.render`) passes as a function.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import Any
+from collections.abc import Callable
 
 import torch.fx as fx
 
+from .emitter import Emitter
 from .layout import FDims
-from .lowering import concat_pieces
-from .reduce import _tl, _val
+from .lowering import compute_triton_dtype, concat_pieces
 from .regions import slice_params
+from .traced import first_output
 
-__all__ = ["ShiftedReads"]
+__all__ = ["concat", "sliced"]
 
 
-class ShiftedReads:
-    """Concat pieces and slices, each read where its values sit in the kernel's space."""
+def concat(em: Emitter, n: fx.Node, fd: FDims, read: Callable[[fx.Node], str]) -> str:
+    """``cat`` / ``slice_scatter`` ``n`` (dim map ``fd``): each piece read (by ``read``) at the
+    index shifted by its start, where it is valid; elsewhere the next piece (or the base)."""
+    cat = concat_pieces(n)
+    f = fd[cat.dim]
+    idx = "0" if f is None else em.index(f)
+    parts: list[tuple[str, str]] = []  # (where the piece is valid, its value)
+    for piece in cat.pieces:
+        if piece.size == 0:
+            continue  # an empty piece places nothing
+        start = piece.start
+        cond = f"(({idx} >= {start}) & ({idx} < {start + piece.size}))"
+        with em.shifted(f, f"({idx} - {start})" if start else idx, cond):
+            parts.append((cond, read(piece.node)))
+    if cat.base is not None:
+        expr = read(cat.base)
+    elif parts:
+        expr = parts.pop()[1]
+    else:  # every piece is empty, and so is the result
+        expr = f"tl.full({em.geo.one}, 0, {compute_triton_dtype(first_output(n).dtype)})"
+    for cond, v in reversed(parts):
+        expr = f"tl.where({cond}, {v}, {expr})"
+    return em.assign(expr)
 
-    one: str
-    shift: dict[int, str]  # space dim -> index expression, inside a piece or slice
-    piece_mask: str | None  # where the current concat piece is valid
-    top: dict[Any, str]
-    loop: dict[Any, str] | None
 
-    def index(self, d: int) -> str:
-        raise NotImplementedError
-
-    def read(self, n: fx.Node, fd: FDims, a: fx.Node) -> str:
-        raise NotImplementedError
-
-    def inline_value(self, a: fx.Node, fa: FDims) -> str:
-        raise NotImplementedError
-
-    def top_line(self, expr: str) -> str:
-        raise NotImplementedError
-
-    @contextmanager
-    def shifted(self, f: int | None, expr: str, mask: str | None = None) -> Iterator[None]:
-        """Read with space dim ``f`` at index ``expr`` (and loads masked by ``mask``)."""
-        outer = (self.shift, self.piece_mask, self.top, self.loop)
-        if f is not None:
-            self.shift = {**self.shift, f: expr}
-        if mask is not None:
-            self.piece_mask = mask if outer[1] is None else f"{outer[1]} & {mask}"
-        self.top, self.loop = {}, None  # values at shifted indices are not shared
-        try:
-            yield
-        finally:
-            self.shift, self.piece_mask, self.top, self.loop = outer
-
-    def concat(self, n: fx.Node, fd: FDims) -> str:
-        """``cat`` / ``slice_scatter``: each piece read at the index shifted by its start,
-        where it is valid; elsewhere the next piece (or the base)."""
-        dim, pieces, base = concat_pieces(n)
-        f = fd[dim]
-        idx = "0" if f is None else self.index(f)
-        parts: list[tuple[str, str]] = []
-        for a, start, size in pieces:
-            if size == 0:
-                continue  # an empty piece places nothing
-            cond = f"(({idx} >= {start}) & ({idx} < {start + size}))"
-            with self.shifted(f, f"({idx} - {start})" if start else idx, cond):
-                parts.append((cond, self.read(n, fd, a)))
-        if base is not None:
-            expr = self.read(n, fd, base)
-        elif parts:
-            expr = parts.pop()[1]
-        else:  # every piece is empty, and so is the result
-            expr = f"tl.full({self.one}, 0, {_tl(_val(n).dtype)})"
-        for cond, v in reversed(parts):
-            expr = f"tl.where({cond}, {v}, {expr})"
-        return self.top_line(expr)
-
-    def sliced(self, n: fx.Node, fd: FDims) -> str:
-        """A slice of an inline value: the value computed at the index the slice starts and
-        steps from (inside its bounds, so no mask)."""
-        params, src = slice_params(n), n.args[0]
-        assert params is not None and isinstance(src, fx.Node), f"{n.name}: not a slice"
-        dim, start, step = params
-        f = fd[dim]
-        assert f is not None, f"{n.name}: slices a dim with no place in the kernel"
-        idx = self.index(f) if step == 1 else f"{self.index(f)} * {step}"
-        with self.shifted(f, f"({idx} + {start})" if start else idx):
-            value = self.inline_value(src, fd)
-        return self.top_line(value)
+def sliced(
+    em: Emitter, n: fx.Node, fd: FDims, inline_value: Callable[[fx.Node, FDims], str]
+) -> str:
+    """A slice ``n`` (dim map ``fd``) of an inline value: the value computed (by
+    ``inline_value``) at the index the slice starts and steps from (inside its bounds, so no
+    mask)."""
+    params, src = slice_params(n), n.args[0]
+    assert params is not None and isinstance(src, fx.Node), f"{n.name}: not a slice"
+    f = fd[params.dim]
+    assert f is not None, f"{n.name}: slices a dim with no place in the kernel"
+    idx = em.index(f) if params.step == 1 else f"{em.index(f)} * {params.step}"
+    start = params.start
+    with em.shifted(f, f"({idx} + {start})" if start else idx):
+        value = inline_value(src, fd)
+    return em.assign(value)

@@ -14,12 +14,14 @@ dims), and then one kernel computes ``grad``, stores it for the matmul and sums 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.fx as fx
 
 from .._fastcall import copy_module
-from .fusion import _val
 from .layout import reduced_dims
+from .traced import traced_value
 
 __all__ = ["unview"]
 
@@ -28,9 +30,17 @@ _RESHAPES = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 _REDUCTIONS = (aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default)
 
 
-def _groups(a: tuple[int, ...], b: tuple[int, ...]) -> list[tuple[list[int], list[int]]] | None:
+class _DimGroup(NamedTuple):
+    """Consecutive dims of a reshape's input (``src``) and output (``dst``) holding the same
+    elements."""
+
+    src: list[int]
+    dst: list[int]
+
+
+def _groups(a: tuple[int, ...], b: tuple[int, ...]) -> list[_DimGroup] | None:
     """Consecutive dims of ``a`` and ``b`` with equal products: how a reshape regroups them."""
-    groups: list[tuple[list[int], list[int]]] = []
+    groups: list[_DimGroup] = []
     i = j = 0
     while i < len(a) or j < len(b):
         ga, gb, pa, pb = [], [], 1, 1
@@ -45,7 +55,7 @@ def _groups(a: tuple[int, ...], b: tuple[int, ...]) -> list[tuple[list[int], lis
                 gb, pb, j = [*gb, j], pb * b[j], j + 1
             else:
                 return None
-        groups.append((ga, gb))
+        groups.append(_DimGroup(ga, gb))
     return groups
 
 
@@ -54,18 +64,18 @@ def _through(r: fx.Node) -> list[int] | None:
     view = r.args[0]
     assert isinstance(view, fx.Node)
     src = view.args[0]
-    a, b = tuple(_val(src).shape), tuple(_val(view).shape)
+    a, b = tuple(traced_value(src).shape), tuple(traced_value(view).shape)
     groups = _groups(a, b)
     if groups is None:
         return None
-    dims, _ = reduced_dims(r, len(b))
+    dims = reduced_dims(r, len(b)).dims
     out: list[int] = []
-    for ga, gb in groups:
-        hit = [d for d in gb if d in dims and b[d] != 1]
-        if hit and len(hit) != len([d for d in gb if b[d] != 1]):
+    for g in groups:
+        hit = [d for d in g.dst if d in dims and b[d] != 1]
+        if hit and len(hit) != len([d for d in g.dst if b[d] != 1]):
             return None  # part of a group: the sum splits what the reshape merged
         if hit:
-            out += [d for d in ga if a[d] != 1]
+            out += [d for d in g.src if a[d] != 1]
     return out or None
 
 
@@ -80,7 +90,7 @@ def unview(gm: fx.GraphModule) -> fx.GraphModule:
         and isinstance(n.args[0], fx.Node)
         and n.args[0].target in _RESHAPES
         and isinstance(n.args[0].args[0], fx.Node)
-        and isinstance(_val(n), torch.Tensor)
+        and isinstance(traced_value(n), torch.Tensor)
         and (dims := _through(n)) is not None
     ]
     if not todo:
@@ -95,11 +105,11 @@ def unview(gm: fx.GraphModule) -> fx.GraphModule:
         src = view.args[0]
         with graph.inserting_before(r):
             s = graph.call_function(r.target, (src, dims, False), dict(r.kwargs))  # type: ignore[arg-type]
-            s.meta = {**r.meta, "val": r.target(_val(src), dims, False, **r.kwargs)}  # type: ignore[operator]
-            shape = list(_val(r).shape)
-            if list(_val(s).shape) != shape:
+            s.meta = {**r.meta, "val": r.target(traced_value(src), dims, False, **r.kwargs)}  # type: ignore[operator]
+            shape = list(traced_value(r).shape)
+            if list(traced_value(s).shape) != shape:
                 s = graph.call_function(aten.view.default, (s, shape))
-                s.meta = {**r.meta, "val": _val(s.args[0]).view(shape)}  # type: ignore[union-attr]
+                s.meta = {**r.meta, "val": traced_value(s.args[0]).view(shape)}  # type: ignore[union-attr]
         r.replace_all_uses_with(s)
         graph.erase_node(r)
         if not view.users:
