@@ -10,9 +10,10 @@ remat policy said about it (its tag). This module holds those rules, once:
    gradients); effectful ops never re-run (the effect would happen twice). Every other class
    may be saved or recomputed; a strategy may still prefer not to (``min_cut`` never recomputes
    a matmul) -- preferences stay in the strategy.
-2. **Tags**: ``MUST_SAVE`` forbids recomputing a value the forward computes, and saves it
-   whenever backward depends on it (as eager selective checkpointing keeps it);
-   ``MUST_RECOMPUTE`` forbids saving it. When a class forbids recomputing, the class wins over
+2. **Tags**: ``MUST_SAVE`` forbids recomputing a value the forward computes (so it is saved
+   when backward needs it, and only then: unlike eager selective checkpointing, which keeps
+   every MUST_SAVE output, a traced graph knows what backward reads); ``MUST_RECOMPUTE``
+   forbids saving it. When a class forbids recomputing, the class wins over
    a ``MUST_RECOMPUTE`` tag and the value is saved (``nothing_saveable`` on a block with
    dropout saves the mask): :attr:`ForwardValue.tag_overridden` records it.
 3. **Only tensors are saved**: a multi-output op is saved as its ``getitem`` parts.
@@ -114,7 +115,8 @@ class ForwardValue:
     ``in_forward``: the plain forward pass computes it (the forward outputs need it).
     ``read_by_backward``: a backward op reads it, or it is a gradient output itself.
     ``must_save``: tagged MUST_SAVE, computed by the forward and needed (even indirectly) by
-    backward: saved whatever else is.
+    backward; a fact for strategies' preferences (``min_cut`` hands such a value over itself
+    rather than values computed from it), not a constraint.
     ``bytes``: activation bytes saving it alone keeps alive (``storage``: the buffer it lives
     in; values sharing a storage cost it once when saved together).
     ``inputs``: indices (in :attr:`CutProblem.values`) of its forward-phase inputs.
@@ -194,9 +196,8 @@ class CutProblem:
         return self.values[node if isinstance(node, int) else self.index[node]]
 
     def drains(self) -> list[int]:
-        """Indices of the values backward must get: those it reads directly (saved or
-        recomputed) and the ``must_save`` ones (saved)."""
-        return [v.index for v in self.values if v.read_by_backward or v.must_save]
+        """Indices of the values backward reads directly: each is saved or recomputed."""
+        return [v.index for v in self.values if v.read_by_backward]
 
     def costs(self, cost: CostModel | None = None) -> tuple[float, ...]:
         """Recompute cost of each value under ``cost`` (default: FLOPs); 0 for values the
@@ -222,7 +223,7 @@ class CutProblem:
         ['bernoulli']
         """
         chosen: set[fx.Node] = set()
-        todo = [*saved, *(v.node for v in self.values if v.must_save)]
+        todo = list(saved)
         while todo:
             n = todo.pop()
             if n in chosen:

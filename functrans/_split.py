@@ -81,9 +81,7 @@ def split(joint: JointGraph, saved: Iterable[str | fx.Node]) -> Split:
     """Cut ``joint`` into forward and backward graphs that pass exactly ``saved`` between them.
 
     ``saved`` holds FORWARD-phase nodes (or their names). Primal inputs that backward needs to
-    recompute something are added to the saved set (they are inputs: saving them is free), and
-    so are the values a remat policy tagged MUST_SAVE that backward depends on
-    (:attr:`~functrans.extend.ForwardValue.must_save`).
+    recompute something are added to the saved set (they are inputs: saving them is free).
     Random ops are never silently recomputed: if backward would have to re-run a random op the
     forward already ran, :class:`InvalidPartitionError` asks to save its output instead.
 
@@ -93,10 +91,9 @@ def split(joint: JointGraph, saved: Iterable[str | fx.Node]) -> Split:
     >>> [n.name for n in s.saved], [n.name for n in s.recomputed]
     (['primals_1'], [])
     """
-    forced = {v.node for v in cut_problem(joint) if v.must_save}
-    chosen = _unpack_tuples(resolve_nodes(joint, saved)) | forced
+    chosen = _unpack_tuples(resolve_nodes(joint, saved))
     tangents = set(joint.tangents())
-    bwd = ancestors(joint.grad_outputs(), chosen | tangents) | forced
+    bwd = ancestors(joint.grad_outputs(), chosen | tangents)
     chosen |= {n for n in bwd if n.op == "placeholder" and n.meta.get(ROLE) is Role.PRIMAL}
     bwd_inputs = [n for n in joint.fx_graph.nodes if n in chosen and n in bwd]
     fwd = ancestors(list(joint.forward_outputs()) + bwd_inputs, set())

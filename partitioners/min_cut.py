@@ -166,7 +166,7 @@ def _network(problem: CutProblem, opts: MinCutOptions) -> _Network:
         for user in v.node.users:
             if user in problem:
                 edges[(2 * i + 1, 2 * problem.index[user])] = INF
-        if v.read_by_backward or v.must_save:
+        if v.read_by_backward or v.must_save:  # a MUST_SAVE value: hand it over itself
             edges[(2 * i + 1, sink)] = INF
     src, dst = zip(*edges, strict=True) if edges else ((), ())
     tiebreak = [ties.get(e, 0) for e in edges]

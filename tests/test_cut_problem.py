@@ -121,7 +121,7 @@ def test_a_contradiction_is_one_error_naming_the_op_class_and_tag(monkeypatch):
             ft.partition(jg, name)
 
 
-def test_must_save_is_saved_whenever_backward_depends_on_it():
+def test_must_save_is_never_recomputed_so_saved_when_backward_needs_it():
     for name, options in every_strategy():
         jg = tagged(mlp, args(), aten.tanh.default, Policy.MUST_SAVE)
         (v,) = [v for v in cut_problem(jg) if v.node.target is aten.tanh.default]

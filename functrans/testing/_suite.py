@@ -65,21 +65,14 @@ def remat_policies(draw: st.DrawFn) -> Callable[..., Policy]:
 
 def check_policy_tags(p: Partition) -> None:
     """Remat tags are honored, by the rules of :class:`functrans.extend.CutProblem`: a MUST_SAVE
-    value the forward computes is never recomputed, and is saved when backward depends on it;
-    a MUST_RECOMPUTE value (random and effectful ops excepted: they never re-run) is never saved.
+    value the forward computes is never recomputed (so it is saved when backward needs it); a
+    MUST_RECOMPUTE value (random and effectful ops excepted: they never re-run) is never saved.
 
     >>> import torch, functrans as ft
     >>> f = ft.remat(lambda x: x.sin().cos().sum(), policy=ft.policies.nothing_saveable)
     >>> check_policy_tags(ft.partition(ft.joint(f)(torch.ones(3)), "default"))
     """
-    problem = cut_problem(p.joint)
-    saved = {s.node for s in p.saved}
-    broken = problem.violations(saved, p.recomputed)
-    broken += [
-        f"does not save {v.describe()}, which backward depends on"
-        for v in problem
-        if v.must_save and v.node not in saved
-    ]
+    broken = cut_problem(p.joint).violations([s.node for s in p.saved], p.recomputed)
     if broken:
         raise AssertionError(
             f"strategy {p.strategy!r} ignored remat tags: {'; '.join(broken)}\n{p.report()}"
