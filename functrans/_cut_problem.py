@@ -120,6 +120,14 @@ class ForwardValue:
     ``bytes``: activation bytes saving it alone keeps alive (``storage``: the buffer it lives
     in; values sharing a storage cost it once when saved together).
     ``inputs``: indices (in :attr:`CutProblem.values`) of its forward-phase inputs.
+
+    >>> import torch, functrans as ft
+    >>> jg = ft.joint(lambda x: torch.nn.functional.dropout(x, 0.5).sum())(torch.ones(4))
+    >>> v = next(v for v in cut_problem(jg) if v.op_class is OpClass.RANDOM)
+    >>> v.describe(), v.can_save, v.can_recompute
+    ('the random op bernoulli (aten.bernoulli.p)', True, False)
+    >>> v.why_not_recompute
+    're-running it would draw different random numbers'
     """
 
     node: fx.Node
