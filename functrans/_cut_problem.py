@@ -113,6 +113,9 @@ class ForwardValue:
     """The facts about one forward value that every strategy decides from.
 
     ``in_forward``: the plain forward pass computes it (the forward outputs need it).
+    ``known``: it depends on no differentiated input (a constant for differentiation; JAX
+    computes such values once and saves them, we treat them like any other value: recomputing
+    a causal mask or a RoPE table trades FLOPs for bytes as eager selective checkpointing does).
     ``read_by_backward``: a backward op reads it, or it is a gradient output itself.
     ``must_save``: tagged MUST_SAVE, computed by the forward and needed (even indirectly) by
     backward; a fact for strategies' preferences (``min_cut`` hands such a value over itself
@@ -135,6 +138,7 @@ class ForwardValue:
     op_class: OpClass
     tag: Policy | None
     in_forward: bool
+    known: bool
     read_by_backward: bool
     must_save: bool
     can_save: bool
@@ -218,10 +222,14 @@ class CutProblem:
     def _flops(self) -> tuple[float, ...]:
         return tuple(float(flops(v.node)) if v.in_forward else 0.0 for v in self.values)
 
-    def legalize(self, saved: Iterable[fx.Node]) -> list[fx.Node]:
+    def legalize(
+        self, saved: Iterable[fx.Node], *, recompute: Callable[[ForwardValue], bool] | None = None
+    ) -> list[fx.Node]:
         """The saved set closest to ``saved`` that obeys the rules: a value that may not be
         saved is replaced by its inputs (backward recomputes it from them), and a value that
-        may not be recomputed but that backward would need is added. Returns graph order.
+        may not be recomputed but that backward would need is added. ``recompute`` names more
+        values to recompute from their inputs rather than save, where the rules allow (``default``
+        passes PREFER_RECOMPUTE). Returns graph order.
 
         >>> import torch, functrans as ft
         >>> def f(x):
@@ -237,7 +245,10 @@ class CutProblem:
             if n in chosen:
                 continue
             v = self.values[self.index[n]] if n in self.index else None
-            if v is not None and v.save_forbidden and v.can_recompute:
+            wanted = v is not None and (
+                v.save_forbidden or (recompute is not None and recompute(v))
+            )
+            if v is not None and wanted and v.can_recompute:
                 todo.extend(self.values[i].node for i in v.inputs)
             else:
                 chosen.add(n)
@@ -280,7 +291,13 @@ def _ancestors(roots: Iterable[object], stop: set[fx.Node]) -> set[fx.Node]:
 
 
 def _value(
-    node: fx.Node, i: int, index: Mapping[fx.Node, int], core: set[fx.Node], read: bool, feeds: bool
+    node: fx.Node,
+    i: int,
+    index: Mapping[fx.Node, int],
+    core: set[fx.Node],
+    read: bool,
+    feeds: bool,
+    known: bool,
 ) -> ForwardValue:
     cls, tag = op_class(node), policy_of(node)
     rule = OP_RULES[cls]
@@ -299,6 +316,7 @@ def _value(
         op_class=cls,
         tag=tag,
         in_forward=in_forward,
+        known=known,
         read_by_backward=read,
         must_save=tag is Policy.MUST_SAVE and in_forward and feeds and save,
         can_save=save,
@@ -319,6 +337,15 @@ def _feeds_backward(nodes: list[fx.Node]) -> set[fx.Node]:
     return out
 
 
+def _differentiable(nodes: list[fx.Node], wrt: set[fx.Node]) -> set[fx.Node]:
+    """The forward nodes that depend on a differentiated primal (``nodes`` in graph order)."""
+    out: set[fx.Node] = set()
+    for n in nodes:
+        if n in wrt or any(a in out for a in n.all_input_nodes):
+            out.add(n)
+    return out
+
+
 def _build(joint: JointGraph) -> CutProblem:
     nodes = [n for n in joint.forward_nodes() if n.op != "output"]
     index = {n: i for i, n in enumerate(nodes)}
@@ -326,7 +353,10 @@ def _build(joint: JointGraph) -> CutProblem:
     read = {n for n in joint.grad_outputs() if isinstance(n, fx.Node)}
     read |= {n for n in nodes if any(u.meta.get(PHASE) is Phase.BACKWARD for u in n.users)}
     feeds = _feeds_backward(nodes)
-    values = tuple(_value(n, i, index, core, n in read, n in feeds) for i, n in enumerate(nodes))
+    live = _differentiable(nodes, set(joint.differentiated()))
+    values = tuple(
+        _value(n, i, index, core, n in read, n in feeds, n not in live) for i, n in enumerate(nodes)
+    )
     problem = CutProblem(joint, values, MappingProxyType(index))
     for v in values:
         if v.read_by_backward and not v.can_save and not v.can_recompute:

@@ -169,6 +169,7 @@ class JointGraph(Graph):
         grads_flat: Flat,
         num_outputs: int,
         argnums: tuple[int, ...],
+        wrt: tuple[int, ...] | None = None,
     ) -> None:
         super().__init__(graph_module, in_flat, out_flat)
         self.fn_in = fn_in  # the user function's (args, kwargs)
@@ -176,9 +177,21 @@ class JointGraph(Graph):
         self.grads_flat = grads_flat  # structure of the grads result
         self.num_outputs = num_outputs  # flat forward outputs; the rest of the outputs are grads
         self.argnums = argnums
+        self.wrt = wrt  # indices (into primals) of the differentiated leaves; None: all
 
     def primals(self) -> list[fx.Node]:
         return [n for n in self.placeholders() if n.meta[ROLE] is Role.PRIMAL]
+
+    def differentiated(self) -> list[fx.Node]:
+        """The primals whose gradients the graph computes (``argnums``' float leaves).
+
+        >>> import torch, functrans as ft
+        >>> jg = ft.joint(lambda x, c: (x * c).sum(), argnums=0)(torch.ones(2), torch.ones(2))
+        >>> [p.name for p in jg.differentiated()]
+        ['primals_1']
+        """
+        primals = self.primals()
+        return primals if self.wrt is None else [primals[i] for i in self.wrt]
 
     def tangents(self) -> list[fx.Node]:
         return [n for n in self.placeholders() if n.meta[ROLE] is Role.TANGENT]
