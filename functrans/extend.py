@@ -37,10 +37,12 @@ from ._graph import Graph as Graph
 from ._graph import JointGraph as JointGraph
 from ._graph import Phase as Phase
 from ._graph import Role as Role
+from ._memory import peak_bytes as peak_bytes
 from ._partition import Strategy as Strategy
 from ._plugins import PluginError as PluginError
 from ._plugins import PluginRegistry as PluginRegistry
 from ._plugins import PluginWarning as PluginWarning
+from ._pytree import tensor_leaves as tensor_leaves
 from ._registry import Registry as Registry
 from ._split import ancestors as ancestors
 from ._split import split as split
