@@ -12,6 +12,7 @@ without cycles (lazy imports included: a cycle is a missing seam, whether or not
 from __future__ import annotations
 
 import ast
+import inspect
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -233,3 +234,33 @@ def test_no_import_cycles() -> None:
     assert not found, "import cycles (split the shared part into a module both import):\n  " + (
         "\n  ".join(described)
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# Every name of the plugin surface is documented with an example
+
+
+def _exports() -> dict[str, object]:
+    import functrans.extend as extend
+
+    return {
+        n: v
+        for n, v in vars(extend).items()
+        if n.isidentifier() and not n.startswith("_") and not inspect.ismodule(v)
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_exports()))
+def test_every_export_has_an_example(name: str) -> None:
+    import functrans.extend as extend
+
+    value = _exports()[name]
+    if inspect.isclass(value) or inspect.isfunction(value):
+        doc = inspect.getdoc(value) or ""
+        assert ">>>" in doc, f"functrans.extend.{name} needs a docstring with a >>> example"
+    else:  # constants and type aliases carry no docstring: the module's documents them
+        doc = extend.__doc__ or ""
+        assert f"``{name}``" in doc, f"document functrans.extend.{name} in extend's docstring"
+        assert any(name in line for line in doc.splitlines() if line.startswith(">>>")), (
+            f"functrans.extend's docstring needs a >>> example using {name}"
+        )
