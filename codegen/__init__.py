@@ -21,7 +21,7 @@ of group ``functrans.backends``. An entry point names a backend object (anything
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -49,7 +49,7 @@ def _adopt(name: str, obj: object) -> object:
             f"example_inputs) -> callable; an instance, not a class) or a module that calls "
             f"functrans.codegen.register_backend; got {obj!r}"
         )
-    return register_backend(name, obj)  # type: ignore[arg-type]  # checked: it has compile
+    return register_backend(name, cast(Backend, obj))  # checked above: it has compile
 
 
 _BACKENDS: PluginRegistry[Backend] = PluginRegistry(

@@ -1,7 +1,7 @@
 """Plugin discovery: registries that fill themselves on first use.
 
 A :class:`PluginRegistry` is a :class:`~functrans.extend.Registry` that, the first time it is
-asked anything (a lookup, a listing, a registration), imports
+asked for something (a lookup, a listing, a membership test), imports
 
 1. the built-in plugins: every public module (name not starting with ``_``) of its package, found
    with :mod:`pkgutil`, each of which registers itself (``register(...)`` at its bottom); this
@@ -25,6 +25,7 @@ import threading
 import types
 import warnings
 from collections.abc import Callable, Iterable
+from enum import Enum
 from typing import TypeVar
 
 from ._errors import FunctransError
@@ -37,6 +38,12 @@ T = TypeVar("T")
 #: How a registry registers an object an entry point names: ``adopt(name, obj)``; raises a
 #: :class:`FunctransError` (naming what is accepted) for an object it cannot take.
 Adopt = Callable[[str, object], object]
+
+
+class _State(Enum):
+    NEW = "new"  # nothing discovered yet
+    LOADING = "loading"  # discovering (plugins' own register calls land here)
+    LOADED = "loaded"
 
 
 class PluginError(FunctransError):
@@ -78,9 +85,9 @@ class PluginRegistry(Registry[T]):
     >>> numbers: PluginRegistry[int] = PluginRegistry(
     ...     "number", package="json", group="example.numbers", adopt=lambda name, obj: obj
     ... )
-    >>> numbers.register("one", 1)  # first use: json's public modules load; no entry points
+    >>> numbers.register("one", 1)  # registering does not discover
     1
-    >>> numbers.names()
+    >>> numbers.names()  # the first lookup does: json's public modules, no entry points
     ['one']
     """
 
@@ -99,7 +106,7 @@ class PluginRegistry(Registry[T]):
         self._adopt = adopt
         self._key = key  # registering an object with the same key again is not a clash
         self._broken: dict[str, PluginError] = {}
-        self._state = "new"  # -> "loading" -> "loaded"
+        self._state = _State.NEW
         self._lock = threading.RLock()
 
     def register(
@@ -111,7 +118,7 @@ class PluginRegistry(Registry[T]):
         discovery then finds, which is skipped with a :class:`PluginWarning`."""
         aliases = tuple(aliases)
         taken = [k for k in (name, *aliases) if self._clashes(k, obj)]
-        if taken and not replace and self._state == "loading":
+        if taken and not replace and self._state is _State.LOADING:
             self._warn(
                 f"{self.kind} {name!r} found by discovery is not registered: {taken} already "
                 "registered before discovery ran (that registration takes precedence)"
@@ -153,20 +160,20 @@ class PluginRegistry(Registry[T]):
     def discover(self) -> None:
         """Load the built-in modules and the entry points, once (later calls return at once;
         calls made while loading, such as a plugin's own ``register``, do not recurse)."""
-        if self._state == "loaded":
+        if self._state is _State.LOADED:
             return
         with self._lock:
-            if self._state != "new":
+            if self._state is not _State.NEW:
                 return
-            self._state = "loading"
+            self._state = _State.LOADING
             try:
                 self._load_builtins()
                 for ep in _entry_points(self.group):
                     self._load_entry_point(ep)
             except BaseException:
-                self._state = "new"
+                self._state = _State.NEW
                 raise
-            self._state = "loaded"
+            self._state = _State.LOADED
 
     def _load_builtins(self) -> None:
         package = sys.modules.get(self.package) or importlib.import_module(self.package)
