@@ -12,6 +12,7 @@ without cycles (lazy imports included: a cycle is a missing seam, whether or not
 from __future__ import annotations
 
 import ast
+import importlib.util
 import inspect
 import sys
 from collections.abc import Iterator
@@ -94,6 +95,41 @@ def imports(path: Path) -> Iterator[Import]:
             yield Import(path, node.lineno, node.args[0].value, (), ast.unparse(node))
 
 
+def _is_module(dotted: str) -> bool:
+    try:
+        return importlib.util.find_spec(dotted) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def private_attributes(path: Path) -> Iterator[str]:
+    """``alias._name`` where ``alias`` is bound to a functrans module (``import functrans as
+    ft; ft._pytree``): a private module or name reached without an import statement."""
+    tree = ast.parse(path.read_text(), str(path))
+    modules: dict[str, str] = {}  # local name -> functrans module
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] == "functrans":
+                    # ``import functrans.x`` binds functrans; ``import functrans.x as y``, x
+                    modules[a.asname or "functrans"] = a.name if a.asname else "functrans"
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            for a in node.names:
+                full = f"{node.module}.{a.name}"
+                if full.startswith("functrans.") and _is_module(full):
+                    modules[a.asname or a.name] = full
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in modules
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+        ):
+            rel = path.relative_to(ROOT)
+            yield f"{rel}:{node.lineno}: {ast.unparse(node)}  (private: {node.attr!r})"
+
+
 def _private_part(dotted: str, own: str | None) -> str | None:
     """The first private part of a functrans module path outside ``own``'s package, if any."""
     if dotted != "functrans" and not dotted.startswith("functrans."):
@@ -119,6 +155,7 @@ def boundary_violations(path: Path) -> list[str]:
         allowed = {"functrans", *PLUGIN_THIRD_PARTY, *sys.stdlib_module_names}
         if folder in PLUGIN_FOLDERS and top not in allowed and not imp.source.startswith("from ."):
             found.append(f"{imp}  (plugins import only functrans, torch, numpy, scipy, triton)")
+    found.extend(private_attributes(path))
     return found
 
 
@@ -142,12 +179,19 @@ def test_the_checker_sees_private_imports(tmp_path: Path, monkeypatch: pytest.Mo
         "from functrans.extend import _hidden\n"
         "from . import _ilp\n"  # its own package's private module: fine
         "import importlib\n"
+        "import functrans as ft\n"
+        "from functrans import codegen\n"
         "def f():\n"
         "    import networkx\n"
+        "    ft._pytree.flatten, codegen._cache, ft.__version__, ft.extend\n"
         "    return importlib.import_module('functrans._memory')\n"
     )
     found = boundary_violations(plugin)
-    assert [v.split(":")[1] for v in found] == ["1", "2", "3", "4", "8", "9"]
+    assert [v.split(":")[1] for v in found] == ["1", "2", "3", "4", "10", "12", "11", "11"]
+    assert sorted(found[-2:]) == [
+        "partitioners/mine.py:11: codegen._cache  (private: '_cache')",
+        "partitioners/mine.py:11: ft._pytree  (private: '_pytree')",
+    ]
     assert "from functrans import _split, extend  (private: '_split')" in found[1]
 
 
