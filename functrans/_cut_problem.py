@@ -118,6 +118,14 @@ class ForwardValue:
     ``bytes``: activation bytes saving it alone keeps alive (``storage``: the buffer it lives
     in; values sharing a storage cost it once when saved together).
     ``inputs``: indices (in :attr:`CutProblem.values`) of its forward-phase inputs.
+
+    >>> import torch, functrans as ft
+    >>> jg = ft.joint(lambda x: torch.tanh(x).sum())(torch.ones(3))
+    >>> [(v.node.name, v.read_by_backward) for v in cut_problem(jg)]  # d tanh = 1 - tanh**2
+    [('primals_1', False), ('tanh', False), ('sum_1', False), ('mul', False), ('sub', True)]
+    >>> tanh = cut_problem(jg)[1]
+    >>> tanh.op_class, tanh.can_save, tanh.can_recompute, tanh.bytes, tanh.inputs
+    (<OpClass.POINTWISE: 'pointwise'>, True, True, 12, (0,))
     """
 
     node: fx.Node

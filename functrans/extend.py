@@ -14,6 +14,9 @@ Every class and function here documents itself with an example. The other names:
   with :func:`policy_of`);
 - ``COMPUTE_INTENSIVE``: the op packets (matmul, conv, attention) whose outputs are worth saving
   rather than recomputing, :attr:`OpClass.COMPUTE`;
+- ``OP_RULES``: the :class:`OpRule` (may it be saved, may it be recomputed, why not) of every
+  :class:`OpClass`, which :func:`cut_problem` applies to each forward value;
+- ``CostModel``: the type of a recompute cost model, ``(fx.Node) -> float`` (e.g. :func:`flops`);
 - ``Strategy``: the type of a partition strategy, ``(JointGraph, **options) -> Iterable[str |
   fx.Node]`` (the forward values to save).
 
@@ -39,6 +42,12 @@ Every class and function here documents itself with an example. The other names:
 ... ]
 >>> sorted(s.name for s in ft.partition(jg, save_dots).saved)
 ['mm', 'primals_1', 'primals_2']
+>>> from functrans.extend import OP_RULES, CostModel, flops
+>>> OP_RULES[OpClass.RANDOM].recompute, OP_RULES[OpClass.COMPUTE].recompute
+(False, True)
+>>> cost: CostModel = flops
+>>> cost(mm)  # 2 * 2 * 2 * 2
+16
 """
 
 from ._cost import COMPUTE_INTENSIVE as COMPUTE_INTENSIVE
