@@ -3,13 +3,13 @@
 Re-exported by :mod:`benchmarks.zoo`, which lists them in ``ZOO`` when ``transformers`` can be
 imported; ``transformers`` itself is imported only when one of them is built.
 
-Each is a :class:`benchmarks.zoo.Model` whose ``fn(params, x)`` is
-``functional_call(model.module, params, (), hf_kwargs(x)).loss``: ``x`` is the ``input_ids``
-tensor of a causal LM (the labels are the inputs) or a dict of the model's keyword arguments
-(``hf_bert``: ids, a padding mask and masked-LM labels). Attention is ``"eager"`` by default
-(see :data:`SDPA_NOTE`); the four cover four attention patterns: causal (``hf_gpt2``), causal
-with rotary positions (``hf_llama``), causal with a sliding window and grouped key/value heads
-(``hf_mistral``), bidirectional with key padding (``hf_bert``).
+Each is a :class:`benchmarks.zoo.Model` (defined in :mod:`benchmarks._model`) whose
+``fn(params, x)`` is ``functional_call(model.module, params, (), hf_kwargs(x)).loss``: ``x`` is the
+``input_ids`` tensor of a causal LM (the labels are the inputs) or a dict of the model's keyword
+arguments (``hf_bert``: ids, a padding mask and masked-LM labels). Attention is ``"eager"`` by
+default (see :data:`SDPA_NOTE`); the four cover four attention patterns: causal (``hf_gpt2``),
+causal with rotary positions (``hf_llama``), causal with a sliding window and grouped key/value
+heads (``hf_mistral``), bidirectional with key padding (``hf_bert``).
 """
 
 from __future__ import annotations
@@ -17,12 +17,11 @@ from __future__ import annotations
 import importlib
 import importlib.util
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    from .zoo import Model
+from ._model import Model, Params, pick
 
 __all__ = [
     "HF_MODELS",
@@ -77,8 +76,6 @@ def _hf_model(
     batch: Callable[[torch.Generator, int, int], Any] = _causal_batch,
 ) -> Model:
     """Wrap a randomly initialized transformers model with a loss as ``fn(params, x) -> loss``."""
-    from .zoo import Model, Params, _pick  # zoo re-exports this module: import it lazily
-
     transformers = importlib.import_module("transformers")
     transformers.logging.set_verbosity_error()  # config notes about unused defaults
     module = build(transformers).eval()
@@ -90,7 +87,7 @@ def _hf_model(
     def make(
         size: str = "small", dtype: torch.dtype = torch.float32, seed: int = 0
     ) -> tuple[Params, Any]:
-        b, t = _pick(size, (1, 8), (2, 32))
+        b, t = pick(size, (1, 8), (2, 32))
         with torch.random.fork_rng():  # the model's own initialization, seeded
             torch.manual_seed(seed)
             fresh = build(transformers)

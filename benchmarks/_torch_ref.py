@@ -10,7 +10,8 @@ on a deep copy of ``jg.graph_module`` and measures the result exactly like
   non-tensor values (SymInts) left out;
 - recompute FLOPs: ``flops(joint_node)`` summed over the call_function nodes present, by name,
   in both the forward and the backward graph;
-- peak bytes: ``functrans._memory.peak_bytes(fw_graph, bw_graph)`` where that exists, else None.
+- peak bytes: ``functrans.extend.peak_bytes(fw_graph, bw_graph)`` (the liveness simulation
+  that gives :attr:`functrans.Partition.peak_bytes`).
 
 Why this works without an adapter graph: functrans' joint graph already follows AOTAutograd's
 conventions. Placeholders are named ``primals_N``/``tangents_N`` (torch classifies them by
@@ -23,7 +24,6 @@ copies nodes into the forward and backward graphs, so they match the joint graph
 from __future__ import annotations
 
 import copy
-import importlib
 import time
 from collections.abc import Callable
 from typing import Any
@@ -34,12 +34,11 @@ import torch.fx as fx
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from functrans import JointGraph
-from functrans.extend import OpClass, flops, op_class, saved_activation_bytes
+from functrans.extend import OpClass, flops, op_class, peak_bytes, saved_activation_bytes
 
 __all__ = [
     "PartitionFn",
     "bad_recomputes",
-    "peak_bytes_fn",
     "random_recomputes",
     "recomputed_names",
     "torch_memory_budget",
@@ -49,16 +48,6 @@ __all__ = [
 
 #: A torch partition function: ``(joint_module, joint_inputs, *, num_fwd_outputs) -> (fw, bw)``.
 PartitionFn = Callable[..., tuple[fx.GraphModule, fx.GraphModule]]
-
-
-def peak_bytes_fn() -> Callable[[fx.Graph, fx.Graph], int] | None:
-    """``functrans._memory.peak_bytes`` if that module exists yet, else None."""
-    try:
-        module = importlib.import_module("functrans._memory")
-    except ImportError:
-        return None
-    fn = getattr(module, "peak_bytes", None)
-    return fn if callable(fn) else None
 
 
 def torch_partition(
@@ -95,13 +84,12 @@ def _measure(jg: JointGraph, fw: fx.GraphModule, bw: fx.GraphModule) -> dict[str
     activation = saved_activation_bytes(tensors)  # each storage once, as Partition counts
     recomputed = recomputed_names(fw, bw)
     missing = [r for r in recomputed if r not in joint_nodes]
-    peak_fn = peak_bytes_fn()
     return {
         "activation_bytes": activation,
         "saved": [s.name for s in saved if isinstance(s, fx.Node)],
         "recomputed": recomputed,
         "recompute_flops": sum(flops(joint_nodes[r]) for r in recomputed if r in joint_nodes),
-        "peak_bytes": peak_fn(fw.graph, bw.graph) if peak_fn is not None else None,
+        "peak_bytes": peak_bytes(fw.graph, bw.graph),
         "unmatched_names": sorted(set(unmatched + missing)),
     }
 
@@ -109,8 +97,8 @@ def _measure(jg: JointGraph, fw: fx.GraphModule, bw: fx.GraphModule) -> dict[str
 def torch_min_cut(jg: JointGraph, *, repeats: int = 1) -> dict[str, Any]:
     """Torch's min-cut partition of ``jg`` and its metrics (see the module docstring).
 
-    Returns ``activation_bytes``, ``recompute_flops``, ``peak_bytes`` (None until functrans has
-    ``_memory.peak_bytes``), ``saved``/``recomputed`` node names, ``times_s`` (one partition
+    Returns ``activation_bytes``, ``recompute_flops``, ``peak_bytes``, ``saved``/``recomputed``
+    node names, ``times_s`` (one partition
     wall time per repeat, the deep copy excluded), ``fw``/``bw`` (the graph modules of the last
     run) and ``unmatched_names`` (names torch invented that the joint graph lacks; expected
     empty).

@@ -30,7 +30,7 @@ from functrans.codegen.triton import TritonBackend
 import functrans as ft
 from benchmarks import output_path, zoo
 from benchmarks._inductor_ref import aten_bytes, inductor_kernels
-from functrans._pytree import flatten
+from functrans.extend import tensor_leaves
 
 RESULTS = Path(__file__).resolve().parent / "results" / "codegen.json"
 MODELS = ("mlp_stack", "gpt_block", "llama_block", "conv_block")
@@ -42,7 +42,7 @@ def graphs(name: str, size: str) -> list[tuple[str, Any, list[Any]]]:
     model = zoo.ZOO[name]()
     args = model.make(size)
     p = ft.partition(ft.joint(model.fn, argnums=0)(*args), "min_cut")
-    fwd_in = flatten(args)[0]
+    fwd_in = tensor_leaves(args)
     bwd_in = [n.meta["val"] for n in p.backward.placeholders()]
     return [(f"{name}.forward", p.forward, fwd_in), (f"{name}.backward", p.backward, bwd_in)]
 

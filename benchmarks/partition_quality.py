@@ -2,8 +2,9 @@
 
 For each model of :data:`benchmarks.zoo.ZOO` the joint graph is built once; then every strategy
 of ``functrans.partitioners.names()`` and torch's ``min_cut_rematerialization_partition`` cut
-that same graph. Per partitioner: activation bytes, recompute FLOPs, peak bytes (None until
-``functrans._memory.peak_bytes`` exists) and partition wall time (median of ``--repeats`` runs).
+that same graph. Per partitioner: activation bytes, recompute FLOPs, peak bytes (the same
+liveness simulation, ``functrans.extend.peak_bytes``, for both) and partition wall time (median
+of ``--repeats`` runs).
 Ratios ours/torch are reported for our ``min_cut`` strategy when it is registered.
 
     python -m benchmarks.partition_quality [--quick] [--models gpt_block,...] [--repeats N]

@@ -64,7 +64,7 @@ from torch.utils._pytree import tree_leaves
 import functrans as ft
 from benchmarks import output_path, remat, zoo
 from functrans import codegen
-from functrans._pytree import flatten
+from functrans.extend import tensor_leaves
 
 RESULTS = Path(__file__).resolve().parent / "results" / "runtime.json"
 STEP_TARGET = 1.05  # jit step / eager step
@@ -333,7 +333,7 @@ def attribution(case: Case, steps: int) -> dict[str, Any]:
     ms = interleaved(variants, params, x, steps, warmup=3)
     slot = next(iter(jitted._cache.by_key.values()))
     entry, order = slot.entry, slot.order
-    tensors, _ = flatten(((params, x), {}))
+    tensors = tensor_leaves(((params, x), {}))
     ordered = [tensors[i] for i in order]
     with torch.no_grad():
         saved = entry.forward(*ordered)[len(entry.out_meta) :]
@@ -349,7 +349,7 @@ def attribution(case: Case, steps: int) -> dict[str, Any]:
         **{f"{v}_ms": t for v, t in ms.items()},
         "fwd_graph_ms": fwd_ms,
         "bwd_graph_ms": bwd_ms,
-        "flatten_ms": _median_ms(lambda: flatten(((params, x), {})), steps),
+        "flatten_ms": _median_ms(lambda: tensor_leaves(((params, x), {})), steps),
         "fwd_ops": n_ops(p.forward),
         "bwd_ops": n_ops(p.backward),
     }

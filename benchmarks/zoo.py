@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,6 +39,7 @@ from ._hf_zoo import (
     hf_llama,
     hf_mistral,
 )
+from ._model import Model, Params, pick
 
 __all__ = [
     "HF_MODELS",
@@ -60,21 +60,6 @@ __all__ = [
     "mlp_stack",
 ]
 
-Params = dict[str, Any]
-LossFn = Callable[[Params, Any], torch.Tensor]
-Builder = Callable[..., tuple[Params, Any]]
-
-
-@dataclass(frozen=True)
-class Model:
-    """One zoo entry: ``make(size, dtype, seed) -> (params, x)`` and ``fn(params, x) -> loss``."""
-
-    name: str
-    fn: LossFn
-    make: Builder
-    supports_float64: bool = True  # False where the model computes in float32 internally
-    module: torch.nn.Module | None = None  # HF models: fn calls it with params swapped in
-
 
 def _randn(gen: torch.Generator, *shape: int, dtype: torch.dtype, scale: float = 1.0) -> Any:
     return torch.randn(*shape, generator=gen, dtype=torch.float64).mul_(scale).to(dtype)
@@ -94,12 +79,6 @@ def _norm(gen: torch.Generator, d: int, dtype: torch.dtype, bias: bool = True) -
     return p
 
 
-def _pick(size: str, small: Any, bench: Any) -> Any:
-    if size not in ("small", "bench"):
-        raise ValueError(f"size must be 'small' or 'bench', got {size!r}")
-    return small if size == "small" else bench
-
-
 # ---------------------------------------------------------------------------------------------
 # MLP stack: blocks of Linear-GELU-Linear-LayerNorm with a residual
 
@@ -116,7 +95,7 @@ def mlp_stack(n_blocks: int = 4) -> Model:
     def make(
         size: str = "small", dtype: torch.dtype = torch.float32, seed: int = 0
     ) -> tuple[Params, torch.Tensor]:
-        tokens, d, ffn = _pick(size, (8, 16, 32), (64, 64, 256))
+        tokens, d, ffn = pick(size, (8, 16, 32), (64, 64, 256))
         gen = torch.Generator().manual_seed(seed)
         blocks = [
             {
@@ -164,7 +143,7 @@ HEAD_DIM = 16
 
 def _block_sizes(size: str) -> tuple[int, int, int]:
     """``(batch, seq, d_model)``: 2 heads at "small", 4 at "bench"."""
-    return _pick(size, (1, 8, 32), (2, 32, 64))  # type: ignore[no-any-return]
+    return pick(size, (1, 8, 32), (2, 32, 64))  # type: ignore[no-any-return]
 
 
 def gpt_block() -> Model:
@@ -233,7 +212,7 @@ def llama_block() -> Model:
         size: str = "small", dtype: torch.dtype = torch.float32, seed: int = 0
     ) -> tuple[Params, torch.Tensor]:
         b, t, d = _block_sizes(size)
-        ffn = _pick(size, 32, 172)
+        ffn = pick(size, 32, 172)
         gen = torch.Generator().manual_seed(seed)
         params: Params = {
             n: _randn(gen, d, d, dtype=dtype, scale=d**-0.5) for n in ("wq", "wk", "wv", "wo")
@@ -272,7 +251,7 @@ def conv_block() -> Model:
     def make(
         size: str = "small", dtype: torch.dtype = torch.float32, seed: int = 0
     ) -> tuple[Params, dict[str, Any]]:
-        b, c, hw = _pick(size, (1, 4, 6), (2, 16, 16))
+        b, c, hw = pick(size, (1, 4, 6), (2, 16, 16))
         gen = torch.Generator().manual_seed(seed)
         params: Params = {"conv": [], "bn": []}
         stats = []

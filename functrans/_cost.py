@@ -94,7 +94,16 @@ RANDOM_UNLESS: Mapping[Any, tuple[str, object]] = {
 
 
 class OpClass(enum.Enum):
-    """What kind of work an op does; strategies decide what to save from this."""
+    """What kind of work an op does; strategies decide what to save from this.
+
+    >>> import torch, functrans as ft
+    >>> from functrans.extend import OpClass, op_class
+    >>> g = ft.trace(lambda x: (x @ x.t()).exp().sum())(torch.ones(2, 2))
+    >>> [(n.name, op_class(n).name) for n in g.ops()]  # doctest: +NORMALIZE_WHITESPACE
+    [('permute', 'VIEW'), ('mm', 'COMPUTE'), ('exp', 'POINTWISE'), ('sum_1', 'REDUCTION')]
+    >>> OpClass.COMPUTE.value
+    'compute'
+    """
 
     INPUT = "input"  # placeholder
     VIEW = "view"  # metadata only: aliases its input
@@ -137,7 +146,14 @@ def _overload(node: fx.Node) -> torch._ops.OpOverload | None:
 
 
 def op_class(node: fx.Node) -> OpClass:
-    """Classify ``node``'s op (see :class:`OpClass`)."""
+    """Classify ``node``'s op (see :class:`OpClass`).
+
+    >>> import torch, functrans as ft
+    >>> g = ft.trace(lambda x, w: (x @ w).relu().sum())(torch.ones(2, 3), torch.ones(3, 4))
+    >>> [(n.name, op_class(n).name) for n in g.fx_graph.nodes if n.op != "output"]
+    [('x', 'INPUT'), ('w', 'INPUT'), ('mm', 'COMPUTE'), ('relu', 'POINTWISE'),
+     ('sum_1', 'REDUCTION')]
+    """
     if node.op == "placeholder":
         return OpClass.INPUT
     op = _overload(node)
@@ -256,7 +272,13 @@ def storage_nbytes(node: fx.Node) -> int:
 
 
 def is_input_alias(node: fx.Node) -> bool:
-    """True for a primal placeholder or a chain of view ops on one (it costs no extra memory)."""
+    """True for a primal placeholder or a chain of view ops on one (it costs no extra memory).
+
+    >>> import torch, functrans as ft
+    >>> g = ft.trace(lambda x: x.t().exp())(torch.ones(2, 3))
+    >>> [(n.name, is_input_alias(n)) for n in g.fx_graph.nodes if n.op != "output"]
+    [('x', True), ('permute', True), ('exp', False)]
+    """
     root, _ = storage_of(node)
     return root.op == "placeholder" and root.meta.get(ROLE) in (Role.PRIMAL, None)
 
@@ -295,6 +317,11 @@ def flops(node: fx.Node) -> int:
 
     Pointwise ops count one per output element, reductions one per input element, views and
     inputs zero.
+
+    >>> import torch, functrans as ft
+    >>> g = ft.trace(lambda x, w: (x @ w).relu().sum())(torch.ones(2, 3), torch.ones(3, 4))
+    >>> [(n.name, flops(n)) for n in g.ops()]  # mm: 2 * 2 * 3 * 4
+    [('mm', 48), ('relu', 8), ('sum_1', 8)]
     """
     op = _overload(node)
     if op is None:

@@ -16,7 +16,16 @@ __all__ = [
 
 
 class FunctransError(Exception):
-    """Base class of every error functrans raises on purpose."""
+    """Base class of every error functrans raises on purpose.
+
+    >>> import torch, functrans as ft
+    >>> jg = ft.joint(lambda x: x.sin().sum())(torch.ones(3))
+    >>> try:
+    ...     ft.partition(jg, "no_such_strategy")
+    ... except ft.FunctransError as e:
+    ...     print(type(e).__name__, "-", e)
+    UnknownNameError - unknown partition strategy 'no_such_strategy'; registered: ...
+    """
 
 
 class TraceError(FunctransError):
@@ -24,7 +33,15 @@ class TraceError(FunctransError):
 
 
 class UnsupportedOpError(FunctransError):
-    """An op the requested transform or backend cannot handle."""
+    """An op the requested transform or backend cannot handle.
+
+    >>> import torch, functrans as ft
+    >>> try:
+    ...     ft.trace(lambda a: a * 2)(torch.eye(2).to_sparse())
+    ... except ft.UnsupportedOpError as e:
+    ...     print(e)
+    <lambda>: input a is a torch.sparse_coo tensor; functrans traces dense (strided) tensors ...
+    """
 
 
 class InvalidArgumentError(FunctransError, TypeError, ValueError):
@@ -34,11 +51,28 @@ class InvalidArgumentError(FunctransError, TypeError, ValueError):
 
     It is also a ``TypeError`` and a ``ValueError`` (what Python raises for a wrong type or
     value), so callers that caught those before keep working.
+
+    >>> import torch, functrans as ft
+    >>> jg = ft.joint(lambda x: x.sin().sum())(torch.ones(3))
+    >>> try:
+    ...     ft.partition(jg, "min_cut", budget=0.5)
+    ... except TypeError as e:
+    ...     print(type(e).__name__, "-", e)
+    InvalidArgumentError - min_cut: unknown option budget=0.5; accepted options: ...
     """
 
 
 class InvalidPartitionError(FunctransError):
-    """A saved set or strategy result that cannot produce correct forward/backward graphs."""
+    """A saved set or strategy result that cannot produce correct forward/backward graphs.
+
+    >>> import torch, functrans as ft
+    >>> jg = ft.joint(lambda x: x.sin().sum())(torch.ones(3))
+    >>> try:
+    ...     ft.partition(jg, lambda joint: 42)
+    ... except ft.InvalidPartitionError as e:
+    ...     print(e)
+    partition strategy '<lambda>' returned 42 (int), which is not iterable; a strategy must ...
+    """
 
 
 class UnknownNameError(FunctransError, KeyError):

@@ -38,7 +38,14 @@ PATH = "functrans.path"  # placeholder: the user's argument path, e.g. "x" or "p
 
 
 class Role(enum.Enum):
-    """What a placeholder holds."""
+    """What a placeholder holds, stored under ``node.meta[ROLE]``.
+
+    >>> import torch, functrans as ft
+    >>> from functrans.extend import ROLE
+    >>> jg = ft.joint(lambda x: x.sin().sum())(torch.ones(3))
+    >>> [(n.name, n.meta[ROLE]) for n in jg.placeholders()]
+    [('primals_1', <Role.PRIMAL: 'primal'>), ('tangents_1', <Role.TANGENT: 'tangent'>)]
+    """
 
     PRIMAL = "primal"  # an input of the user's function
     TANGENT = "tangent"  # an incoming gradient (cotangent) of a forward output
@@ -46,7 +53,15 @@ class Role(enum.Enum):
 
 
 class Phase(enum.Enum):
-    """Which half of the joint computation a node belongs to, decided by data flow."""
+    """Which half of the joint computation a node belongs to, decided by data flow; stored
+    under ``node.meta[PHASE]``.
+
+    >>> import torch, functrans as ft
+    >>> from functrans.extend import PHASE, Phase
+    >>> jg = ft.joint(lambda x: x.sin().sum())(torch.ones(3))
+    >>> [n.name for n in jg.ops() if n.meta[PHASE] is Phase.BACKWARD]
+    ['expand', 'mul']
+    """
 
     FORWARD = "forward"  # depends on no tangent
     BACKWARD = "backward"  # depends on some tangent
@@ -156,6 +171,13 @@ class JointGraph(Graph):
     ``primals`` is the tuple of the function's positional arguments, ``tangents`` a tuple with one
     cotangent per floating-point output leaf (in flattening order). ``grads`` holds one gradient
     per floating-point tensor leaf of the differentiated arguments (None for other leaves).
+
+    >>> import torch, functrans as ft
+    >>> jg = ft.joint(lambda x: x.sin().sum())(torch.ones(3))
+    >>> [n.name for n in jg.primals()], [n.name for n in jg.tangents()], jg.num_outputs
+    (['primals_1'], ['tangents_1'], 1)
+    >>> jg((torch.zeros(3),), (torch.tensor(1.0),))  # (outputs, grads): d sum(sin x) = cos x
+    (tensor(0.), (tensor([1., 1., 1.]),))
     """
 
     def __init__(

@@ -33,6 +33,7 @@ __all__ = [
     "flatten",
     "flatten_leaves",
     "leaves_of",
+    "tensor_leaves",
     "unflatten",
     "unwrap_static",
     "wrap_static",
@@ -398,3 +399,18 @@ def _walk(node: _Node, o: Any, out: list[Any]) -> bool:
     leaves, spec = optree.tree_flatten(o, namespace=NAMESPACE)
     out.extend(leaves)
     return bool(spec == kids)
+
+
+def tensor_leaves(tree: Any) -> list[torch.Tensor]:
+    """The tensors in ``tree``, in the order functrans flattens it: ``tensor_leaves((args,
+    kwargs))`` are the inputs of ``trace(f)(*args, **kwargs)``'s graph, which is what a
+    backend's compiled callable takes. Containers registered with optree (globally or in the
+    ``"functrans"`` namespace) are looked into; dict keys are sorted; other leaves are skipped.
+
+    >>> import torch
+    >>> from functrans.extend import tensor_leaves
+    >>> params = {"w": torch.ones(2), "b": torch.zeros(2)}
+    >>> [t.tolist() for t in tensor_leaves(((params, 3.0, torch.full((1,), 7.0)), {}))]
+    [[0.0, 0.0], [1.0, 1.0], [7.0]]
+    """
+    return flatten(tree)[0]

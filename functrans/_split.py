@@ -64,7 +64,17 @@ def _tangent_path(node: fx.Node) -> str:
 
 
 def ancestors(roots: Iterable[Any], stop: set[fx.Node]) -> set[fx.Node]:
-    """All nodes reachable backwards from ``roots`` through inputs, not crossing ``stop``."""
+    """All nodes reachable backwards from ``roots`` through inputs, not crossing ``stop`` (the
+    ``stop`` nodes reached are included, their inputs are not).
+
+    >>> import torch, functrans as ft
+    >>> g = ft.trace(lambda x: x.sin().exp() + x.cos())(torch.ones(3))
+    >>> nodes = {n.name: n for n in g.fx_graph.nodes}
+    >>> sorted(n.name for n in ancestors([nodes["add"]], stop={nodes["sin"]}))
+    ['add', 'cos', 'exp', 'sin', 'x']
+    >>> sorted(n.name for n in ancestors([nodes["exp"]], stop={nodes["sin"]}))
+    ['exp', 'sin']
+    """
     seen: set[fx.Node] = set()
     todo = [r for r in roots if isinstance(r, fx.Node)]
     while todo:

@@ -20,7 +20,12 @@ REMAT = "functrans.remat"
 
 
 class Policy(enum.Enum):
-    """A per-op save/recompute decision (the same four choices as torch's CheckpointPolicy)."""
+    """A per-op save/recompute decision (the same four choices as torch's CheckpointPolicy).
+
+    >>> from functrans.extend import Policy
+    >>> [p.name for p in Policy]
+    ['MUST_SAVE', 'PREFER_SAVE', 'MUST_RECOMPUTE', 'PREFER_RECOMPUTE']
+    """
 
     MUST_SAVE = "must_save"
     PREFER_SAVE = "prefer_save"
@@ -54,6 +59,14 @@ PolicyLike: TypeAlias = PolicyFn | Policy | CheckpointPolicy | Iterable[Any] | N
 
 
 def policy_of(node: fx.Node) -> Policy | None:
-    """The policy tag on ``node``, or None outside any remat region."""
+    """The policy tag on ``node``, or None outside any remat region.
+
+    >>> import torch, functrans as ft
+    >>> from functrans import policies
+    >>> f = ft.remat(lambda x, w: torch.tanh(x @ w).sum(), policy=policies.dots_saveable)
+    >>> jg = ft.joint(f)(torch.ones(2, 2), torch.ones(2, 2))
+    >>> {n.name: policy_of(n) for n in jg.ops() if policy_of(n) is not None}
+    {'mm': <Policy.MUST_SAVE: 'must_save'>, 'tanh': <Policy.MUST_RECOMPUTE: 'must_recompute'>}
+    """
     tag = node.meta.get(REMAT)
     return tag if isinstance(tag, Policy) else None

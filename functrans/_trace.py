@@ -272,7 +272,7 @@ def retrace(
     gm: fx.GraphModule, table: Mapping[Any, Callable[..., Any]], *, functional: bool = False
 ) -> fx.GraphModule:
     """Trace ``gm`` again through ``table`` (and functionalization when ``functional``),
-    keeping our namespaced node meta (see :func:`functionalize`).
+    keeping our namespaced node meta (see :func:`functionalize`). ``gm`` is not modified.
 
     >>> import torch, functrans as ft
     >>> from functrans.extend import decomposition_table_all
@@ -283,13 +283,10 @@ def retrace(
     ['aten.sigmoid.default', 'aten.mul.Tensor']
     """
     vals = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
-    for n in gm.graph.nodes:
-        ours = {k: v for k, v in n.meta.items() if k.startswith(_OURS)}
-        if ours:
-            n.meta["custom"] = {**n.meta.get("custom", {}), _OURS: ours}
+    carrier = _carrying_ours(gm.graph)
 
     def run(*args: Any) -> Any:
-        return fx.Interpreter(gm).run(*args)
+        return fx.Interpreter(gm, graph=carrier).run(*args)
 
     pure = torch.func.functionalize(run, remove="mutations") if functional else run
     # autocast off: the graph already holds the casts its first trace recorded, and casting
@@ -307,6 +304,21 @@ def retrace(
 
 
 _OURS = "functrans."
+
+
+def _carrying_ours(graph: fx.Graph) -> fx.Graph:
+    """A copy of ``graph`` (node meta copied shallowly) whose nodes also carry our namespaced
+    meta in ``meta["custom"]``, which make_fx copies to the nodes it produces; ``graph`` and its
+    nodes' meta dicts are left as they were."""
+    carrier = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    out = carrier.graph_copy(graph, env)
+    carrier.output(out)
+    for old, new in env.items():
+        ours = {k: v for k, v in old.meta.items() if k.startswith(_OURS)}
+        if ours:
+            new.meta["custom"] = {**old.meta.get("custom", {}), _OURS: ours}
+    return carrier
 
 
 def fake_inputs(tensors: Sequence[torch.Tensor], mode: Any) -> list[torch.Tensor]:

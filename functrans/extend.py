@@ -4,6 +4,50 @@ Third-party strategies and backends import from here (and torch, numpy, scipy, t
 from functrans' private modules, so the core can change underneath them.
 
 >>> from functrans.extend import JointGraph, OpClass, op_class, activation_bytes
+
+Every class and function here documents itself with an example. The other names:
+
+- node meta keys, namespaced (match on these, never on node names): ``ROLE`` (a placeholder's
+  :class:`Role`), ``PHASE`` (a joint graph node's :class:`Phase`), ``SOURCE`` (``"file:line:
+  code"`` of the user's line that produced the op), ``RECOMPUTED`` (True on forward ops a
+  backward graph re-runs) and ``REMAT`` (a remat region's :class:`Policy` for the op; read it
+  with :func:`policy_of`);
+- ``COMPUTE_INTENSIVE``: the op packets (matmul, conv, attention) whose outputs are worth saving
+  rather than recomputing, :attr:`OpClass.COMPUTE`;
+- ``OP_RULES``: the :class:`OpRule` (may it be saved, may it be recomputed, why not) of every
+  :class:`OpClass`, which :func:`cut_problem` applies to each forward value;
+- ``CostModel``: the type of a recompute cost model, ``(fx.Node) -> float`` (e.g. :func:`flops`);
+- ``Strategy``: the type of a partition strategy, ``(JointGraph, **options) -> Iterable[str |
+  fx.Node]`` (the forward values to save).
+
+>>> import torch, functrans as ft
+>>> from functrans import policies
+>>> from functrans.extend import COMPUTE_INTENSIVE, PHASE, RECOMPUTED, REMAT, ROLE, SOURCE
+>>> def f(x, w):
+...     return torch.tanh(x @ w).exp().sum()
+>>> jg = ft.joint(ft.remat(f, policy=policies.dots_saveable))(torch.ones(2, 2), torch.ones(2, 2))
+>>> mm = next(n for n in jg.ops() if n.name == "mm")
+>>> mm.meta[PHASE], mm.meta[REMAT], mm.target.overloadpacket in COMPUTE_INTENSIVE
+(<Phase.FORWARD: 'forward'>, <Policy.MUST_SAVE: 'must_save'>, True)
+>>> jg.primals()[0].meta[ROLE], mm.meta[SOURCE].split(": ")[-1]
+(<Role.PRIMAL: 'primal'>, 'return torch.tanh(x @ w).exp().sum()')
+>>> p = ft.partition(jg, "default")
+>>> sorted(n.name for n in p.backward.ops() if n.meta.get(RECOMPUTED))  # the policy's choice
+['exp', 'tanh']
+>>> from functrans.extend import Phase, Strategy
+>>> save_dots: Strategy = lambda joint: [
+...     n
+...     for n in joint.ops()
+...     if n.meta[PHASE] is Phase.FORWARD and op_class(n) is OpClass.COMPUTE
+... ]
+>>> sorted(s.name for s in ft.partition(jg, save_dots).saved)
+['mm', 'primals_1', 'primals_2']
+>>> from functrans.extend import OP_RULES, CostModel, flops
+>>> OP_RULES[OpClass.RANDOM].recompute, OP_RULES[OpClass.COMPUTE].recompute
+(False, True)
+>>> cost: CostModel = flops
+>>> cost(mm)  # 2 * 2 * 2 * 2
+16
 """
 
 from ._cost import COMPUTE_INTENSIVE as COMPUTE_INTENSIVE
@@ -37,7 +81,12 @@ from ._graph import Graph as Graph
 from ._graph import JointGraph as JointGraph
 from ._graph import Phase as Phase
 from ._graph import Role as Role
+from ._memory import peak_bytes as peak_bytes
 from ._partition import Strategy as Strategy
+from ._plugins import PluginError as PluginError
+from ._plugins import PluginRegistry as PluginRegistry
+from ._plugins import PluginWarning as PluginWarning
+from ._pytree import tensor_leaves as tensor_leaves
 from ._registry import Registry as Registry
 from ._split import ancestors as ancestors
 from ._split import split as split
