@@ -16,7 +16,7 @@ import functools
 import operator
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from typing import Any, ParamSpec, Protocol, TypeVar, cast, overload
+from typing import Any, NamedTuple, ParamSpec, Protocol, TypeVar, cast, overload
 
 import optree
 import torch
@@ -38,11 +38,63 @@ _R = TypeVar("_R")
 _M = TypeVar("_M", bound=torch.nn.Module)
 
 
+class _Entry(NamedTuple):
+    """An op's outputs as the policy saved them (detached aliases: no copy), with each tensor
+    output's version counter when the op returned."""
+
+    value: Any
+    versions: tuple[int, ...]
+
+
+def _tensors(out: Any) -> list[torch.Tensor]:
+    return [t for t in optree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+
+
 class _Cache:
-    """Outputs the policy saved during forward, keyed by (op, call index)."""
+    """Outputs the policy saved during forward, keyed by (op, call index).
+
+    A saved output is an alias of the tensor the region goes on computing with, so a later
+    in-place op (``x.sin().mul_(2)``, a write through a view of it, or of its base) changes it.
+    Every write bumps the tensor's version counter, which views share; an entry whose counter
+    moved is stale and its op is recomputed instead (what traced mode's functionalized graph
+    does). Nothing is copied: the common case, no mutation, costs no memory.
+    """
 
     def __init__(self) -> None:
-        self.store: dict[tuple[Any, int], Any] = {}
+        self.store: dict[tuple[Any, int], _Entry] = {}
+
+    def put(self, key: tuple[Any, int], out: Any) -> None:
+        value = tree_map(_detach, out)
+        self.store[key] = _Entry(value, tuple(t._version for t in _tensors(value)))
+
+    def get(self, key: tuple[Any, int]) -> _Entry | None:
+        """The entry, or None when nothing was saved or it was mutated since."""
+        entry = self.store.get(key)
+        if entry is None or not _unchanged(entry):
+            return None
+        return entry
+
+    def drop_mutated(self) -> None:
+        """Forget the entries the rest of the forward mutated: backward recomputes them, and
+        their tensors are freed here unless the region still holds them."""
+        self.store = {k: e for k, e in self.store.items() if _unchanged(e)}
+
+
+def _unchanged(entry: _Entry) -> bool:
+    now = tuple(t._version for t in _tensors(entry.value))
+    return now == entry.versions
+
+
+def _aliases(func: Any) -> bool:
+    """Whether the op writes to an argument (``mul_``, ``copy_``, ``index_put_``, ``out=``) or
+    returns a view of one (``view``, ``select``, ``t``). Such an op is never served from the
+    cache: recomputing it costs no memory and (a view) no arithmetic, and only running it keeps
+    the recomputed tensors aliased, and mutated, as in forward. (A cached view would not even
+    share its base's version counter: autograd ties them only after the op returns.)"""
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return False
+    return bool(schema.is_mutable) or any(r.alias_info is not None for r in schema.returns)
 
 
 class _Record(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's class is untyped
@@ -53,19 +105,24 @@ class _Record(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's cl
         self.decide, self.cache = decide, cache
         self.calls: dict[Any, int] = defaultdict(int)
 
+    def __exit__(self, *exc: object) -> None:
+        super().__exit__(*exc)  # type: ignore[no-untyped-call]  # torch's class is untyped
+        self.cache.drop_mutated()
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         key = (func, self.calls[func])
         self.calls[func] += 1
-        if self.decide(func, *args, **kwargs) in _SAVES:
-            self.cache.store[key] = tree_map(_detach, out)
+        if self.decide(func, *args, **kwargs) in _SAVES and not _aliases(func):
+            self.cache.put(key, out)
         return out
 
 
 class _Replay(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's class is untyped
-    """Recompute: serve saved outputs, run the rest. Entries are kept (not popped), so a
-    second backward with ``retain_graph=True`` recomputes correctly."""
+    """Recompute: serve saved outputs that are still as the op made them, run the rest.
+    Entries are kept (not popped), so a second backward with ``retain_graph=True`` recomputes
+    correctly."""
 
     def __init__(self, cache: _Cache) -> None:
         super().__init__()  # type: ignore[no-untyped-call]  # torch's class is untyped
@@ -80,8 +137,9 @@ class _Replay(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's cl
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         key = (func, self.calls[func])
         self.calls[func] += 1
-        if key in self.cache.store:
-            return self.cache.store[key]
+        entry = self.cache.get(key)  # None too when mutated after the region (user code)
+        if entry is not None:
+            return entry.value
         return func(*args, **(kwargs or {}))
 
 
@@ -90,7 +148,12 @@ _SAVE_NOTHING = policies.normalize(policies.nothing_saveable)
 
 
 def _detach(x: Any) -> Any:
-    return x.detach() if isinstance(x, torch.Tensor) else x
+    if not isinstance(x, torch.Tensor):
+        return x
+    # below autograd ADInplaceOrView is excluded, and a detach made there would not share the
+    # version counter of a view's base (torch's selective checkpoint does the same)
+    with torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False):
+        return x.detach()
 
 
 def _eager(f: Callable[_P, _R], decide: Callable[..., Policy], args: Any, kwargs: Any) -> _R:
@@ -209,6 +272,10 @@ def remat(
     :data:`~functrans.policies.PolicyLike` names.
     ``prevent_cse`` and ``static_argnums`` are accepted for JAX compatibility: functrans graphs
     are never CSE'd across regions, and non-tensor arguments are passed through unchanged.
+
+    In eager mode a saved output is the op's own tensor, not a copy; if the region later writes
+    to it in place (directly or through a view), backward recomputes that op instead of serving
+    it, so gradients equal those without ``remat``.
 
     >>> import torch, functrans as ft
     >>> from functrans import policies
