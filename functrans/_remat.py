@@ -272,6 +272,8 @@ def remat(
     :data:`~functrans.policies.PolicyLike` names.
     ``prevent_cse`` and ``static_argnums`` are accepted for JAX compatibility: functrans graphs
     are never CSE'd across regions, and non-tensor arguments are passed through unchanged.
+    A policy that is none of these raises :class:`~functrans.policies.InvalidPolicyError` when
+    ``remat`` is called.
 
     In eager mode a saved output is the op's own tensor, not a copy; if the region later writes
     to it in place (directly or through a view), backward recomputes that op instead of serving
@@ -285,6 +287,7 @@ def remat(
     ['mm', 'primals_1', 'primals_2']
     """
     if f is None:
+        policies.normalize(policy)  # a bad policy is refused here, not at the first call
         # mypy sees partial(remat) through remat's first overload only
         decorate = functools.partial(
             remat, policy=policy, prevent_cse=prevent_cse, static_argnums=static_argnums

@@ -15,7 +15,7 @@ meanings.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -102,7 +102,15 @@ def save_any_names_but_these(*names: str) -> PolicyFn:
 
 
 def save_ops(*ops: Any) -> PolicyFn:
-    """Save the outputs of these ops (OpOverloads or OpOverloadPackets)."""
+    """Save the outputs of these ops (OpOverloads or OpOverloadPackets); anything else is
+    refused here, with its position.
+
+    >>> import torch
+    >>> policy = save_ops(torch.ops.aten.mm)
+    >>> policy(torch.ops.aten.mm.default), policy(torch.ops.aten.sin.default)
+    (True, False)
+    """
+    _check_ops(ops, "argument {i} of save_ops")
     wanted = frozenset(ops) | frozenset(_packet(o) for o in ops)
 
     def policy(op: Any, *args: Any, **kwargs: Any) -> bool:
@@ -147,8 +155,9 @@ def decision(value: Any, op: Any) -> Policy:
     converted = _from_torch(value)
     if converted is not None:
         return converted
+    hint = " (does the policy miss a `return` on some path?)" if value is None else ""
     raise InvalidPolicyError(
-        f"remat policy returned {value!r} for op {op}; a policy must return a "
+        f"remat policy returned {value!r} for op {op}{hint}; a policy must return a "
         "functrans.policies.Policy, a bool (True = save) or a torch CheckpointPolicy"
     )
 
@@ -161,18 +170,80 @@ class InvalidPolicyError(FunctransError, ValueError):
     """
 
 
+_OP_TYPES = (torch._ops.OpOverload, torch._ops.OpOverloadPacket, torch._ops.HigherOrderOperator)
+
+_ACCEPTED = (
+    "a remat policy is a callable (op, *args, **kwargs) -> Policy | bool | CheckpointPolicy "
+    "(e.g. functrans.policies.dots_saveable, or one made by save_only_these_names(...)), "
+    "a Policy or torch CheckpointPolicy for every op, a list, tuple or set of ops whose outputs "
+    "to save (OpOverloads such as torch.ops.aten.mm.default, or OpOverloadPackets such as "
+    "torch.ops.aten.mm), or None (save nothing)"
+)
+
+
+def _check_ops(ops: Iterable[Any], where: str) -> None:
+    """Raise naming the first element of ``ops`` that is not an op, and its position."""
+    for i, op in enumerate(ops):
+        if not isinstance(op, _OP_TYPES):
+            raise InvalidPolicyError(
+                f"{where.format(i=i)} is {op!r} ({type(op).__name__}), not an op; {_ACCEPTED}"
+            )
+
+
+_BUILT_INS = frozenset(
+    {"everything_saveable", "nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable"}
+)
+_FACTORIES = frozenset(
+    {"save_only_these_names", "save_any_names_but_these", "save_ops", "save_from_both_policies"}
+)
+
+
+def _refuse(policy: Any) -> InvalidPolicyError:
+    what = f"policy={policy!r} ({type(policy).__name__})"
+    if isinstance(policy, str):
+        if policy in _BUILT_INS:
+            return InvalidPolicyError(
+                f"{what} is a name, not a policy: pass functrans.policies.{policy} itself; "
+                f"{_ACCEPTED}"
+            )
+        if policy in _FACTORIES:
+            return InvalidPolicyError(
+                f"{what} is a name, not a policy: pass functrans.policies.{policy}(...), "
+                f"the policy it makes; {_ACCEPTED}"
+            )
+        return InvalidPolicyError(f"{what} is a string, not a policy; {_ACCEPTED}")
+    if isinstance(policy, Mapping):
+        return InvalidPolicyError(f"{what} is a {type(policy).__name__}; {_ACCEPTED}")
+    return InvalidPolicyError(f"{what} is not a remat policy; {_ACCEPTED}")
+
+
 def normalize(policy: PolicyLike) -> Callable[..., Policy]:
     """Accept a policy callable, a ``CheckpointPolicy`` for every op, or a list of ops to save;
-    return a callable that always answers with a :class:`Policy`."""
+    return a callable that always answers with a :class:`Policy`. Anything else (a list holding
+    a non-op, a policy's name as a string, a dict) raises :class:`InvalidPolicyError` here,
+    naming the bad element and what is accepted.
+
+    >>> import torch
+    >>> normalize([torch.ops.aten.mm.default])(torch.ops.aten.mm.default)
+    <Policy.MUST_SAVE: 'must_save'>
+    >>> normalize([2])
+    Traceback (most recent call last):
+    ...
+    functrans.policies.InvalidPolicyError: element 0 of the policy list is 2 (int), not an op; ...
+    """
     if policy is None:
         policy = nothing_saveable
     if _from_torch(policy) is not None or isinstance(policy, Policy):
         fixed = decision(policy, "*")
         return lambda op, *a, **k: fixed
+    if isinstance(policy, (str, bytes, Mapping)):
+        raise _refuse(policy)
     if isinstance(policy, Iterable) and not callable(policy):
-        policy = save_ops(*policy)
+        ops = tuple(policy)
+        _check_ops(ops, f"element {{i}} of the policy {type(policy).__name__}")
+        policy = save_ops(*ops)
     if not callable(policy):
-        raise TypeError(f"a remat policy must be callable, got {policy!r}")
+        raise _refuse(policy)
     fn = policy
 
     def normalized(op: Any, *args: Any, **kwargs: Any) -> Policy:

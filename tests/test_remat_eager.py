@@ -6,12 +6,15 @@ the region); where torch raises "has been mutated", functrans recomputes the op 
 right gradient.
 """
 
+import re
+
 import pytest
 import torch
+from torch.utils.checkpoint import CheckpointPolicy
 
 import functrans as ft
 from functrans import policies
-from functrans.policies import Policy
+from functrans.policies import InvalidPolicyError, Policy
 
 aten = torch.ops.aten
 
@@ -156,3 +159,85 @@ def test_second_backward_with_retain_graph_after_mutation():
     out.backward()
     torch.testing.assert_close(leaf.grad, 2 * first, rtol=0, atol=1e-12)
     torch.testing.assert_close(first, eager_grad(mul_, x64()), rtol=0, atol=1e-12)
+
+
+# --- item 2: bad policies are refused when remat is called --------------------------------
+
+
+@pytest.mark.parametrize(
+    ("policy", "match"),
+    [
+        ([2], r"element 0 of the policy list is 2 \(int\)"),
+        ([aten.mm.default, "mm"], r"element 1 of the policy list is 'mm' \(str\)"),
+        ((aten.mm, None), r"element 1 of the policy tuple is None"),
+        ({3.5}, r"element 0 of the policy set is 3.5 \(float\)"),
+        ("dots_saveable", r"policy='dots_saveable'.*functrans.policies.dots_saveable"),
+        ({aten.mm.default: True}, r"a dict"),
+        (3, r"policy=3 \(int\)"),
+    ],
+)
+def test_bad_policy_is_refused_when_remat_is_called(policy, match):
+    for make in (
+        lambda: ft.remat(torch.sin, policy=policy),
+        lambda: ft.remat(policy=policy),
+        lambda: ft.remat(torch.nn.Linear(2, 2), policy=policy),
+    ):
+        with pytest.raises(InvalidPolicyError, match=match) as info:
+            make()
+        message = str(info.value)
+        assert "OpOverload" in message or "callable" in message, message
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        None,
+        [],
+        [aten.mm.default, aten.sin],
+        (aten.mm,),
+        {aten.mm.default},
+        frozenset({aten.mm}),
+        Policy.MUST_SAVE,
+        CheckpointPolicy.PREFER_RECOMPUTE,
+        policies.dots_saveable,
+        policies.save_only_these_names("h"),
+        policies.save_any_names_but_these("h"),
+        policies.save_ops(aten.mm.default),
+        policies.save_from_both_policies(policies.dots_saveable, [aten.sin.default]),
+    ],
+)
+def test_every_policy_form_is_accepted(policy):
+    x = x64().reshape(2, 3)
+    w = x64().reshape(3, 2)
+
+    def f(x, w):
+        return torch.sin(x @ w).sum()
+
+    leaves = [x.clone().requires_grad_(), w.clone().requires_grad_()]
+    ft.remat(f, policy=policy)(*leaves).backward()
+    want = torch.func.grad(f, argnums=(0, 1))(x, w)
+    torch.testing.assert_close(tuple(a.grad for a in leaves), want)
+
+
+def test_bad_element_in_a_combined_policy_is_refused_when_combining():
+    with pytest.raises(InvalidPolicyError, match=r"element 0 of the policy list is 'sin'"):
+        policies.save_from_both_policies(policies.dots_saveable, ["sin"])
+
+
+@pytest.mark.parametrize("value", [None, "save", 1, Policy])
+def test_bad_policy_answer_names_op_and_value_in_both_modes(value):
+    f = ft.remat(lambda x: x.sin().sum(), policy=lambda op, *a, **k: value)
+    match = f"returned {re.escape(repr(value))} for op aten\\.sin\\.default"
+    leaf = x64().requires_grad_()
+    with pytest.raises(InvalidPolicyError, match=match):
+        f(leaf).backward()
+    with pytest.raises(InvalidPolicyError, match=match):
+        ft.grad(f)(x64())
+
+
+def test_policy_returning_none_hints_at_a_missing_return():
+    def forgot(op, *args, **kwargs):
+        op is aten.sin.default  # noqa: B015  # the bug under test: no return
+
+    with pytest.raises(InvalidPolicyError, match="return"):
+        ft.remat(torch.sin, policy=forgot)(x64().requires_grad_())
