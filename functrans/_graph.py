@@ -171,11 +171,16 @@ class JointGraph(Graph):
     ``primals`` is the tuple of the function's positional arguments, ``tangents`` a tuple with one
     cotangent per floating-point output leaf (in flattening order). ``grads`` holds one gradient
     per floating-point tensor leaf of the differentiated arguments (None for other leaves).
+    ``differentiable`` says, per flat forward output, whether it required grad when traced (as
+    eager autograd would set ``requires_grad``): False for integer outputs and for outputs made
+    under ``torch.no_grad()`` or detached inside the function; their tangents go unused.
 
     >>> import torch, functrans as ft
     >>> jg = ft.joint(lambda x: x.sin().sum())(torch.ones(3))
     >>> [n.name for n in jg.primals()], [n.name for n in jg.tangents()], jg.num_outputs
     (['primals_1'], ['tangents_1'], 1)
+    >>> jg.differentiable
+    (True,)
     >>> jg((torch.zeros(3),), (torch.tensor(1.0),))  # (outputs, grads): d sum(sin x) = cos x
     (tensor(0.), (tensor([1., 1., 1.]),))
     """
@@ -192,6 +197,7 @@ class JointGraph(Graph):
         num_outputs: int,
         argnums: tuple[int, ...],
         wrt: tuple[int, ...] | None = None,
+        differentiable: tuple[bool, ...] | None = None,
     ) -> None:
         super().__init__(graph_module, in_flat, out_flat)
         self.fn_in = fn_in  # the user function's (args, kwargs)
@@ -200,6 +206,12 @@ class JointGraph(Graph):
         self.num_outputs = num_outputs  # flat forward outputs; the rest of the outputs are grads
         self.argnums = argnums
         self.wrt = wrt  # indices (into primals) of the differentiated leaves; None: all
+        if differentiable is None:  # every floating-point output
+            vals = [getattr(n, "meta", {}).get("val") for n in self.forward_outputs()]
+            differentiable = tuple(
+                isinstance(v, torch.Tensor) and v.is_floating_point() for v in vals
+            )
+        self.differentiable = differentiable
 
     def primals(self) -> list[fx.Node]:
         return [n for n in self.placeholders() if n.meta[ROLE] is Role.PRIMAL]

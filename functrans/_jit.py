@@ -78,10 +78,12 @@ class _OutMeta:
     dtype: torch.dtype
     device: torch.device
     takes_tangent: bool  # floating outputs; integers and booleans are not differentiable
+    # requires grad as in eager: not an output made under no_grad() or detached in the function
+    differentiable: bool
 
     @classmethod
-    def of(cls, val: torch.Tensor, takes_tangent: bool) -> _OutMeta:
-        return cls(val.shape, val.dtype, val.device, takes_tangent)
+    def of(cls, val: torch.Tensor, takes_tangent: bool, differentiable: bool) -> _OutMeta:
+        return cls(val.shape, val.dtype, val.device, takes_tangent, differentiable)
 
     def zeros(self) -> torch.Tensor:
         """The tangent autograd passes as None: zeros of this output's type."""
@@ -103,8 +105,9 @@ class _Entry:
 
     @functools.cached_property
     def frozen(self) -> tuple[int, ...]:
-        """The outputs that take no tangent (integers, booleans): not differentiable."""
-        return tuple(i for i, m in enumerate(self.out_meta) if not m.takes_tangent)
+        """The outputs that do not require grad (integers, booleans, values made under
+        ``torch.no_grad()``): marked non-differentiable, as eager autograd leaves them."""
+        return tuple(i for i, m in enumerate(self.out_meta) if not m.differentiable)
 
 
 class _Apply(torch.autograd.Function):
@@ -461,7 +464,7 @@ class Jitted(Generic[_P, _R]):
                 forward=fwd,
                 backward=None,
                 out_flat=g.out_flat,
-                out_meta=tuple(_OutMeta.of(v.meta["val"], False) for v in vals),
+                out_meta=tuple(_OutMeta.of(v.meta["val"], False, False) for v in vals),
                 num_diff=0,
                 num_inputs=len(inputs),
                 partition=None,
@@ -469,6 +472,11 @@ class Jitted(Generic[_P, _R]):
             )
             return entry, g.graph_module
         jg = joint(flat_f, argnums=0, decompositions=decompositions)(*example)
+        if not any(jg.differentiable):  # e.g. a body under torch.no_grad(): nothing to save
+            self._times.trace_s += time.perf_counter() - t0
+            entry, gm = self._build(flat_f, example, training=False)
+            # its inputs require grad: run it as the body did, with autograd off
+            return dataclasses.replace(entry, forward=_without_grad(entry.forward)), gm
         t1 = time.perf_counter()
         p = partition(jg, self._opts.partition, **self._opts.partition_options)
         t2 = time.perf_counter()
@@ -490,8 +498,8 @@ class Jitted(Generic[_P, _R]):
             backward=bwd,
             out_flat=jg.fn_out,
             out_meta=tuple(
-                _OutMeta.of(v.meta["val"], w)
-                for v, w in zip(jg.forward_outputs(), wants, strict=True)
+                _OutMeta.of(v.meta["val"], w, w and d)
+                for v, w, d in zip(jg.forward_outputs(), wants, jg.differentiable, strict=True)
             ),
             num_diff=len(example[0]),
             num_inputs=len(inputs),
@@ -499,6 +507,14 @@ class Jitted(Generic[_P, _R]):
             copies=_copies(primals, jg.forward_outputs()),
         )
         return entry, jg.graph_module
+
+
+def _without_grad(forward: Callable[..., list[Any]]) -> Callable[..., list[Any]]:
+    def run(*tensors: torch.Tensor) -> list[Any]:
+        with torch.no_grad():
+            return forward(*tensors)
+
+    return run
 
 
 def _execute(apply: Callable[..., Any], entry: _Entry, ordered: Sequence[torch.Tensor]) -> Any:

@@ -110,7 +110,7 @@ def joint(
         mask = [i in wrt for i in range(len(tensors))]
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         fakes = [mode.from_tensor(t.detach()) for t in tensors]
-        out_tree = _eval_shape(f, fn_in, fakes, mask, mode)
+        out_tree, differentiable = _eval_shape(f, fn_in, fakes, mask, mode)
         out_vals, fn_out = flatten(out_tree)
         wants_tangent = _tangent_mask(f, out_tree, out_vals, has_aux)
         with mode:
@@ -144,6 +144,7 @@ def joint(
             num_outputs=len(out_vals),
             argnums=nums,
             wrt=tuple(wrt),
+            differentiable=differentiable,
         )
         log("joint", f"joint graph of {getattr(f, '__qualname__', f)}", lambda: str(jg))
         return jg
@@ -187,8 +188,9 @@ def _eval_shape(
     fakes: Sequence[torch.Tensor],
     mask: list[bool],
     mode: FakeTensorMode,
-) -> Any:
-    """Run ``f`` on fake tensors to learn its outputs' structure, shapes and dtypes."""
+) -> tuple[Any, tuple[bool, ...]]:
+    """Run ``f`` on fake tensors to learn its outputs' structure, shapes and dtypes, and which
+    flat outputs require grad (not those made under ``torch.no_grad()`` or detached)."""
 
     def run() -> Any:
         with mode, torch.enable_grad():
@@ -196,11 +198,12 @@ def _eval_shape(
             a, kw = unflatten(fn_in, leaves)
             return f(*a, **kw)
 
-    return optree.tree_map(
-        lambda x: x.detach() if isinstance(x, torch.Tensor) else x,
-        run_traced(run, f),
-        namespace=NAMESPACE,
+    out = run_traced(run, f)
+    differentiable = tuple(t.requires_grad for t in flatten(out)[0])
+    tree = optree.tree_map(
+        lambda x: x.detach() if isinstance(x, torch.Tensor) else x, out, namespace=NAMESPACE
     )
+    return tree, differentiable
 
 
 def _tangent_mask(
