@@ -85,6 +85,7 @@ def _unchanged(entry: _Entry) -> bool:
     return now == entry.versions
 
 
+@functools.cache
 def _aliases(func: Any) -> bool:
     """Whether the op writes to an argument (``mul_``, ``copy_``, ``index_put_``, ``out=``) or
     returns a view of one (``view``, ``select``, ``t``). Such an op is never served from the

@@ -100,6 +100,18 @@ def test_traced_mode_agrees(f):
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
 
 
+def test_one_output_of_a_multi_output_op_mutated():
+    def f(x):
+        values, indices = x.reshape(2, 3).max(dim=1)
+        values.add_(indices + 1)
+        return (values * values).sum() * x
+
+    x = x64()
+    for policy in ([aten.max.dim], policies.everything_saveable):
+        got = eager_grad(ft.remat(f, policy=policy), x)
+        torch.testing.assert_close(got, eager_grad(f, x), rtol=0, atol=1e-12)
+
+
 def test_output_mutated_after_the_region_is_recomputed_for_its_backward():
     """The code after the region writes to a saved output that the region's own backward
     reads: checked when backward replays the region, not only at the end of forward."""
