@@ -90,8 +90,10 @@ def _aliases(func: Any) -> bool:
     """Whether the op writes to an argument (``mul_``, ``copy_``, ``index_put_``, ``out=``) or
     returns a view of one (``view``, ``select``, ``t``). Such an op is never served from the
     cache: recomputing it costs no memory and (a view) no arithmetic, and only running it keeps
-    the recomputed tensors aliased, and mutated, as in forward. (A cached view would not even
-    share its base's version counter: autograd ties them only after the op returns.)"""
+    the recomputed tensors aliased, and mutated, as in forward. Caching a view would spare
+    nothing (replay runs the ops before it, its base's among them, in program order) but would
+    keep its storage alive, and the cached view would not even share its base's version
+    counter: autograd ties them only after the op returns."""
     schema = getattr(func, "_schema", None)
     if schema is None:
         return False
