@@ -6,6 +6,9 @@ nothing once traced, because the traced region asked the policy about each graph
 policy now sees each op before decomposition, as eager selective checkpointing does; its
 decision goes to the node(s) holding the op's outputs, and the decomposition's inner nodes are
 recomputed (eager never keeps them: they do not exist there). Both modes keep the same bytes.
+
+And ``dots_with_no_batch_dims_saveable`` judges batch dimensions by what an op computes: the
+batch-of-one ``bmm`` that a 2-D ``einsum`` lowers to is a plain matmul, saved like ``x @ w``.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import functrans as ft
+from functrans import policies
 from functrans.extend import REMAT, Policy
 
 aten = torch.ops.aten
@@ -156,3 +160,60 @@ def test_policies_are_asked_once_per_op_the_user_wrote() -> None:
     assert aten.mish.default in traced and aten.exp.default not in traced
     # eager's sum is sum.default; tracing records sum.dim_IntList -- asked about sum.default
     assert [op for op in traced if op.namespace != "prim"] == eager
+
+
+# ---------------------------------------------------------------------------------------------
+# dots_with_no_batch_dims_saveable: a batch of one is no batch
+
+
+def _chain(matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Any:
+    def f(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        return torch.sin(matmul(torch.sin(matmul(x, w1)), w2)).sum()
+
+    return ft.remat(f, policy=policies.dots_with_no_batch_dims_saveable)
+
+
+EINSUM = _chain(lambda a, b: torch.einsum("ij,jk->ik", a, b))
+MATMUL = _chain(lambda a, b: a @ b)
+CHAIN_ARGS = (_r(4, 6), _r(6, 5), _r(5, 3))
+
+
+def test_2d_einsum_is_saved_like_matmul_in_eager_mode() -> None:
+    want, want_grads = eager_kept(MATMUL, CHAIN_ARGS)
+    got, grads = eager_kept(EINSUM, CHAIN_ARGS)
+    assert got == want > 0
+    torch.testing.assert_close(grads, want_grads)
+
+
+def _dots(g: Any) -> int:
+    return sum(n.target in (aten.mm.default, aten.bmm.default) for n in g.fx_graph.nodes)
+
+
+@pytest.mark.parametrize("strategy", ["default", "min_cut"])
+def test_2d_einsum_is_saved_like_matmul_when_traced(strategy: str) -> None:
+    want = ft.partition(ft.joint(MATMUL)(*CHAIN_ARGS), strategy)
+    got = ft.partition(ft.joint(EINSUM)(*CHAIN_ARGS), strategy)
+    assert got.activation_bytes == want.activation_bytes > 0, got.report()
+    assert _dots(got.backward) == _dots(want.backward) == 4  # two grads per matmul, none redone
+    torch.testing.assert_close(
+        ft.grad(EINSUM, argnums=(0, 1, 2), partition=strategy)(*CHAIN_ARGS),
+        ft.grad(MATMUL, argnums=(0, 1, 2), partition=strategy)(*CHAIN_ARGS),
+    )
+
+
+@pytest.mark.parametrize(
+    ("op", "shapes", "saved"),
+    [
+        (aten.mm.default, ((2, 3), (3, 4)), True),
+        (aten.bmm.default, ((1, 2, 3), (1, 3, 4)), True),
+        (aten.bmm.default, ((2, 2, 3), (2, 3, 4)), False),
+        (aten.baddbmm.default, ((1, 2, 4), (1, 2, 3), (1, 3, 4)), True),
+        (aten.baddbmm.default, ((3, 2, 4), (3, 2, 3), (3, 3, 4)), False),
+        (aten.sin.default, ((2, 3),), False),
+    ],
+)
+def test_no_batch_dims_is_judged_by_shapes(
+    op: Any, shapes: tuple[tuple[int, ...], ...], saved: bool
+) -> None:
+    args = [torch.empty(s, device="meta") for s in shapes]
+    assert policies.dots_with_no_batch_dims_saveable(op, *args) is saved
