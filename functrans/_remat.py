@@ -163,19 +163,20 @@ def _tags_of_call(
     """Tags for the nodes one op call recorded: ``decision`` for the nodes holding the op's
     outputs, a recompute tag for the nodes inside its decomposition.
 
-    Holders are the nodes of the output tensors, looked through identity ops (canonicalization
-    drops ``alias``/``detach``), and a multi-output node all of whose recorded parts
-    (``getitem``) are outputs: an op the table did not split. Eager never keeps the values
+    Holders are the nodes of the output tensors, the values they are views of (an output that
+    views an inner value lives in its storage: batch norm's ``squeeze(rsqrt(var + eps))``), and
+    a multi-output node all of whose recorded parts (``getitem``) are outputs: an op the table
+    did not split. Eager never keeps the values
     inside a decomposition (they do not exist there: ``silu_backward`` recomputes ``sigmoid``),
     so they are ``MUST_RECOMPUTE``, unless the policy only prefers recomputing the op.
     """
     ours = set(made)
     holders: set[fx.Node] = set()
     for held_node in held:
-        node: object = held_node
-        while isinstance(node, fx.Node) and node in ours:
+        node: fx.Node | None = held_node
+        while node is not None and node in ours and node not in holders:
             holders.add(node)
-            node = node.args[0] if node.target in _IDENTITY_OPS else None
+            node = _viewed(node)
     for node in made:
         parts = [u for u in node.users if u in ours]
         if parts and all(u.target is operator.getitem and u in holders for u in parts):
@@ -186,7 +187,19 @@ def _tags_of_call(
     return {n: decision if n in holders else inner for n in made if n.op == "call_function"}
 
 
+def _viewed(node: fx.Node) -> fx.Node | None:
+    """The value ``node`` is a view of (or ``alias``/``detach``, which canonicalization drops)."""
+    target, base = node.target, node.args[0] if node.args else None
+    viewing = target in _IDENTITY_OPS or (
+        isinstance(target, torch._ops.OpOverload) and target.is_view
+    )
+    return base if viewing and isinstance(base, fx.Node) else None
+
+
 def _traced(f: Callable[_P, _R], decide: Callable[..., Policy], args: Any, kwargs: Any) -> _R:
+    """Run ``f`` inline in the trace and tag the nodes it records: the policy is asked about
+    each op as the user wrote it (:class:`_Ask`), before decompositions split it; the nodes
+    holding the op's outputs get its decision, those inside its decomposition are recomputed."""
     mode = get_proxy_mode()
     if mode is None:  # evaluating shapes only: nothing to tag
         return f(*args, **kwargs)

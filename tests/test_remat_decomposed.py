@@ -93,7 +93,18 @@ OPS: dict[str, tuple[Callable[..., torch.Tensor], Any, tuple[torch.Tensor, ...]]
     "dot": (torch.dot, aten.dot.default, (_r(4), _r(4))),
     "addcmul": (torch.addcmul, aten.addcmul.default, (_r(4, 4), _r(4, 4), _r(4, 4))),
     "lerp": (torch.lerp, aten.lerp.Tensor, (_r(4, 4), _r(4, 4), _r(4, 4))),
-    # not decomposed (core ATen keeps it): three outputs (out, mean, rstd) as getitems
+    # decomposed, three outputs; mean and invstd are views (squeeze) of inner values
+    "batch_norm": (
+        lambda x, w, b: F.batch_norm(x, None, None, w, b, training=True),
+        aten.native_batch_norm.default,
+        (_r(4, 3), _r(3), _r(3)),
+    ),
+    # not decomposed (core ATen keeps them): three outputs (out, mean, rstd) as getitems
+    "group_norm": (
+        lambda x, w, b: F.group_norm(x, 1, w, b),
+        aten.native_group_norm.default,
+        (_r(4, 3, 2), _r(3), _r(3)),
+    ),
     "layer_norm": (
         lambda x, w, b: F.layer_norm(x, (4,), w, b),
         aten.native_layer_norm.default,
