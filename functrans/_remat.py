@@ -163,24 +163,27 @@ def _tags_of_call(
     """Tags for the nodes one op call recorded: ``decision`` for the nodes holding the op's
     outputs, a recompute tag for the nodes inside its decomposition.
 
-    Holders are the nodes of the output tensors, the values they are views of (an output that
-    views an inner value lives in its storage: batch norm's ``squeeze(rsqrt(var + eps))``), and
-    a multi-output node all of whose recorded parts (``getitem``) are outputs: an op the table
-    did not split. Eager never keeps the values
-    inside a decomposition (they do not exist there: ``silu_backward`` recomputes ``sigmoid``),
-    so they are ``MUST_RECOMPUTE``, unless the policy only prefers recomputing the op.
+    Holders are the nodes of the output tensors, a multi-output node all of whose recorded
+    parts (``getitem``) are outputs (an op the table did not split), and the values these are
+    views of: an output that views an inner value lives in its storage (batch norm's mean is
+    ``squeeze(mean)`` of its ``var_mean``). Eager never keeps the values inside a decomposition
+    (they do not exist there: ``silu_backward`` recomputes ``sigmoid``), so they are
+    ``MUST_RECOMPUTE``, unless the policy only prefers recomputing the op.
     """
     ours = set(made)
     holders: set[fx.Node] = set()
-    for held_node in held:
-        node: fx.Node | None = held_node
+
+    def hold(node: fx.Node | None) -> None:
         while node is not None and node in ours and node not in holders:
             holders.add(node)
             node = _viewed(node)
+
+    for node in held:
+        hold(node)
     for node in made:
         parts = [u for u in node.users if u in ours]
         if parts and all(u.target is operator.getitem and u in holders for u in parts):
-            holders.add(node)
+            hold(node)
     inner = (
         Policy.PREFER_RECOMPUTE if decision is Policy.PREFER_RECOMPUTE else Policy.MUST_RECOMPUTE
     )
