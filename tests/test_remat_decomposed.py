@@ -156,6 +156,36 @@ def test_the_op_output_gets_the_decision_its_decomposition_is_recomputed() -> No
     assert tags["aten.sin.default:sin"] is Policy.MUST_RECOMPUTE
 
 
+@pytest.mark.parametrize(
+    ("decision", "inner"),
+    [
+        (Policy.PREFER_SAVE, Policy.MUST_RECOMPUTE),
+        (Policy.MUST_RECOMPUTE, Policy.MUST_RECOMPUTE),
+        (Policy.PREFER_RECOMPUTE, Policy.PREFER_RECOMPUTE),  # a preference stays one
+    ],
+)
+def test_inside_a_decomposition_is_recomputed(decision: Policy, inner: Policy) -> None:
+    def policy(op: Any, *args: Any, **kwargs: Any) -> Policy:
+        return decision if op is aten.silu.default else Policy.MUST_RECOMPUTE
+
+    jg = ft.joint(ft.remat(lambda x: torch.sin(F.silu(x)).sum(), policy=policy))(_r(4))
+    tags = {n.target: n.meta.get(REMAT) for n in jg.forward_nodes() if REMAT in n.meta}
+    assert tags[aten.sigmoid.default] is inner and tags[aten.mul.Tensor] is decision
+
+
+def test_what_a_policy_computes_is_not_part_of_the_region() -> None:
+    asked: list[Any] = []
+
+    def policy(op: Any, *args: Any, **kwargs: Any) -> bool:
+        asked.append(op)
+        return bool((args[0] * 2).numel() > 8)  # runs an op: not the user's, not recorded
+
+    f = ft.remat(lambda x: torch.sin(torch.cos(x)).sum(), policy=policy)
+    jg = ft.joint(f)(_r(16))
+    assert asked == [aten.cos.default, aten.sin.default, aten.sum.default]
+    assert {n.meta.get(REMAT) for n in jg.forward_nodes()} == {None, Policy.MUST_SAVE}
+
+
 def test_policies_are_asked_once_per_op_the_user_wrote() -> None:
     asked: list[Any] = []
 
