@@ -21,12 +21,17 @@ from typing import Any, NamedTuple, ParamSpec, Protocol, TypeVar, cast, overload
 import optree
 import torch
 import torch.fx as fx
-from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
+from torch.fx.experimental.proxy_tensor import (
+    disable_proxy_modes_tracing,
+    get_proxy_mode,
+    get_proxy_slot,
+)
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 from . import policies
 from ._module_view import ModuleView
+from ._passes import _IDENTITY_OPS
 from ._pytree import NAMESPACE
 from ._tags import REMAT, Policy, PolicyLike
 from ._trace import is_tracing
@@ -181,24 +186,106 @@ def _eager(f: Callable[_P, _R], decide: Callable[..., Policy], args: Any, kwargs
     return out
 
 
+class _Ask(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's class is untyped
+    """Traced region: ask the policy about each op as the user wrote it and remember its
+    decision for the graph nodes the call records.
+
+    Pushed above make_fx's proxy mode, it sees ops before the decomposition table splits them
+    (``silu`` rather than ``sigmoid`` and ``mul``): the same ops eager's :class:`_Record` sees.
+    An op that records no node (``prim.device``, constants) is not asked about.
+    """
+
+    def __init__(self, decide: Callable[..., Policy], graph: fx.Graph, mode: Any) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]  # torch's class is untyped
+        self.decide, self.graph, self.mode = decide, graph, mode
+        self.tags: dict[fx.Node, Policy] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        last = self.graph._root.prev
+        out = func(*args, **kwargs)
+        made = _nodes_after(last, self.graph)
+        if any(n.op == "call_function" for n in made):
+            tree: Any = out  # any pytree
+            held = {_node_of(t, self.mode) for t in optree.tree_leaves(tree, namespace=NAMESPACE)}
+            with disable_proxy_modes_tracing():  # whatever the policy runs is not the region's
+                decision = self.decide(func, *args, **kwargs)
+            self.tags.update(_tags_of_call(made, held, decision))
+        return out
+
+
+def _nodes_after(last: fx.Node, graph: fx.Graph) -> list[fx.Node]:
+    """The nodes recorded after ``last`` (make_fx appends), in graph order."""
+    out, node = [], last.next
+    while node is not graph._root:
+        out.append(node)
+        node = node.next
+    return out
+
+
+def _tags_of_call(
+    made: Sequence[fx.Node], held: set[fx.Node | None], decision: Policy
+) -> dict[fx.Node, Policy]:
+    """Tags for the nodes one op call recorded: ``decision`` for the nodes holding the op's
+    outputs, a recompute tag for the nodes inside its decomposition.
+
+    Holders are the nodes of the output tensors, a multi-output node all of whose recorded
+    parts (``getitem``) are outputs (an op the table did not split), and the values these are
+    views of: an output that views an inner value lives in its storage (batch norm's mean is
+    ``squeeze(mean)`` of its ``var_mean``). Eager never keeps the values inside a decomposition
+    (they do not exist there: ``silu_backward`` recomputes ``sigmoid``), so they are
+    ``MUST_RECOMPUTE``, unless the policy only prefers recomputing the op.
+    """
+    ours = set(made)
+    holders: set[fx.Node] = set()
+
+    def hold(node: fx.Node | None) -> None:
+        while node is not None and node in ours and node not in holders:
+            holders.add(node)
+            node = _viewed(node)
+
+    for node in held:
+        hold(node)
+    for node in made:
+        parts = [u for u in node.users if u in ours]
+        if parts and all(u.target is operator.getitem and u in holders for u in parts):
+            hold(node)
+    inner = (
+        Policy.PREFER_RECOMPUTE if decision is Policy.PREFER_RECOMPUTE else Policy.MUST_RECOMPUTE
+    )
+    return {n: decision if n in holders else inner for n in made if n.op == "call_function"}
+
+
+def _viewed(node: fx.Node) -> fx.Node | None:
+    """The value ``node`` is a view of (or ``alias``/``detach``, which canonicalization drops)."""
+    target, base = node.target, node.args[0] if node.args else None
+    viewing = target in _IDENTITY_OPS or (
+        isinstance(target, torch._ops.OpOverload) and target.is_view
+    )
+    return base if viewing and isinstance(base, fx.Node) else None
+
+
 def _traced(f: Callable[_P, _R], decide: Callable[..., Policy], args: Any, kwargs: Any) -> _R:
+    """Run ``f`` inline in the trace and tag the nodes it records: the policy is asked about
+    each op as the user wrote it (:class:`_Ask`), before decompositions split it; the nodes
+    holding the op's outputs get its decision, those inside its decomposition are recomputed."""
     mode = get_proxy_mode()
     if mode is None:  # evaluating shapes only: nothing to tag
         return f(*args, **kwargs)
     graph: fx.Graph = mode.tracer.graph
     last = graph._root.prev  # the node before the region (the root sentinel if none)
-    out = f(*args, **kwargs)
+    with _Ask(decide, graph, mode) as asked:
+        out = f(*args, **kwargs)
     # the region's outputs belong to the code around it (as in JAX and torch's checkpoint):
-    # whether they are saved is decided outside, so they stay untagged
+    # whether they are saved is decided outside, so they stay untagged. Inner regions tagged
+    # their nodes when they ended: those keep their tags.
     tree: Any = out  # any pytree
     outputs = {_node_of(t, mode) for t in optree.tree_leaves(tree, namespace=NAMESPACE)}
-    node = last.next
-    while node is not graph._root:
+    for node in _nodes_after(last, graph):
         if REMAT not in node.meta and node not in outputs:
-            tag = _decision(node, decide)
+            tag = asked.tags[node] if node in asked.tags else _decision(node, decide)
             if tag is not None:
                 node.meta[REMAT] = tag
-        node = node.next
     return out
 
 
@@ -211,7 +298,8 @@ def _node_of(t: Any, mode: Any) -> fx.Node | None:
 
 
 def _decision(node: fx.Node, decide: Callable[..., Policy]) -> Policy | None:
-    """The policy's answer for an op node; a getitem takes its multi-output op's answer."""
+    """The policy's answer for a node no op call recorded (none seen so far: a fallback); a
+    getitem takes its multi-output op's answer."""
     target = node.target
     if node.op != "call_function":
         return None

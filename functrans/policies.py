@@ -75,10 +75,41 @@ def dots_saveable(op: Any, *args: Any, **kwargs: Any) -> bool:
 
 _NO_BATCH_DOTS = frozenset({aten.mm, aten.addmm, aten.convolution})
 
+#: Batched matmuls -> (position, name) of an operand whose leading dimension is the batch.
+#: ``baddbmm``'s ``self`` only broadcasts: its ``batch1`` says how many products there are.
+_BATCH_OPERAND: dict[Any, tuple[int, str]] = {aten.bmm: (0, "self"), aten.baddbmm: (1, "batch1")}
+
+
+def _operand(args: tuple[Any, ...], kwargs: dict[str, Any], where: tuple[int, str]) -> Any:
+    index, name = where
+    return args[index] if len(args) > index else kwargs.get(name)
+
+
+def _batch_of_one(t: Any) -> bool:
+    """A batched-matmul operand whose batch dimensions are all of size one: one product."""
+    return isinstance(t, torch.Tensor) and all(d == 1 for d in t.shape[:-2])
+
 
 def dots_with_no_batch_dims_saveable(op: Any, *args: Any, **kwargs: Any) -> bool:
-    """Save matmuls without batch dimensions (mm, addmm) and convolutions; not bmm/attention."""
-    return _packet(op) in _NO_BATCH_DOTS
+    """Save matmuls without batch dimensions and convolutions; not batched matmuls/attention.
+
+    Batch dimensions are judged by what the op computes, not by which op carries it: ``einsum``
+    (and ``matmul`` on leading dimensions of size one) lowers a plain 2-D product to ``bmm``
+    with a batch of one, which is saved like ``x @ w`` (``mm``).
+
+    >>> import torch
+    >>> aten = torch.ops.aten
+    >>> a, b = torch.ones(1, 2, 3), torch.ones(1, 3, 4)
+    >>> dots_with_no_batch_dims_saveable(aten.bmm.default, a, b)  # einsum('ij,jk->ik')
+    True
+    >>> dots_with_no_batch_dims_saveable(aten.bmm.default, a.expand(5, 2, 3), b.expand(5, 3, 4))
+    False
+    """
+    packet = _packet(op)
+    if packet in _NO_BATCH_DOTS:
+        return True
+    where = _BATCH_OPERAND.get(packet)
+    return where is not None and _batch_of_one(_operand(args, kwargs, where))
 
 
 def save_only_these_names(*names: str) -> PolicyFn:
