@@ -11,6 +11,13 @@ What parity means per strategy: eager selective checkpointing treats ``PREFER_*`
 under the policy with ``PREFER_SAVE`` turned into a recompute. ``min_cut`` and
 ``memory_budget`` (budget 1.0) weigh ``PREFER_*`` against their cost model, so they are
 compared with eager under ``MUST_*``-only policies, where every value's fate is fixed.
+
+Differences by design, kept out of the comparison: a traced graph saves only what backward
+reads (eager's cache keeps every MUST_SAVE output: the measure counts what backward reads);
+views cost nothing to save or recompute; tracing merges identical computations (random
+programs that have them are skipped); a region's own outputs are untagged in traced mode, so
+random programs return copies; eager replays RNG where a traced graph saves the random mask
+(dropout is tested for gradients only).
 """
 
 from __future__ import annotations
@@ -46,18 +53,6 @@ STRATEGIES: dict[str, dict[str, Any]] = {
     "min_cut": {},
     "memory_budget": {"budget": 1.0},
 }
-
-
-def _hard(policy: Callable[..., Any]) -> Callable[..., Policy]:
-    """``policy`` with ``PREFER_*`` made ``MUST_*`` (what eager does with it anyway)."""
-    norm = policies.normalize(policy)
-    hard = {Policy.PREFER_SAVE: Policy.MUST_SAVE, Policy.PREFER_RECOMPUTE: Policy.MUST_RECOMPUTE}
-
-    def hardened(op: Any, *args: Any, **kwargs: Any) -> Policy:
-        d = norm(op, *args, **kwargs)
-        return hard.get(d, d)
-
-    return hardened
 
 
 def _no_prefer_save(policy: Callable[..., Any]) -> Callable[..., Policy]:
