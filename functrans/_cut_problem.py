@@ -15,7 +15,9 @@ remat policy said about it (its tag). This module holds those rules, once:
    every MUST_SAVE output, a traced graph knows what backward reads); ``MUST_RECOMPUTE``
    forbids saving it. When a class forbids recomputing, the class wins over
    a ``MUST_RECOMPUTE`` tag and the value is saved (``nothing_saveable`` on a block with
-   dropout saves the mask): :attr:`ForwardValue.tag_overridden` records it.
+   dropout saves the mask): :attr:`ForwardValue.tag_overridden` records it. A save decision
+   on a view follows its base's tag (saving a view keeps its whole base, and eager remat
+   re-runs views rather than caching them).
 3. **Only tensors are saved**: a multi-output op is saved as its ``getitem`` parts.
 4. **Recomputing is running twice**: a value the forward pass does not compute (it only feeds
    backward) is computed by backward once, which is no recomputation; ``MUST_SAVE`` binds only
@@ -290,6 +292,21 @@ def _ancestors(roots: Iterable[object], stop: set[fx.Node]) -> set[fx.Node]:
     return seen
 
 
+_SAVE_TAGS = (Policy.MUST_SAVE, Policy.PREFER_SAVE)
+
+
+def _is_view(node: fx.Node) -> bool:
+    return isinstance(node.target, torch._ops.OpOverload) and node.target.is_view
+
+
+def _base_tag(node: fx.Node) -> Policy | None:
+    """The tag of the value a chain of views starts from (eager remat never caches a view: it
+    re-runs the view from its base, which its base's decision saves or recomputes)."""
+    while _is_view(node) and node.args and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return policy_of(node)
+
+
 def _value(
     node: fx.Node,
     i: int,
@@ -300,6 +317,8 @@ def _value(
     known: bool,
 ) -> ForwardValue:
     cls, tag = op_class(node), policy_of(node)
+    if tag in _SAVE_TAGS and _is_view(node):
+        tag = _base_tag(node)  # saving a view keeps its base: the view follows its base
     rule = OP_RULES[cls]
     in_forward = node in core
     recompute = rule.recompute and not (tag is Policy.MUST_SAVE and in_forward)

@@ -33,7 +33,7 @@ from . import policies
 from ._module_view import ModuleView
 from ._passes import _IDENTITY_OPS
 from ._pytree import NAMESPACE
-from ._tags import REMAT, Policy, PolicyLike
+from ._tags import REMAT, REMAT_OP, Policy, PolicyLike, RematOp
 from ._trace import is_tracing
 
 __all__ = ["RematDecorator", "RematModule", "remat"]
@@ -199,6 +199,7 @@ class _Ask(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's class
         super().__init__()  # type: ignore[no-untyped-call]  # torch's class is untyped
         self.decide, self.graph, self.mode = decide, graph, mode
         self.tags: dict[fx.Node, Policy] = {}
+        self.ops: dict[fx.Node, RematOp] = {}  # node -> the op call that recorded it
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -210,7 +211,9 @@ class _Ask(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's class
             held = {_node_of(t, self.mode) for t in optree.tree_leaves(tree, namespace=NAMESPACE)}
             with disable_proxy_modes_tracing():  # whatever the policy runs is not the region's
                 decision = self.decide(func, *args, **kwargs)
-            self.tags.update(_tags_of_call(made, held, decision))
+            tags, holders = _tags_of_call(made, held, decision)
+            self.tags.update(tags)
+            self.ops.update((n, RematOp(func, n in holders)) for n in tags)
         return out
 
 
@@ -225,7 +228,7 @@ def _nodes_after(last: fx.Node, graph: fx.Graph) -> list[fx.Node]:
 
 def _tags_of_call(
     made: Sequence[fx.Node], held: set[fx.Node | None], decision: Policy
-) -> dict[fx.Node, Policy]:
+) -> tuple[dict[fx.Node, Policy], set[fx.Node]]:
     """Tags for the nodes one op call recorded: ``decision`` for the nodes holding the op's
     outputs, a recompute tag for the nodes inside its decomposition.
 
@@ -234,7 +237,8 @@ def _tags_of_call(
     views of: an output that views an inner value lives in its storage (batch norm's mean is
     ``squeeze(mean)`` of its ``var_mean``). Eager never keeps the values inside a decomposition
     (they do not exist there: ``silu_backward`` recomputes ``sigmoid``), so they are
-    ``MUST_RECOMPUTE``, unless the policy only prefers recomputing the op.
+    ``MUST_RECOMPUTE``, unless the policy only prefers recomputing the op. Returns the tags and
+    the holders.
     """
     ours = set(made)
     holders: set[fx.Node] = set()
@@ -253,7 +257,8 @@ def _tags_of_call(
     inner = (
         Policy.PREFER_RECOMPUTE if decision is Policy.PREFER_RECOMPUTE else Policy.MUST_RECOMPUTE
     )
-    return {n: decision if n in holders else inner for n in made if n.op == "call_function"}
+    tags = {n: decision if n in holders else inner for n in made if n.op == "call_function"}
+    return tags, holders
 
 
 def _viewed(node: fx.Node) -> fx.Node | None:
@@ -284,6 +289,8 @@ def _traced(f: Callable[_P, _R], decide: Callable[..., Policy], args: Any, kwarg
     for node in _nodes_after(last, graph):
         if REMAT not in node.meta and node not in outputs:
             tag = asked.tags[node] if node in asked.tags else _decision(node, decide)
+            if node in asked.ops:
+                node.meta[REMAT_OP] = asked.ops[node]
             if tag is not None:
                 node.meta[REMAT] = tag
     return out

@@ -9,14 +9,27 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeAlias
 
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy  # torch imports it anyway
 
-__all__ = ["REMAT", "Policy", "PolicyFn", "PolicyLike", "policy_of"]
+__all__ = ["REMAT", "REMAT_OP", "Policy", "PolicyFn", "PolicyLike", "RematOp", "policy_of"]
 
 REMAT = "functrans.remat"
+#: On a node a traced remat region recorded: :class:`RematOp`, the op the user's code called
+#: (before decompositions split it; the one the policy was asked about) that made the node.
+REMAT_OP = "functrans.remat_op"
+
+
+@dataclass(frozen=True)
+class RematOp:
+    """The user-level op behind a traced node: ``holds_output`` is False for a value inside the
+    op's decomposition (``sigmoid`` inside ``silu``), True for the op's own output."""
+
+    op: Any
+    holds_output: bool
 
 
 class Policy(enum.Enum):

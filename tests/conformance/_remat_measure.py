@@ -35,6 +35,7 @@ from torch.utils._pytree import tree_leaves
 
 import functrans as ft
 from functrans._cost import storage_of
+from functrans._tags import REMAT_OP
 
 # ops that move no data and allocate nothing new: checkpoint's own bookkeeping dispatches them
 _BOOKKEEPING = frozenset({"aten.detach", "aten.alias", "aten.lift_fresh", "aten._to_copy"})
@@ -199,8 +200,20 @@ def eager(
 
 
 def _root_key(node: fx.Node) -> str:
+    """The op that made the storage ``node`` lives in, as the user called it (a value a
+    decomposition produced names the op the user wrote: silu, not its mul)."""
     root, _ = storage_of(node)
-    return op_key(root.target)
+    made = root.meta.get(REMAT_OP)
+    return op_key(made.op if made is not None else root.target)
+
+
+def _recompute_key(node: fx.Node) -> str | None:
+    """The user-level op a recomputed node counts as (None: a value inside a decomposition,
+    counted with the op's output)."""
+    made = node.meta.get(REMAT_OP)
+    if made is None:
+        return op_key(node.target)
+    return op_key(made.op) if made.holds_output else None
 
 
 def forward_ops(jg: ft.JointGraph) -> collections.Counter[str]:
@@ -227,11 +240,12 @@ def traced(
     for s in p.saved:
         if not s.is_input and s.storage_bytes > 0:
             seen.setdefault(s.storage, (_root_key(s.node), s.storage_bytes))
-    recomputed = collections.Counter(
-        op_key(n.target)
+    keys = (
+        _recompute_key(n)
         for n in p.recomputed
         if n.target is not operator.getitem and _counted(n.target)
     )
+    recomputed = collections.Counter(k for k in keys if k is not None)
     _, saved = p.forward(*args)
     grads = p.backward(saved, tangents)
     return Measured(tuple(sorted(seen.values())), recomputed, tuple(tree_leaves(grads)))
