@@ -5,15 +5,16 @@ import torch.fx as fx
 from hypothesis import given, settings
 
 from functrans import partitioners
-from functrans.extend import JointGraph, OpClass, op_class
+from functrans.extend import JointGraph, OpClass, cut_problem
 from functrans.testing import check_partition, programs
 
 
 def save_matmuls_only(joint: JointGraph) -> list[fx.Node]:
-    """Save what matmuls produce (and random-op outputs, which must never be recomputed);
-    backward recomputes everything else from those and the inputs."""
-    keep = (OpClass.COMPUTE, OpClass.RANDOM)
-    return [n for n in joint.forward_nodes() if op_class(n) in keep]
+    """Save what matmuls produce; backward recomputes everything else from those and the
+    inputs. The shared rules add what may not be recomputed (random-op outputs, values a remat
+    policy must save) and drop what may not be saved: ``legalize``."""
+    problem = cut_problem(joint)
+    return problem.legalize([v.node for v in problem if v.op_class is OpClass.COMPUTE])
 
 
 partitioners.register("save_matmuls_only", save_matmuls_only, replace=True)
