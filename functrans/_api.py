@@ -11,9 +11,11 @@ from typing import Any, ParamSpec, TypeVar
 import torch
 
 from ._errors import FunctransError, InvalidArgumentError
+from ._inline import inline_value_and_grad, inline_vjp
 from ._joint import joint, normalize_argnums
 from ._partition import Strategy, partition
 from ._pytree import flatten
+from ._trace import is_tracing
 from ._validate import describe
 
 __all__ = ["grad", "value_and_grad", "vjp"]
@@ -39,6 +41,8 @@ def vjp(
     """
     if torch._C._are_functorch_transforms_active():
         return _torch_func_vjp(f, primals)
+    if is_tracing():  # inside another functrans trace: the outer trace records the backward
+        return inline_vjp(f, primals)  # type: ignore[return-value]  # f's result, as is
     jg = joint(f)(*primals)
     p = _partition(jg, partition, options)
     outs: _R
@@ -101,6 +105,8 @@ def value_and_grad(
         check_differentiable(f, args, argnums)
         if torch._C._are_functorch_transforms_active():
             return _torch_func_value_and_grad(f, argnums, has_aux, args, kwargs)
+        if is_tracing():  # inside another functrans trace: the outer trace records the backward
+            return inline_value_and_grad(f, argnums, has_aux, args, kwargs)
         jg = joint(f, argnums=argnums, has_aux=has_aux)(*args, **kwargs)
         p = _partition(jg, partition, options)
         value, saved = p.forward(*args, **kwargs)

@@ -1,0 +1,78 @@
+"""functrans' reverse mode nested inside its own transforms (issue 17, first step): an inner
+``grad``/``vjp`` under an outer trace differentiates in place and the outer trace records it.
+Before, each of these raised torch's raw "fake mode ... doesn't match mode" assertion."""
+
+import pytest
+import torch
+
+import functrans as ft
+from functrans.testing import check_partition
+
+
+def f(x):
+    return (x.sin() ** 2 * x).sum()
+
+
+def tf_grad(x):
+    return torch.func.grad(f)(x)
+
+
+X = torch.randn(5, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("strategy", ["default", "min_cut", "full_remat"])
+def test_grad_of_grad_is_torch_funcs(strategy):
+    got = ft.grad(lambda y: ft.grad(f)(y).sum(), partition=strategy)(X)
+    torch.testing.assert_close(got, torch.func.grad(lambda y: tf_grad(y).sum())(X))
+
+
+def test_grad_three_deep():
+    got = ft.grad(lambda y: ft.grad(lambda z: ft.grad(f)(z).sum())(y).sum())(X)
+    want = torch.func.grad(lambda y: torch.func.grad(lambda z: tf_grad(z).sum())(y).sum())(X)
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("strategy", ["default", "min_cut"])
+def test_jit_of_grad_and_value_and_grad(strategy):
+    torch.testing.assert_close(ft.jit(ft.grad(f), partition=strategy)(X), tf_grad(X))
+    value, grads = ft.jit(ft.value_and_grad(f), partition=strategy)(X)
+    torch.testing.assert_close(value, f(X))
+    torch.testing.assert_close(grads, tf_grad(X))
+
+
+def test_backward_through_jit_of_grad_is_double_backward():
+    x = X.clone().requires_grad_()
+    ft.jit(ft.grad(f))(x).sum().backward()
+    torch.testing.assert_close(x.grad, torch.func.grad(lambda y: tf_grad(y).sum())(X))
+
+
+def test_joint_of_grad_partitions_with_every_strategy():
+    jg = ft.joint(ft.grad(f))(X)
+    default = ft.partition(jg, "default")
+    assert ft.partition(jg, "min_cut").activation_bytes <= default.activation_bytes
+    for strategy in ("default", "min_cut", "full_remat"):
+        check_partition(ft.grad(f), (X,), strategy)
+
+
+def test_vjp_inside_jit():
+    def g(x):
+        out, vjp_fn = ft.vjp(torch.sin, x)
+        (gx,) = vjp_fn(torch.ones_like(out))
+        return out * gx
+
+    torch.testing.assert_close(ft.jit(g)(X), X.sin() * X.cos())
+
+
+def test_grad_with_respect_to_a_pytree_inside_grad():
+    def loss(p, x):
+        return (p["w"] * x).sin().sum() + p["b"].sum()
+
+    def outer(p):
+        return sum(g.pow(2).sum() for g in ft.grad(loss)(p, X).values())
+
+    p = {"w": X.clone(), "b": X[:2].clone()}
+    want = torch.func.grad(
+        lambda p: sum(g.pow(2).sum() for g in torch.func.grad(loss)(p, X).values())
+    )(p)
+    got = ft.grad(outer)(p)
+    torch.testing.assert_close(got, want)
