@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ._jit import jit
+from ._jit_api import jit
 from ._partition import Strategy
 
 __all__ = ["dynamo_backend"]

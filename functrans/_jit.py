@@ -26,13 +26,13 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Generic, ParamSpec, Protocol, TypeVar, cast, overload
+from typing import Any, Generic, ParamSpec, TypeVar
 
 import torch
 
 from ._capture import Path, Reader, captured_constants, reach, swapped
 from ._decomp import Decompositions
-from ._errors import FunctransError, TraceError
+from ._errors import TraceError
 from ._jit_cache import Cache, Signature, Slot, leaves_order
 from ._joint import joint
 from ._logs import log
@@ -41,14 +41,10 @@ from ._pytree import Flat, exact_key, flatten_leaves, leaves_of, unflatten, wrap
 from ._state import ModuleFlags, State, autocast_off, capture, grad_enabled, no_autocast
 from ._trace import _TRACING, arg_names, is_tracing, trace
 
-if TYPE_CHECKING:
-    from ._jit_module import JitModule
-
-__all__ = ["CacheInfo", "JitDecorator", "Jitted", "jit"]
+__all__ = ["CACHE_SIZE", "CacheInfo", "Jitted"]
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
-_M = TypeVar("_M", bound=torch.nn.Module)
 
 #: Default number of compiled entries a jitted function keeps (least recently used out).
 CACHE_SIZE = 32
@@ -545,116 +541,3 @@ def _copies(inputs: list[Any], outputs: list[Any]) -> dict[int, int]:
 def _tangent_mask(jg: Any) -> list[bool]:
     """Which forward outputs took a tangent in the joint graph (float outputs, in order)."""
     return [bool(v.meta["val"].is_floating_point()) for v in jg.forward_outputs()]
-
-
-class JitDecorator(Protocol):
-    """What ``jit(partition=..., ...)`` (options, no function) returns: a decorator that
-    compiles a module or a function with those options, as :func:`jit` does."""
-
-    @overload
-    def __call__(  # type: ignore[overload-overlap]  # a Module is callable: first one wins
-        self, f: _M, /
-    ) -> JitModule: ...
-    @overload
-    def __call__(self, f: Callable[_P, _R], /) -> Jitted[_P, _R]: ...
-
-
-@overload
-def jit(
-    f: _M,
-    *,
-    partition: str | Strategy = ...,
-    backend: str = ...,
-    static_argnums: Sequence[int] = ...,
-    decompositions: Decompositions = ...,
-    cache_size: int = ...,
-    **partition_options: Any,
-) -> JitModule: ...
-@overload
-def jit(
-    f: Callable[_P, _R],
-    *,
-    partition: str | Strategy = ...,
-    backend: str = ...,
-    static_argnums: Sequence[int] = ...,
-    decompositions: Decompositions = ...,
-    cache_size: int = ...,
-    **partition_options: Any,
-) -> Jitted[_P, _R]: ...
-@overload
-def jit(
-    f: None = None,
-    *,
-    partition: str | Strategy = ...,
-    backend: str = ...,
-    static_argnums: Sequence[int] = ...,
-    decompositions: Decompositions = ...,
-    cache_size: int = ...,
-    **partition_options: Any,
-) -> JitDecorator: ...
-def jit(
-    f: Callable[..., Any] | None = None,
-    *,
-    partition: str | Strategy = "min_cut",
-    backend: str = "aten",
-    static_argnums: Sequence[int] = (),
-    decompositions: Decompositions = "auto",
-    cache_size: int = CACHE_SIZE,
-    **partition_options: Any,
-) -> JitModule | Jitted[..., Any] | JitDecorator:
-    """Compile ``f``: trace on first call per input signature, partition with ``partition``,
-    compile forward and backward with ``backend``; results are ordinary autograd tensors.
-
-    A compiled entry is reused only where eager would compute the same thing (see the module
-    docs): new shapes, dtypes, static values, grad mode, autocast, default dtype or a module's
-    ``training`` flag compile a new entry (``FUNCTRANS_LOGS=recompiles`` says why); tensors
-    ``f`` captures (closures, globals, module parameters) are graph inputs re-read on every
-    call. Python numbers are static: a float that changes every call recompiles every call
-    (it warns on the second change; pass a tensor instead). At most ``cache_size`` entries are
-    kept, least recently used out.
-
-    ``decompositions="auto"`` uses the table the backend asks for (its ``decompositions``
-    attribute, ``"core"`` when it has none): ``"aten"`` runs ATen's own fused kernels and keeps
-    composite ops such as ``gelu_backward`` whole (``"minimal"``); a code generator that fuses
-    wants small ``"core"`` ops. Any value :func:`functrans.trace` takes overrides it.
-
-    ``jit(f)`` has ``f``'s parameters and result type (a :class:`Jitted`); ``jit(module)`` is
-    a :class:`~functrans._jit_module.JitModule`; ``jit(partition=..., ...)`` without ``f`` is
-    a decorator with those options (``@ft.jit(partition="default")``).
-
-    >>> import torch, functrans as ft
-    >>> @ft.jit
-    ... def f(x, w):
-    ...     return torch.tanh(x @ w).sum()
-    >>> w = torch.ones(3, 3, requires_grad=True)
-    >>> f(torch.ones(2, 3), w).backward()
-    >>> w.grad.shape, f.cache_info().misses
-    (torch.Size([3, 3]), 1)
-    """
-    if f is None:
-        # mypy sees partial(jit) through jit's first overload only
-        decorate = functools.partial(
-            jit,
-            partition=partition,
-            backend=backend,
-            static_argnums=static_argnums,
-            decompositions=decompositions,
-            cache_size=cache_size,
-            **partition_options,
-        )
-        return cast(JitDecorator, decorate)
-    if not isinstance(cache_size, int) or isinstance(cache_size, bool) or cache_size < 1:
-        raise FunctransError(f"jit: cache_size must be a positive int, got {cache_size!r}")
-    opts = _Options(
-        partition=partition,
-        backend=backend,
-        static_argnums=tuple(static_argnums),
-        decompositions=decompositions,
-        partition_options=partition_options,
-        cache_size=cache_size,
-    )
-    if isinstance(f, torch.nn.Module):
-        from ._jit_module import JitModule
-
-        return JitModule(f, opts)
-    return Jitted(f, opts)
