@@ -129,7 +129,7 @@ def torch_sac(block: Block, policy: Any) -> Block:
     return lambda p, x: checkpoint(block, p, x, use_reentrant=False, context_fn=context_fn)
 
 
-class _StorageRecorder(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
+class StorageRecorder(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
     """Weak references to the storage of every tensor an op returns while active."""
 
     def __init__(self) -> None:
@@ -159,7 +159,7 @@ def measure_bytes(fn: Stack, params: list[Params], x: torch.Tensor) -> dict[str,
             packed[_ptr(t)] = max(packed.get(_ptr(t), 0), t.numel() * t.element_size())
         return t
 
-    recorder = _StorageRecorder()
+    recorder = StorageRecorder()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), recorder:
         loss = fn(params, x)
     gc.collect()

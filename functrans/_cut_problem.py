@@ -60,7 +60,7 @@ import torch.fx as fx
 
 from ._cost import OpClass, Storage, activation_bytes, flops, op_class, storage_of
 from ._errors import InvalidPartitionError
-from ._graph import PHASE, JointGraph, Phase, Role
+from ._graph import PHASE, JointGraph, Phase, Role, ancestors
 from ._graph import ROLE as _ROLE
 from ._tags import Policy, policy_of
 
@@ -115,9 +115,6 @@ class ForwardValue:
     """The facts about one forward value that every strategy decides from.
 
     ``in_forward``: the plain forward pass computes it (the forward outputs need it).
-    ``known``: it depends on no differentiated input (a constant for differentiation; JAX
-    computes such values once and saves them, we treat them like any other value: recomputing
-    a causal mask or a RoPE table trades FLOPs for bytes as eager selective checkpointing does).
     ``read_by_backward``: a backward op reads it, or it is a gradient output itself.
     ``must_save``: tagged MUST_SAVE, computed by the forward and needed (even indirectly) by
     backward; a fact for strategies' preferences (``min_cut`` hands such a value over itself
@@ -140,7 +137,6 @@ class ForwardValue:
     op_class: OpClass
     tag: Policy | None
     in_forward: bool
-    known: bool
     read_by_backward: bool
     must_save: bool
     can_save: bool
@@ -256,7 +252,7 @@ class CutProblem:
                 chosen.add(n)
         fixed = {v.node for v in self.values if not v.can_recompute}
         stop = chosen | fixed | set(self.joint.tangents())
-        for n in _ancestors(self.joint.grad_outputs(), stop):
+        for n in ancestors(self.joint.grad_outputs(), stop):
             if n in fixed and n.op != "placeholder":
                 chosen.add(n)
         return [n for n in self.joint.fx_graph.nodes if n in chosen]
@@ -277,19 +273,6 @@ class CutProblem:
                     f"{v.why_not_recompute}; save it (or a value computed from it) instead"
                 )
         return out
-
-
-def _ancestors(roots: Iterable[object], stop: set[fx.Node]) -> set[fx.Node]:
-    seen: set[fx.Node] = set()
-    todo = [r for r in roots if isinstance(r, fx.Node)]
-    while todo:
-        n = todo.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n not in stop:
-            todo.extend(n.all_input_nodes)
-    return seen
 
 
 _SAVE_TAGS = (Policy.MUST_SAVE, Policy.PREFER_SAVE)
@@ -314,7 +297,6 @@ def _value(
     core: set[fx.Node],
     read: bool,
     feeds: bool,
-    known: bool,
 ) -> ForwardValue:
     cls, tag = op_class(node), policy_of(node)
     if tag in _SAVE_TAGS and _is_view(node):
@@ -335,7 +317,6 @@ def _value(
         op_class=cls,
         tag=tag,
         in_forward=in_forward,
-        known=known,
         read_by_backward=read,
         must_save=tag is Policy.MUST_SAVE and in_forward and feeds and save,
         can_save=save,
@@ -356,26 +337,14 @@ def _feeds_backward(nodes: list[fx.Node]) -> set[fx.Node]:
     return out
 
 
-def _differentiable(nodes: list[fx.Node], wrt: set[fx.Node]) -> set[fx.Node]:
-    """The forward nodes that depend on a differentiated primal (``nodes`` in graph order)."""
-    out: set[fx.Node] = set()
-    for n in nodes:
-        if n in wrt or any(a in out for a in n.all_input_nodes):
-            out.add(n)
-    return out
-
-
 def _build(joint: JointGraph) -> CutProblem:
     nodes = [n for n in joint.forward_nodes() if n.op != "output"]
     index = {n: i for i, n in enumerate(nodes)}
-    core = _ancestors(joint.forward_outputs(), set())
+    core = ancestors(joint.forward_outputs(), set())
     read = {n for n in joint.grad_outputs() if isinstance(n, fx.Node)}
     read |= {n for n in nodes if any(u.meta.get(PHASE) is Phase.BACKWARD for u in n.users)}
     feeds = _feeds_backward(nodes)
-    live = _differentiable(nodes, set(joint.differentiated()))
-    values = tuple(
-        _value(n, i, index, core, n in read, n in feeds, n not in live) for i, n in enumerate(nodes)
-    )
+    values = tuple(_value(n, i, index, core, n in read, n in feeds) for i, n in enumerate(nodes))
     problem = CutProblem(joint, values, MappingProxyType(index))
     for v in values:
         if v.read_by_backward and not v.can_save and not v.can_recompute:

@@ -196,7 +196,6 @@ class JointGraph(Graph):
         grads_flat: Flat,
         num_outputs: int,
         argnums: tuple[int, ...],
-        wrt: tuple[int, ...] | None = None,
         differentiable: tuple[bool, ...] | None = None,
     ) -> None:
         super().__init__(graph_module, in_flat, out_flat)
@@ -205,7 +204,6 @@ class JointGraph(Graph):
         self.grads_flat = grads_flat  # structure of the grads result
         self.num_outputs = num_outputs  # flat forward outputs; the rest of the outputs are grads
         self.argnums = argnums
-        self.wrt = wrt  # indices (into primals) of the differentiated leaves; None: all
         if differentiable is None:  # every floating-point output
             vals = [getattr(n, "meta", {}).get("val") for n in self.forward_outputs()]
             differentiable = tuple(
@@ -215,17 +213,6 @@ class JointGraph(Graph):
 
     def primals(self) -> list[fx.Node]:
         return [n for n in self.placeholders() if n.meta[ROLE] is Role.PRIMAL]
-
-    def differentiated(self) -> list[fx.Node]:
-        """The primals whose gradients the graph computes (``argnums``' float leaves).
-
-        >>> import torch, functrans as ft
-        >>> jg = ft.joint(lambda x, c: (x * c).sum(), argnums=0)(torch.ones(2), torch.ones(2))
-        >>> [p.name for p in jg.differentiated()]
-        ['primals_1']
-        """
-        primals = self.primals()
-        return primals if self.wrt is None else [primals[i] for i in self.wrt]
 
     def tangents(self) -> list[fx.Node]:
         return [n for n in self.placeholders() if n.meta[ROLE] is Role.TANGENT]
@@ -318,3 +305,27 @@ def _verify_phases(nodes: Iterable[fx.Node]) -> None:
         got = node.meta.get(PHASE)
         if got is not (Phase.BACKWARD if expect else Phase.FORWARD):
             raise GraphError(f"node {node.name} has phase {got}, but data flow says otherwise")
+
+
+def ancestors(roots: Iterable[Any], stop: set[fx.Node]) -> set[fx.Node]:
+    """All nodes reachable backwards from ``roots`` through inputs, not crossing ``stop`` (the
+    ``stop`` nodes reached are included, their inputs are not).
+
+    >>> import torch, functrans as ft
+    >>> g = ft.trace(lambda x: x.sin().exp() + x.cos())(torch.ones(3))
+    >>> nodes = {n.name: n for n in g.fx_graph.nodes}
+    >>> sorted(n.name for n in ancestors([nodes["add"]], stop={nodes["sin"]}))
+    ['add', 'cos', 'exp', 'sin', 'x']
+    >>> sorted(n.name for n in ancestors([nodes["exp"]], stop={nodes["sin"]}))
+    ['exp', 'sin']
+    """
+    seen: set[fx.Node] = set()
+    todo = [r for r in roots if isinstance(r, fx.Node)]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n not in stop:
+            todo.extend(n.all_input_nodes)
+    return seen

@@ -143,7 +143,6 @@ def joint(
             grads_flat=flatten(grads_tree)[1],
             num_outputs=len(out_vals),
             argnums=nums,
-            wrt=tuple(wrt),
             differentiable=differentiable,
         )
         log("joint", f"joint graph of {getattr(f, '__qualname__', f)}", lambda: str(jg))

@@ -11,13 +11,12 @@ from __future__ import annotations
 import operator
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
 
 import torch.fx as fx
 
 from ._cut_problem import cut_problem
 from ._errors import InvalidPartitionError
-from ._graph import PHASE, RECOMPUTED, ROLE, Graph, JointGraph, Phase, Role
+from ._graph import PHASE, RECOMPUTED, ROLE, Graph, JointGraph, Phase, Role, ancestors
 from ._pytree import flatten, unflatten
 
 __all__ = ["Split", "ancestors", "resolve_nodes", "split"]
@@ -61,30 +60,6 @@ def _tangent_path(node: fx.Node) -> str:
         node = next(a for a in node.all_input_nodes if a.meta.get(PHASE) is Phase.BACKWARD)
         chain.append(node.name)
     return " <- ".join(chain)
-
-
-def ancestors(roots: Iterable[Any], stop: set[fx.Node]) -> set[fx.Node]:
-    """All nodes reachable backwards from ``roots`` through inputs, not crossing ``stop`` (the
-    ``stop`` nodes reached are included, their inputs are not).
-
-    >>> import torch, functrans as ft
-    >>> g = ft.trace(lambda x: x.sin().exp() + x.cos())(torch.ones(3))
-    >>> nodes = {n.name: n for n in g.fx_graph.nodes}
-    >>> sorted(n.name for n in ancestors([nodes["add"]], stop={nodes["sin"]}))
-    ['add', 'cos', 'exp', 'sin', 'x']
-    >>> sorted(n.name for n in ancestors([nodes["exp"]], stop={nodes["sin"]}))
-    ['exp', 'sin']
-    """
-    seen: set[fx.Node] = set()
-    todo = [r for r in roots if isinstance(r, fx.Node)]
-    while todo:
-        n = todo.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n not in stop:
-            todo.extend(n.all_input_nodes)
-    return seen
 
 
 def split(joint: JointGraph, saved: Iterable[str | fx.Node]) -> Split:

@@ -14,17 +14,15 @@ batch-of-one ``bmm`` that a 2-D ``einsum`` lowers to is a plain matmul, saved li
 from __future__ import annotations
 
 import gc
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 import functrans as ft
+from benchmarks.remat import StorageRecorder
 from functrans import policies
 from functrans.extend import REMAT, Policy
 
@@ -34,21 +32,6 @@ DTYPE = torch.float64
 
 def _ptr(t: torch.Tensor) -> int:
     return int(t.untyped_storage().data_ptr())
-
-
-class _Storages(TorchDispatchMode):  # type: ignore[misc]
-    """Weak references to the storage of every tensor an op returns while active."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.refs: list[weakref.ref[torch.UntypedStorage]] = []
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                self.refs.append(weakref.ref(t.untyped_storage()))
-        return out
 
 
 def eager_kept(
@@ -62,7 +45,7 @@ def eager_kept(
     nor the outputs selective checkpointing caches outside autograd.
     """
     leaves = [a.clone().requires_grad_() for a in args]
-    recorder = _Storages()
+    recorder = StorageRecorder()
     with recorder:
         loss = f(*leaves)
     gc.collect()
