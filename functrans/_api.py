@@ -106,21 +106,29 @@ def value_and_grad(
         if torch._C._are_functorch_transforms_active():
             return _torch_func_value_and_grad(f, argnums, has_aux, args, kwargs)
         if is_tracing():  # inside another functrans trace: the outer trace records the backward
-            return inline_value_and_grad(f, argnums, has_aux, args, kwargs)
+            value, grads = inline_value_and_grad(f, argnums, has_aux, args, kwargs)
+            _scalar_output(f, value, has_aux)
+            return value, grads
         jg = joint(f, argnums=argnums, has_aux=has_aux)(*args, **kwargs)
         p = _partition(jg, partition, options)
         value, saved = p.forward(*args, **kwargs)
-        out = value[0] if has_aux else value
-        if not (isinstance(out, torch.Tensor) and out.numel() == 1 and out.is_floating_point()):
-            raise NonScalarOutputError(
-                f"grad needs {getattr(f, '__qualname__', f)} to return a scalar float tensor"
-                f"{' (as the first element of (output, aux))' if has_aux else ''}; it returned "
-                f"{_describe_output(out)}"
-            )
+        out = _scalar_output(f, value, has_aux)
         grads = p.backward(saved, (torch.ones_like(out),))
         return value, grads
 
     return run
+
+
+def _scalar_output(f: Callable[..., Any], value: Any, has_aux: bool) -> torch.Tensor:
+    """The differentiated output of ``value``, or :class:`NonScalarOutputError`."""
+    out = value[0] if has_aux else value
+    if not (isinstance(out, torch.Tensor) and out.numel() == 1 and out.is_floating_point()):
+        raise NonScalarOutputError(
+            f"grad needs {getattr(f, '__qualname__', f)} to return a scalar float tensor"
+            f"{' (as the first element of (output, aux))' if has_aux else ''}; it returned "
+            f"{_describe_output(out)}"
+        )
+    return out
 
 
 class NonScalarOutputError(FunctransError, ValueError):

@@ -76,3 +76,38 @@ def test_grad_with_respect_to_a_pytree_inside_grad():
     )(p)
     got = ft.grad(outer)(p)
     torch.testing.assert_close(got, want)
+
+
+def test_nested_grad_of_a_non_scalar_output_is_the_same_error():
+    # the in-place path must refuse what the traced path refuses, not sum the output silently
+    with pytest.raises(ft.FunctransError, match="scalar float tensor"):
+        ft.grad(lambda y: ft.grad(torch.sin)(y).sum())(X)
+    with pytest.raises(ft.FunctransError, match="scalar float tensor"):
+        ft.jit(ft.grad(torch.sin))(X)
+
+
+def test_jax_style_training_loop_jit_of_value_and_grad_matches_eager():
+    # what a researcher coming from JAX writes: params as a dict of plain tensors, one jitted
+    # value_and_grad step, SGD by hand, some steps under bf16 autocast, an eval call between
+    g = torch.Generator().manual_seed(0)
+    params = {"w": torch.randn(8, 4, generator=g), "b": torch.zeros(4)}
+    data = [(torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g)) for _ in range(6)]
+
+    def loss(p, x, y):
+        return ((torch.tanh(x @ p["w"] + p["b"]) - y) ** 2).mean()
+
+    step = ft.jit(ft.value_and_grad(loss), partition="min_cut")
+    evaluate = ft.jit(loss)
+    ours = {k: v.clone() for k, v in params.items()}
+    ref = {k: v.clone() for k, v in params.items()}
+    for i, (x, y) in enumerate(data):
+        amp = torch.autocast("cpu", dtype=torch.bfloat16, enabled=i % 2 == 1)
+        with amp:
+            value, grads = step(ours, x, y)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=i % 2 == 1):
+            want_value, want_grads = torch.func.grad_and_value(loss)(ref, x, y)[::-1]
+        torch.testing.assert_close(value, want_value)
+        torch.testing.assert_close(grads, want_grads)
+        ours = {k: v - 0.1 * grads[k] for k, v in ours.items()}
+        ref = {k: v - 0.1 * want_grads[k] for k, v in ref.items()}
+        torch.testing.assert_close(evaluate(ours, x, y), loss(ref, x, y))
