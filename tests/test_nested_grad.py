@@ -111,3 +111,30 @@ def test_jax_style_training_loop_jit_of_value_and_grad_matches_eager():
         ours = {k: v - 0.1 * grads[k] for k, v in ours.items()}
         ref = {k: v - 0.1 * want_grads[k] for k, v in ref.items()}
         torch.testing.assert_close(evaluate(ours, x, y), loss(ref, x, y))
+
+
+def test_jit_of_grad_sees_the_module_mode_and_its_updated_weights():
+    # the module is reached only through ft.grad's wrapper closure: jit's guards and captures
+    # must still see model.train()/eval() and an in-place weight update
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5))
+    x = torch.randn(8, 4)
+
+    def loss(w):
+        return (model(x) * w).sum()
+
+    step = ft.jit(ft.grad(loss))
+    w = torch.randn(4)
+    model.eval()
+    evaluated = step(w)
+    torch.testing.assert_close(evaluated, torch.func.grad(loss)(w))
+    model.train()
+    torch.manual_seed(1)
+    trained = step(w)
+    torch.manual_seed(1)
+    torch.testing.assert_close(trained, torch.func.grad(loss)(w))
+    assert not torch.equal(trained, evaluated)
+    with torch.no_grad():
+        model[0].weight.mul_(2)
+    model.eval()
+    torch.testing.assert_close(step(w), torch.func.grad(loss)(w))
