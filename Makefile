@@ -50,6 +50,7 @@ bench: $(STAMP)
 	$(VPY) -m benchmarks.remat
 	$(VPY) -m benchmarks.runtime
 	$(VPY) -m benchmarks.codegen
+	$(VPY) -m benchmarks.compose
 
 bench-quick: $(STAMP)
 	$(VPY) -m benchmarks.partition_quality --quick
@@ -58,3 +59,4 @@ bench-quick: $(STAMP)
 	$(VPY) -m benchmarks.remat --quick
 	$(VPY) -m benchmarks.runtime --quick
 	$(VPY) -m benchmarks.codegen --quick
+	$(VPY) -m benchmarks.compose --quick --no-compile

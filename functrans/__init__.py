@@ -8,12 +8,23 @@ from . import viz as viz
 from ._api import grad as grad
 from ._api import value_and_grad as value_and_grad
 from ._api import vjp as vjp
+from ._custom import custom_jvp as custom_jvp
+from ._custom import custom_vjp as custom_vjp
 from ._errors import FunctransError as FunctransError
 from ._errors import InvalidArgumentError as InvalidArgumentError
 from ._errors import InvalidPartitionError as InvalidPartitionError
 from ._errors import TraceError as TraceError
 from ._errors import UnknownNameError as UnknownNameError
 from ._errors import UnsupportedOpError as UnsupportedOpError
+from ._func import ShapeDtypeStruct as ShapeDtypeStruct
+from ._func import eval_shape as eval_shape
+from ._func import hessian as hessian
+from ._func import jacfwd as jacfwd
+from ._func import jacrev as jacrev
+from ._func import jvp as jvp
+from ._func import linearize as linearize
+from ._func import stop_gradient as stop_gradient
+from ._func import vmap as vmap
 from ._graph import Graph as Graph
 from ._graph import GraphError as GraphError
 from ._graph import JointGraph as JointGraph
@@ -27,6 +38,7 @@ from ._partition import Partition as Partition
 from ._partition import SavedValue as SavedValue
 from ._partition import partition as partition
 from ._split import split as split
+from ._stack import TransformError as TransformError
 from ._trace import trace as trace
 
 __version__ = "0.1.0"

@@ -11,10 +11,12 @@ from typing import Any, ParamSpec, TypeVar
 import torch
 
 from ._errors import FunctransError, InvalidArgumentError
+from ._func import GRAD_SPEC, GradSpec
 from ._inline import inline_value_and_grad, inline_vjp
 from ._joint import joint, normalize_argnums
 from ._partition import Strategy, partition
 from ._pytree import flatten
+from ._stack import transform_frame
 from ._trace import is_tracing
 from ._validate import describe
 
@@ -39,11 +41,12 @@ def vjp(
     >>> vjp_fn(torch.ones(2))
     (tensor([1., 1.]),)
     """
-    if torch._C._are_functorch_transforms_active():
-        return _torch_func_vjp(f, primals)
-    if is_tracing():  # inside another functrans trace: the outer trace records the backward
-        return inline_vjp(f, primals)  # type: ignore[return-value]  # f's result, as is
-    jg = joint(f)(*primals)
+    with transform_frame("vjp", f):
+        if torch._C._are_functorch_transforms_active():
+            return _torch_func_vjp(f, primals)
+        if is_tracing():  # inside another functrans trace: the outer trace records the backward
+            return inline_vjp(f, primals)  # type: ignore[return-value]  # f's result, as is
+        jg = joint(f)(*primals)
     p = _partition(jg, partition, options)
     outs: _R
     outs, saved = p.forward(*primals)
@@ -100,8 +103,22 @@ def value_and_grad(
     >>> ft.value_and_grad(lambda x: (x * x).sum())(torch.tensor([1.0, 2.0]))
     (tensor(5.), tensor([2., 4.]))
     """
+    return _value_and_grad_fn(f, argnums, has_aux, partition, options, "value_and_grad")
 
+
+def _value_and_grad_fn(
+    f: Callable[_P, _R],
+    argnums: int | Sequence[int],
+    has_aux: bool,
+    partition: str | Strategy,
+    options: dict[str, Any],
+    name: str,
+) -> Callable[_P, tuple[_R, Any]]:
     def run(*args: _P.args, **kwargs: _P.kwargs) -> tuple[_R, Any]:
+        with transform_frame(name, f):
+            return _value_and_grad(args, kwargs)
+
+    def _value_and_grad(args: Any, kwargs: Any) -> tuple[_R, Any]:
         check_differentiable(f, args, argnums)
         if torch._C._are_functorch_transforms_active():
             return _torch_func_value_and_grad(f, argnums, has_aux, args, kwargs)
@@ -116,7 +133,21 @@ def value_and_grad(
         grads = p.backward(saved, (torch.ones_like(out),))
         return value, grads
 
+    setattr(run, GRAD_SPEC, _spec(run, f, argnums, has_aux, True, partition, options))
     return run
+
+
+def _spec(
+    run: Callable[..., Any],
+    f: Callable[..., Any],
+    argnums: int | Sequence[int],
+    has_aux: bool,
+    with_value: bool,
+    partition: Any,
+    options: dict[str, Any],
+) -> GradSpec:
+    nums = argnums if isinstance(argnums, int) else tuple(argnums)
+    return GradSpec(run, f, nums, has_aux, with_value, partition, tuple(options.items()))
 
 
 def _scalar_output(f: Callable[..., Any], value: Any, has_aux: bool) -> torch.Tensor:
@@ -209,10 +240,11 @@ def grad(
     >>> ft.grad(lambda x, y: (x * y).sum(), argnums=(0, 1))(torch.ones(2), torch.full((2,), 3.0))
     (tensor([3., 3.]), tensor([1., 1.]))
     """
-    vg = value_and_grad(f, argnums, has_aux, partition=partition, **options)
+    vg = _value_and_grad_fn(f, argnums, has_aux, partition, options, "grad")
 
     def run(*args: _P.args, **kwargs: _P.kwargs) -> Any:
         value, grads = vg(*args, **kwargs)
         return (grads, value[1]) if has_aux else grads
 
+    setattr(run, GRAD_SPEC, _spec(run, f, argnums, has_aux, False, partition, options))
     return run

@@ -38,6 +38,7 @@ from ._joint import joint
 from ._logs import log
 from ._partition import Partition, Strategy, partition
 from ._pytree import Flat, exact_key, flatten_leaves, leaves_of, unflatten, wrap_static
+from ._stack import transform_frame
 from ._state import ModuleFlags, State, autocast_off, capture, grad_enabled, no_autocast
 from ._trace import _TRACING, arg_names, is_tracing, trace
 
@@ -45,6 +46,8 @@ __all__ = ["CACHE_SIZE", "CacheInfo", "Jitted"]
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
+_Q = ParamSpec("_Q")
+_S = TypeVar("_S")
 
 #: Default number of compiled entries a jitted function keeps (least recently used out).
 CACHE_SIZE = 32
@@ -197,6 +200,16 @@ class Jitted(Generic[_P, _R]):
         self._warned: set[str] = set()
         functools.update_wrapper(self, f)
 
+    @property
+    def fn(self) -> Callable[_P, _R]:
+        """The function this compiles."""
+        return self._f
+
+    def rewrap(self, g: Callable[_Q, _S]) -> Jitted[_Q, _S]:
+        """``g`` jitted with this function's options (``vmap(jit(f))`` compiles the batched
+        function this way, as ``jax.vmap(jax.jit(f))`` does)."""
+        return Jitted(g, self._opts)
+
     def cache_info(self) -> CacheInfo:
         """Hits, misses, entries, evictions and time spent tracing, partitioning, compiling."""
         c = self._cache
@@ -209,11 +222,13 @@ class Jitted(Generic[_P, _R]):
 
     def __call__(self, *args: _P.args, **kwargs: _P.kwargs) -> _R:
         if _functorch_active() or _TRACING.get():
-            return self._f(*args, **kwargs)  # see inline()
+            with transform_frame("jit", self._f):
+                return self._f(*args, **kwargs)  # see inline()
         try:
             outs, entry, _ = self._run(args, kwargs, None)
         except _AsWritten:
-            return self._f(*args, **kwargs)
+            with transform_frame("jit", self._f):
+                return self._f(*args, **kwargs)
         result: _R = unflatten(entry.out_flat, outs)  # the same tree f returns
         return result
 
@@ -302,7 +317,8 @@ class Jitted(Generic[_P, _R]):
             with self._lock:  # one thread compiles; the others wait and then hit
                 slot = self._cache.by_key.get(key)
                 if slot is None:
-                    slot = self._compile(flat, tensors, state, key)
+                    with transform_frame("jit", self._f):
+                        slot = self._compile(flat, tensors, state, key)
                     positions = leaves_order(flat, slot.order)
                     self._cache.insert(tree, leaves, positions, slot)
                 else:

@@ -15,6 +15,7 @@ from ._jit import CacheInfo, Jitted, _Options, inline
 from ._module_view import ModuleView
 from ._partition import Partition
 from ._pytree import NAMESPACE, unflatten
+from ._stack import transform_frame
 from ._state import ModuleFlags
 
 __all__ = ["JitModule"]
@@ -118,7 +119,8 @@ class JitModule(ModuleView):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         jitted = self._compiled
         if inline():
-            return self.module(*args, **kwargs)
+            with transform_frame("jit", self.module):
+                return self.module(*args, **kwargs)
         params, buffers, flags = _gather(self.module)
         run = jitted.run_or_none((params, buffers, *args), kwargs, flags)
         if run is None:

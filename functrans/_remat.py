@@ -33,6 +33,7 @@ from . import policies
 from ._module_view import ModuleView
 from ._passes import _IDENTITY_OPS
 from ._pytree import NAMESPACE
+from ._stack import transform_frame
 from ._tags import REMAT, REMAT_OP, Policy, PolicyLike, RematOp
 from ._trace import is_tracing
 
@@ -162,6 +163,22 @@ def _detach(x: Any) -> Any:
     # version counter of a view's base (torch's selective checkpoint does the same)
     with torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False):
         return x.detach()
+
+
+_HOOKS_REFUSED = "don't yet support saved tensor hooks"
+
+
+def _under_functorch_autodiff() -> bool:
+    """Whether torch.func's grad/vjp/jvp is running: their levels do not support saved-tensor
+    hooks, so eager remat runs the region as written there (same values; memory as without
+    remat). Inside ``ft.jit`` and ``ft.vmap(ft.grad(...))`` the traced remat applies."""
+    if not torch._C._are_functorch_transforms_active():
+        return False
+    from torch._C._functorch import TransformType
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+    autodiff = (TransformType.Grad, TransformType.Jvp)
+    return any(i.key() in autodiff for i in retrieve_all_functorch_interpreters())
 
 
 def _eager(f: Callable[_P, _R], decide: Callable[..., Policy], args: Any, kwargs: Any) -> _R:
@@ -403,9 +420,22 @@ def _remat_function(f: Callable[_P, _R], policy: PolicyLike) -> Callable[_P, _R]
 
     @functools.wraps(f)
     def wrapped(*args: _P.args, **kwargs: _P.kwargs) -> _R:
-        if is_tracing():
-            return _traced(f, decide, args, kwargs)
-        return _eager(f, decide, args, kwargs)
+        with transform_frame("remat", f):
+            if is_tracing():
+                return _traced(f, decide, args, kwargs)
+            if _under_functorch_autodiff():
+                return f(*args, **kwargs)
+            rng = torch.get_rng_state()
+            try:
+                return _eager(f, decide, args, kwargs)
+            except RuntimeError as e:
+                if _HOOKS_REFUSED not in str(e):
+                    raise
+                # the region runs torch.func's grad/vjp/jacrev inside, which refuses the
+                # saved-tensor hooks eager remat works with: run it as written (same values,
+                # memory as without remat), from the same random state
+                torch.set_rng_state(rng)
+                return f(*args, **kwargs)
 
     return wrapped
 

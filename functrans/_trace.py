@@ -14,7 +14,7 @@ import inspect
 import os
 import threading
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import optree
@@ -55,7 +55,7 @@ _DATA_DEPENDENT = (
     DataDependentOutputException,
     DynamicOutputShapeException,
 )
-_LIBRARY_DIRS = (
+LIBRARY_DIRS = (
     *(os.path.dirname(m.__file__ or "") + os.sep for m in (torch, optree, contextlib)),
     os.path.dirname(__file__) + os.sep,
 )
@@ -93,7 +93,7 @@ def user_frame(exc: BaseException) -> traceback.FrameSummary | None:
     frames = [
         fr
         for fr in traceback.extract_tb(exc.__traceback__)
-        if not fr.filename.startswith(_LIBRARY_DIRS) and not fr.filename.startswith("<")
+        if not fr.filename.startswith(LIBRARY_DIRS) and not fr.filename.startswith("<")
     ]
     return frames[-1] if frames else None
 
@@ -110,7 +110,7 @@ def check_inputs(f: Callable[..., Any], tensors: Sequence[torch.Tensor], flat: F
             )
 
 
-def _culprit(exc: BaseException) -> str:
+def culprit(exc: BaseException) -> str:
     """Which ATen op needed a tensor's value, as `` (`aten.equal.default`, called by torch.cov
     in the backward pass)``; empty when the traceback does not say.
     """
@@ -137,7 +137,7 @@ def _data_dependent_error(fn: Callable[..., Any], exc: BaseException) -> TraceEr
     where = f" at {fr.filename}:{fr.lineno}: `{(fr.line or '').strip()}`" if fr else ""
     name = getattr(fn, "__qualname__", repr(fn))
     return TraceError(
-        f"{name} depends on the value of a tensor{where}{_culprit(exc)}.\n"
+        f"{name} depends on the value of a tensor{where}{culprit(exc)}.\n"
         "Tracing records one straight-line graph and cannot follow Python control flow (or "
         "output shapes) that depend on tensor values. Compute both branches and pick with "
         "torch.where(cond, a, b), or pass the value as a Python scalar marked static with "
@@ -157,19 +157,37 @@ def is_tracing() -> bool:
     return _TRACING.get()
 
 
+@contextlib.contextmanager
+def _no_saved_tensor_hooks() -> Iterator[None]:
+    """No saved-tensor hooks while the body runs (they are restored after): set aside, not
+    replaced, because torch.func's grad refuses to run under any hooks."""
+    autograd = torch._C._autograd
+    popped = []
+    while (top := autograd._top_saved_tensors_default_hooks(True)) is not None:
+        popped.append(top)
+        autograd._pop_saved_tensors_default_hooks()
+    try:
+        yield
+    finally:
+        for pack, unpack in reversed(popped):
+            autograd._push_saved_tensors_default_hooks(pack, unpack)
+
+
 def run_traced(fn: Callable[..., Any], user_fn: Callable[..., Any]) -> Any:
     """Call ``fn`` (which traces ``user_fn``), translating tracing failures into TraceErrors."""
     fn_or_wrapper: Any = user_fn
     while fn_or_wrapper is not None:  # anchor user frames, through functools.wraps layers
         target = getattr(fn_or_wrapper, "forward", fn_or_wrapper)
         code = getattr(target, "__code__", None)
-        if code is not None and not code.co_filename.startswith(_LIBRARY_DIRS):
+        if code is not None and not code.co_filename.startswith(LIBRARY_DIRS):
             torch.fx.proxy._STACK_TRACE_ANCHORS.add((code.co_filename, code.co_name))
         fn_or_wrapper = getattr(fn_or_wrapper, "__wrapped__", None)
     token = _TRACING.set(True)
     owner = lambda: getattr(user_fn, "__qualname__", repr(user_fn))  # noqa: E731
     try:
-        with TRACE_LOCK, tracing_guard(owner) as seeding:
+        # saved-tensor hooks of the caller (an eager remat/checkpoint around this call) are
+        # not for the trace's own autograd
+        with TRACE_LOCK, tracing_guard(owner) as seeding, _no_saved_tensor_hooks():
             result = fn()
         if (
             seeding.call is not None

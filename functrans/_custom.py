@@ -1,0 +1,429 @@
+"""Custom differentiation rules: ``custom_vjp`` and ``custom_jvp`` (JAX's API on pytrees).
+
+Both are ``torch.autograd.Function`` s underneath (in the form torch.func transforms accept,
+with a generated vmap rule), so they run eagerly, under ``torch.func`` and ``ft.vmap``/``jvp``,
+and inside every functrans trace, where their rules are recorded as ATen ops.
+
+In a joint graph, a ``custom_vjp``'s residuals (what ``fwd`` returns for ``bwd``) are exactly
+what is saved for it: their nodes carry the rule's ``residual_policy`` (``MUST_SAVE`` unless the
+rule says otherwise), so no strategy recomputes them behind the rule's back.
+
+>>> import torch, functrans as ft
+>>> @ft.custom_vjp
+... def clip_gradient(x):
+...     return x
+>>> def fwd(x):
+...     return x, None
+>>> def bwd(res, g):
+...     return (g.clamp(-1.0, 1.0),)
+>>> clip_gradient.defvjp(fwd, bwd)
+>>> ft.grad(lambda x: (clip_gradient(x) * 10).sum())(torch.ones(2))
+tensor([1., 1.])
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Generic, ParamSpec, TypeVar, cast
+
+import optree
+import torch
+from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
+
+from ._errors import FunctransError, InvalidArgumentError, UnsupportedOpError
+from ._pytree import NAMESPACE
+from ._stack import fn_name, transform_frame
+from ._tags import REMAT, Policy
+
+__all__ = ["custom_jvp", "custom_vjp"]
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _flatten(tree: Any) -> tuple[list[Any], Any]:
+    leaves, spec = optree.tree_flatten(tree, namespace=NAMESPACE, none_is_leaf=True)
+    return leaves, spec
+
+
+def _unflatten(spec: Any, leaves: Any) -> Any:
+    return optree.tree_unflatten(spec, list(leaves))
+
+
+def _is_tensor(x: Any) -> bool:
+    return isinstance(x, torch.Tensor)
+
+
+@dataclass
+class _Call:
+    """One call's static structure, filled as forward runs (non-tensor leaves stay here)."""
+
+    in_spec: Any
+    in_statics: list[Any]
+    n_args: int
+    out_spec: Any = None
+    out_statics: list[Any] = field(default_factory=list)
+    res_spec: Any = None
+    res_statics: list[Any] = field(default_factory=list)
+    n_out: int = 0
+    out_meta: list[tuple[torch.Size, torch.dtype, torch.device]] = field(default_factory=list)
+
+
+_SLOT = object()  # where a tensor leaf goes back
+
+
+def _distinct(inputs: Any, outputs: Any) -> tuple[torch.Tensor, ...]:
+    """``outputs`` with every tensor that is an input or an earlier output replaced by a view
+    of it: autograd gives each output of a Function its own gradient slot."""
+    seen = {id(t) for t in inputs}
+    out = []
+    for t in outputs:
+        out.append(t.view_as(t) if id(t) in seen else t)
+        seen.add(id(t))
+    return tuple(out)
+
+
+def _split(leaves: list[Any]) -> tuple[list[torch.Tensor], list[Any]]:
+    """Tensor leaves, and every leaf with tensors replaced by a slot (to put them back)."""
+    return [x for x in leaves if _is_tensor(x)], [_SLOT if _is_tensor(x) else x for x in leaves]
+
+
+def _merge(statics: list[Any], mask: list[bool], tensors: Any) -> list[Any]:
+    it = iter(tensors)
+    return [next(it) if m else s for s, m in zip(statics, mask, strict=True)]
+
+
+def _args(call: _Call, mask: list[bool], tensors: Any) -> tuple[Any, ...]:
+    args: tuple[Any, ...] = _unflatten(call.in_spec, _merge(call.in_statics, mask, tensors))
+    return args
+
+
+def _tag_residuals(residuals: list[torch.Tensor], policy: Policy) -> None:
+    """Inside a trace: the nodes holding ``residuals`` carry ``policy`` (first tag wins)."""
+    mode = get_proxy_mode()
+    if mode is None:
+        return
+    for t in residuals:
+        slot = get_proxy_slot(t, mode.tracer, None)
+        if slot is not None:
+            slot.proxy.node.meta.setdefault(REMAT, policy)
+
+
+class _VjpRule(torch.autograd.Function):
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(rule: custom_vjp[..., Any], call: _Call, mask: list[bool], *tensors: Any) -> Any:
+        args = _args(call, mask, tensors)
+        token = _IN_RULE.set(_IN_RULE.get() | {id(rule)})
+        try:
+            out, res = cast(Callable[..., Any], rule.fwd)(*args)  # may call the function: plainly
+        finally:
+            _IN_RULE.reset(token)
+        out_leaves, call.out_spec = _flatten(out)
+        res_leaves, call.res_spec = _flatten(res)
+        out_t, call.out_statics = _split(out_leaves)
+        res_t, call.res_statics = _split(res_leaves)
+        call.n_out = len(out_t)
+        _tag_residuals(res_t, rule.residual_policy)
+        # residuals leave as outputs (the form torch.func accepts); they stay differentiable,
+        # so a gradient of bwd's result (double backward) flows back through fwd
+        call.out_meta = [(t.shape, t.dtype, t.device) for t in out_t]
+        return _distinct(tensors, (*out_t, *res_t))
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        call: _Call = inputs[1]
+        ctx.rule, ctx.call, ctx.mask = inputs[0], call, inputs[2]
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(*inputs[3:], *output[call.n_out :])
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        call: _Call = ctx.call
+        saved = ctx.saved_tensors
+        inputs, residuals = (
+            saved[: len(saved) - len(grads) + call.n_out],
+            saved[len(saved) - len(grads) + call.n_out :],
+        )
+        res = _unflatten(call.res_spec, _fill(call.res_statics, residuals))
+        outs_g = [  # bwd gets a tensor for every output, zeros where nothing flowed
+            g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
+            for g, (shape, dtype, device) in zip(grads[: call.n_out], call.out_meta, strict=True)
+        ]
+        ct = _unflatten(call.out_spec, _fill(call.out_statics, outs_g))
+        found = _input_grads(ctx.rule, call, ctx.mask, ctx.rule.bwd(res, ct))
+        res_g = grads[call.n_out :]
+        if any(g is not None for g in res_g):  # higher order: through fwd's residuals
+            found = _add(found, _residual_grads(ctx.rule, call, ctx.mask, inputs, res_g))
+        return (None, None, None, *found)
+
+    @staticmethod
+    def jvp(ctx: Any, *tangents: Any) -> Any:
+        name = fn_name(ctx.rule.fun)
+        raise UnsupportedOpError(
+            f"custom_vjp {name} has a reverse-mode rule only, so forward mode (jvp, jacfwd, "
+            "hessian) cannot differentiate it, as in JAX; use ft.custom_jvp (reverse mode "
+            "transposes it) or differentiate it with grad/vjp/jacrev"
+        )
+
+
+def _residual_grads(
+    rule: Any, call: _Call, mask: list[bool], inputs: Any, res_g: Any
+) -> tuple[Any, ...]:
+    """The inputs' gradients from cotangents of the residuals: the vjp of ``fwd``."""
+
+    def residuals_of(*tensors: Any) -> tuple[torch.Tensor, ...]:
+        token = _IN_RULE.set(_IN_RULE.get() | {id(rule)})
+        try:
+            _, res = rule.fwd(*_args(call, mask, tensors))
+        finally:
+            _IN_RULE.reset(token)
+        return tuple(x for x in _flatten(res)[0] if _is_tensor(x))
+
+    found_vjp: Any = torch.func.vjp(residuals_of, *inputs)
+    res, vjp_fn = found_vjp[0], found_vjp[1]
+    cots = tuple(
+        g if g is not None else torch.zeros_like(r) for g, r in zip(res_g, res, strict=True)
+    )
+    found: tuple[Any, ...] = vjp_fn(cots)
+    return found
+
+
+def _add(a: Any, b: Any) -> list[Any]:
+    return [x if y is None else y if x is None else x + y for x, y in zip(a, b, strict=True)]
+
+
+def _fill(statics: list[Any], tensors: Any) -> list[Any]:
+    it = iter(tensors)
+    return [next(it) if s is _SLOT else s for s in statics]
+
+
+def _input_grads(rule: Any, call: _Call, mask: list[bool], found: Any) -> list[Any]:
+    """``bwd``'s per-argument result as gradients of the flat tensor inputs."""
+    name = fn_name(rule.fun)
+    if not isinstance(found, tuple | list) or len(found) != call.n_args:
+        raise InvalidArgumentError(
+            f"custom_vjp {name}: bwd must return a tuple with one gradient per positional "
+            f"argument ({call.n_args}); it returned {type(found).__name__}"
+            + (f" of length {len(found)}" if isinstance(found, tuple | list) else "")
+        )
+    leaves, spec = _flatten(tuple(found))
+    if spec != call.in_spec:
+        # None for a whole argument: no gradient for any of its leaves
+        filled: list[Any] = []
+        for arg, g in zip(_unflatten(call.in_spec, call.in_statics), found, strict=True):
+            arg_leaves, arg_spec = _flatten(arg)
+            if g is None:
+                filled.extend([None] * len(arg_leaves))
+                continue
+            g_leaves, g_spec = _flatten(g)
+            if g_spec != arg_spec:
+                raise InvalidArgumentError(
+                    f"custom_vjp {name}: bwd returned a gradient of structure {g_spec} for an "
+                    f"argument of structure {arg_spec}"
+                )
+            filled.extend(g_leaves)
+        leaves = filled
+    return [g for g, m in zip(leaves, mask, strict=True) if m]
+
+
+class custom_vjp(Generic[_P, _R]):  # JAX's name
+    """A function with a custom reverse-mode rule: ``f.defvjp(fwd, bwd)``.
+
+    ``fwd(*args)`` returns ``(output, residuals)`` (any pytrees); ``bwd(residuals, cotangent)``
+    returns one gradient per positional argument (a pytree like the argument, or None).
+    ``residual_policy`` is what a partition does with the residuals (``Policy.MUST_SAVE``,
+    the default: always saved; ``Policy.MUST_RECOMPUTE`` to recompute them in backward).
+
+    >>> import torch, functrans as ft
+    >>> @ft.custom_vjp
+    ... def f(x, y):
+    ...     return torch.sin(x) * y
+    >>> f.defvjp(lambda x, y: (f(x, y), (torch.cos(x), torch.sin(x), y)),
+    ...          lambda res, g: (res[0] * res[2] * g, res[1] * g))
+    >>> ft.grad(lambda x, y: f(x, y).sum(), argnums=(0, 1))(torch.zeros(2), torch.ones(2))
+    (tensor([1., 1.]), tensor([0., 0.]))
+    """
+
+    def __init__(
+        self, fun: Callable[_P, _R], *, residual_policy: Policy = Policy.MUST_SAVE
+    ) -> None:
+        if not isinstance(residual_policy, Policy):
+            raise InvalidArgumentError(
+                f"custom_vjp: residual_policy={residual_policy!r}; accepted: a "
+                f"functrans.extend.Policy ({', '.join(p.name for p in Policy)})"
+            )
+        self.fun = fun
+        self.residual_policy = residual_policy
+        self.fwd: Callable[..., Any] | None = None
+        self.bwd: Callable[..., Any] | None = None
+        functools.update_wrapper(self, fun)
+
+    def defvjp(self, fwd: Callable[..., Any], bwd: Callable[..., Any]) -> None:
+        """Set the rule: ``fwd(*args) -> (output, residuals)``, ``bwd(residuals, g) -> grads``."""
+        self.fwd, self.bwd = fwd, bwd
+
+    def __call__(self, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        if kwargs:
+            raise InvalidArgumentError(
+                f"custom_vjp {fn_name(self.fun)}: pass arguments positionally (got keywords "
+                f"{sorted(kwargs)}); bwd returns one gradient per positional argument"
+            )
+        if not _needs_rule(args) or id(self) in _IN_RULE.get():
+            return self.fun(*args, **kwargs)
+        if self.fwd is None:
+            raise FunctransError(
+                f"custom_vjp {fn_name(self.fun)}: differentiated before its rule was set; call "
+                f"{fn_name(self.fun)}.defvjp(fwd, bwd) first"
+            )
+        leaves, spec = _flatten(args)
+        tensors, statics = _split(leaves)
+        mask = [_is_tensor(x) for x in leaves]
+        call = _Call(spec, statics, len(args))
+        with transform_frame("custom_vjp", self.fun):
+            flat = _VjpRule.apply(self, call, mask, *tensors)  # type: ignore[no-untyped-call]
+        out = _fill(call.out_statics, flat[: call.n_out])
+        result: _R = _unflatten(call.out_spec, out)
+        return result
+
+
+#: ids of the custom_vjp whose fwd is running: a call to the function there is plain
+_IN_RULE: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar(
+    "functrans_in_custom_rule", default=frozenset()
+)
+
+
+def _needs_rule(args: Any) -> bool:
+    """Whether a gradient can flow: some tensor argument requires grad, or a torch.func
+    transform may differentiate (it tracks its own levels)."""
+    if torch._C._are_functorch_transforms_active():
+        return True
+    return torch.is_grad_enabled() and any(
+        _is_tensor(x) and x.requires_grad for x in optree.tree_leaves(args, namespace=NAMESPACE)
+    )
+
+
+class _JvpRule(torch.autograd.Function):
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(rule: custom_jvp[..., Any], call: _Call, mask: list[bool], *tensors: Any) -> Any:
+        out = rule.fun(*_args(call, mask, tensors))
+        out_leaves, call.out_spec = _flatten(out)
+        out_t, call.out_statics = _split(out_leaves)
+        call.n_out = len(out_t)
+        return _distinct(tensors, out_t)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.rule, ctx.call, ctx.mask = inputs[0], inputs[1], inputs[2]
+        ctx.save_for_backward(*inputs[3:])
+        ctx.save_for_forward(*inputs[3:])
+
+    @staticmethod
+    def jvp(ctx: Any, *tangents: Any) -> Any:
+        primals = ctx.saved_tensors  # tangents: one per input, the 3 static ones first
+        ts = [
+            t if t is not None else torch.zeros_like(p)
+            for t, p in zip(tangents[3:], primals, strict=True)
+        ]
+        return tuple(_tangent_out(ctx.rule, ctx.call, ctx.mask, primals, ts))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        # the rule is linear in the tangents: its transpose at the primals is the vjp
+        primals = ctx.saved_tensors
+
+        def tangent_out(*ts: Any) -> tuple[torch.Tensor, ...]:
+            return tuple(_tangent_out(ctx.rule, ctx.call, ctx.mask, primals, ts))
+
+        zeros = [torch.zeros_like(p) for p in primals]
+        found: Any = torch.func.vjp(tangent_out, *zeros)
+        outs, vjp_fn = found[0], found[1]
+        cots = tuple(
+            g if g is not None else torch.zeros_like(o) for g, o in zip(grads, outs, strict=True)
+        )
+        return (None, None, None, *vjp_fn(cots))
+
+
+def _tangent_out(
+    rule: custom_jvp[..., Any], call: _Call, mask: list[bool], primals: Any, tangents: Any
+) -> list[torch.Tensor]:
+    args = _args(call, mask, primals)
+    t_args = _args(call, mask, tangents)
+    name = fn_name(rule.fun)
+    assert rule.jvp is not None
+    found = rule.jvp(args, t_args)
+    if not (isinstance(found, tuple | list) and len(found) == 2):
+        raise InvalidArgumentError(
+            f"custom_jvp {name}: the jvp rule must return (primal_out, tangent_out); it "
+            f"returned {type(found).__name__}"
+        )
+    t_leaves, t_spec = _flatten(found[1])
+    if t_spec != call.out_spec:
+        raise InvalidArgumentError(
+            f"custom_jvp {name}: tangent_out has structure {t_spec}, the output {call.out_spec}"
+        )
+    return [t for t in t_leaves if _is_tensor(t)]
+
+
+class custom_jvp(Generic[_P, _R]):  # JAX's name
+    """A function with a custom forward-mode rule: ``f.defjvp(rule)`` with
+    ``rule(primals, tangents) -> (primal_out, tangent_out)`` (tuples of the positional
+    arguments). Reverse mode transposes the rule (it must be linear in the tangents), so
+    ``grad`` works too.
+
+    >>> import torch, functrans as ft
+    >>> @ft.custom_jvp
+    ... def log1pexp(x):
+    ...     return torch.log1p(torch.exp(x))
+    >>> @log1pexp.defjvp
+    ... def _(primals, tangents):
+    ...     (x,), (t,) = primals, tangents
+    ...     return log1pexp(x), t * torch.sigmoid(x)
+    >>> ft.grad(lambda x: log1pexp(x).sum())(torch.tensor([100.0]))  # exp(100) would overflow
+    tensor([1.])
+    """
+
+    def __init__(self, fun: Callable[_P, _R]) -> None:
+        self.fun = fun
+        self.jvp: Callable[..., Any] | None = None
+        functools.update_wrapper(self, fun)
+
+    def defjvp(self, jvp: Callable[..., Any]) -> Callable[..., Any]:
+        """Set the rule ``jvp(primals, tangents) -> (primal_out, tangent_out)``; returns it
+        (so it can be used as a decorator)."""
+        self.jvp = jvp
+        return jvp
+
+    def __call__(self, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        if kwargs:
+            raise InvalidArgumentError(
+                f"custom_jvp {fn_name(self.fun)}: pass arguments positionally (got keywords "
+                f"{sorted(kwargs)})"
+            )
+        if self.jvp is None:
+            raise FunctransError(f"custom_jvp {fn_name(self.fun)}: no rule; call defjvp first")
+        if not _needs_rule(args) and not _forward_ad_active(args):
+            return self.fun(*args, **kwargs)
+        leaves, spec = _flatten(args)
+        tensors, statics = _split(leaves)
+        mask = [_is_tensor(x) for x in leaves]
+        call = _Call(spec, statics, len(args))
+        with transform_frame("custom_jvp", self.fun):
+            flat = _JvpRule.apply(self, call, mask, *tensors)  # type: ignore[no-untyped-call]
+        result: _R = _unflatten(call.out_spec, _fill(call.out_statics, flat))
+        return result
+
+
+def _forward_ad_active(args: Any) -> bool:
+    import torch.autograd.forward_ad as fwAD
+
+    return any(
+        _is_tensor(x) and fwAD.unpack_dual(x).tangent is not None  # type: ignore[no-untyped-call]
+        for x in optree.tree_leaves(args, namespace=NAMESPACE)
+    )

@@ -1,0 +1,401 @@
+"""Forward mode, batching and Jacobians: ``jvp``, ``linearize``, ``vmap``, ``jacrev``,
+``jacfwd``, ``hessian``, plus ``stop_gradient`` and ``eval_shape``.
+
+They take torch.func's signatures and build on torch.func, so their results are ordinary
+functions of tensors: ``ft.trace``/``ft.joint``/``ft.jit`` of them record ATen graphs (functorch
+lowers batching and forward mode to ATen ops as it runs), which strategies partition and
+backends compile, and they nest with functrans' own transforms in any order.
+
+One composition is planned, not just run: ``vmap(grad(f))`` called eagerly (per-example
+gradients) is the gradient of ``sum_i f(p_i, x_i)`` with respect to per-example copies
+``p_i`` of the shared arguments, one joint graph that ``grad``'s ``partition`` strategy cuts,
+so the per-example gradient step saves what the strategy chose.
+
+>>> import torch, functrans as ft
+>>> loss = lambda w, x: (x @ w).tanh().sum()
+>>> w, xs = torch.ones(3, 2), torch.ones(5, 3)
+>>> per_example = ft.vmap(ft.grad(loss, partition="min_cut"), in_dims=(None, 0))(w, xs)
+>>> per_example.shape
+torch.Size([5, 3, 2])
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ParamSpec, TypeVar, cast
+
+import optree
+import torch
+
+from ._errors import InvalidArgumentError
+from ._pytree import NAMESPACE
+from ._stack import transform_frame
+from ._trace import is_tracing
+
+__all__ = [
+    "GRAD_SPEC",
+    "GradSpec",
+    "ShapeDtypeStruct",
+    "eval_shape",
+    "hessian",
+    "jacfwd",
+    "jacrev",
+    "jvp",
+    "linearize",
+    "stop_gradient",
+    "vmap",
+]
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+_T = TypeVar("_T")
+
+#: Attribute on the functions ``grad``/``value_and_grad`` return: their :class:`GradSpec`.
+GRAD_SPEC = "__functrans_grad__"
+_RANDOMNESS = ("error", "different", "same")
+
+
+@dataclass(frozen=True)
+class GradSpec:
+    """What a ``grad``/``value_and_grad`` function differentiates, and how (``vmap`` of one
+    plans per-example gradients as one joint graph)."""
+
+    run: Callable[..., Any]  # the function grad returned (wrappers copying attributes differ)
+    f: Callable[..., Any]
+    argnums: int | tuple[int, ...]
+    has_aux: bool
+    with_value: bool
+    partition: Any
+    options: tuple[tuple[str, Any], ...]
+
+
+def _frame(name: str, f: Callable[..., Any], call: Callable[..., _R]) -> Callable[..., _R]:
+    """``call`` run inside transform frame ``name`` of ``f``, with ``f``'s name and docs."""
+
+    @functools.wraps(f, updated=())
+    def run(*args: Any, **kwargs: Any) -> _R:
+        with transform_frame(name, f):
+            return call(*args, **kwargs)
+
+    return run
+
+
+def vmap(
+    func: Callable[_P, _R],
+    in_dims: Any = 0,
+    out_dims: Any = 0,
+    randomness: str = "error",
+    *,
+    chunk_size: int | None = None,
+) -> Callable[_P, _R]:
+    """Vectorize ``func`` over a batch dimension of its inputs (``torch.func.vmap``'s signature
+    and semantics: ``in_dims``/``out_dims`` are ints, None or pytree prefixes of the arguments and
+    outputs; ``randomness`` is ``"error"``, ``"different"`` or ``"same"``).
+
+    >>> import torch, functrans as ft
+    >>> ft.vmap(torch.dot)(torch.ones(4, 3), torch.ones(4, 3))
+    tensor([3., 3., 3., 3.])
+    """
+    if randomness not in _RANDOMNESS:
+        raise InvalidArgumentError(
+            f"vmap: randomness={randomness!r}; accepted: {', '.join(map(repr, _RANDOMNESS))}"
+        )
+    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
+        raise InvalidArgumentError(f"vmap: chunk_size={chunk_size!r}; accepted: None or int >= 1")
+    batched = torch.func.vmap(func, in_dims, out_dims, randomness, chunk_size=chunk_size)
+    spec: GradSpec | None = getattr(func, GRAD_SPEC, None)
+    if spec is not None and spec.run is not func:  # a wrapper (jit, remat) copied it
+        spec = None
+
+    compiled = _batched_jit(func, in_dims, out_dims, randomness, chunk_size)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if spec is not None and out_dims == 0 and chunk_size is None:
+            planned = _per_example(spec, in_dims, randomness, args, kwargs)
+            if planned is not _NOT_PLANNED:
+                return planned
+        if compiled is not None and not is_tracing() and not _functorch_active():
+            return compiled(*args, **kwargs)
+        return batched(*args, **kwargs)
+
+    return _frame("vmap", func, call)
+
+
+_NOT_PLANNED = object()
+_functorch_active = torch._C._are_functorch_transforms_active
+
+
+def _batched_jit(
+    func: Callable[..., Any], in_dims: Any, out_dims: Any, randomness: str, chunk_size: Any
+) -> Callable[..., Any] | None:
+    """For ``vmap(jit(f))``: the batched ``f``, jitted with ``jit``'s options (one compiled
+    graph of the batched function, as ``jax.vmap(jax.jit(f))`` gives); else None."""
+    from ._jit import Jitted
+
+    if not isinstance(func, Jitted):
+        return None
+    inner = torch.func.vmap(func.fn, in_dims, out_dims, randomness, chunk_size=chunk_size)
+    functools.update_wrapper(inner, func.fn)
+    return func.rewrap(inner)
+
+
+def _per_example(
+    spec: GradSpec, in_dims: Any, randomness: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """``vmap(grad(f), in_dims)(*args)`` as ``grad`` of ``sum_i f(...)`` over per-example
+    copies of the shared differentiated arguments: one joint graph, cut by the grad's
+    strategy. ``_NOT_PLANNED`` where that does not apply (inside traces and other
+    transforms, where the enclosing graph decides; batch dims other than 0 or None)."""
+    from ._api import _value_and_grad_fn
+
+    if is_tracing() or _functorch_active() or not args:
+        return _NOT_PLANNED
+    dims = in_dims if isinstance(in_dims, tuple) else (in_dims,) * len(args)
+    if len(dims) != len(args) or any(d not in (0, None) for d in dims):
+        return _NOT_PLANNED
+    batch = {
+        t.shape[0]
+        for a, d in zip(args, dims, strict=True)
+        if d == 0
+        for t in optree.tree_leaves(a, namespace=NAMESPACE)
+        if isinstance(t, torch.Tensor)
+    }
+    if len(batch) != 1:
+        return _NOT_PLANNED  # torch.func names the mismatch (or the missing batch)
+    (size,) = batch
+    nums = (spec.argnums,) if isinstance(spec.argnums, int) else spec.argnums
+    nums = tuple(i % len(args) for i in nums)
+    new_args, new_dims = list(args), list(dims)
+    for i in nums:
+        if dims[i] is None:
+            new_args[i] = optree.tree_map(
+                lambda t: _per_example_copy(t, size), args[i], namespace=NAMESPACE
+            )
+            new_dims[i] = 0
+    each = torch.func.vmap(spec.f, tuple(new_dims), 0, randomness)
+
+    def total(*a: Any, **kw: Any) -> tuple[torch.Tensor, Any]:
+        values = each(*a, **kw)
+        out = values[0] if spec.has_aux else values
+        if not (isinstance(out, torch.Tensor) and out.shape == (size,)):
+            from ._api import NonScalarOutputError
+
+            raise NonScalarOutputError(
+                f"grad needs {getattr(spec.f, '__qualname__', spec.f)} to return a scalar "
+                f"float tensor per example; under vmap it returned {_describe(out, size)}"
+            )
+        return out.sum(), values
+
+    total.__qualname__ = getattr(spec.f, "__qualname__", "f")
+    name = "value_and_grad" if spec.with_value else "grad"
+    options = dict(spec.options)
+    (_, values), grads = _value_and_grad_fn(
+        total, spec.argnums, True, spec.partition, options, name
+    )(*new_args, **kwargs)
+    if spec.with_value:
+        return values, grads
+    return (grads, values[1]) if spec.has_aux else grads
+
+
+def _per_example_copy(t: Any, size: int) -> Any:
+    if isinstance(t, torch.Tensor) and t.is_floating_point():
+        return t.detach().unsqueeze(0).expand(size, *t.shape)
+    return t
+
+
+def _describe(out: Any, size: int) -> str:
+    if isinstance(out, torch.Tensor):
+        return f"a tensor of shape {list(out.shape[1:])} per example (batch {size})"
+    return type(out).__name__
+
+
+def jvp(
+    func: Callable[..., Any],
+    primals: Any,
+    tangents: Any,
+    *,
+    strict: bool = False,
+    has_aux: bool = False,
+) -> Any:
+    """Forward mode: ``(func(*primals), J @ tangents)`` (``torch.func.jvp``'s signature; with
+    ``has_aux``, ``(output, jvp_out, aux)``). ``jvp(grad(f), (x,), (v,))`` is a Hessian-vector
+    product.
+
+    >>> import torch, functrans as ft
+    >>> ft.jvp(torch.sin, (torch.zeros(2),), (torch.ones(2),))
+    (tensor([0., 0.]), tensor([1., 1.]))
+    """
+    return _frame("jvp", func, torch.func.jvp)(
+        func,
+        _as_tuple(primals, "primals"),
+        _as_tuple(tangents, "tangents"),
+        strict=strict,
+        has_aux=has_aux,
+    )
+
+
+def _as_tuple(x: Any, what: str) -> tuple[Any, ...]:
+    if isinstance(x, tuple):
+        return x
+    if isinstance(x, list):
+        return tuple(x)
+    raise InvalidArgumentError(
+        f"jvp: {what} must be a tuple with one entry per argument of the function (e.g. "
+        f"({what[:-1]},)); got {type(x).__name__}"
+    )
+
+
+def linearize(func: Callable[..., Any], *primals: Any) -> tuple[Any, Callable[..., Any]]:
+    """``(func(*primals), jvp_fn)``: ``jvp_fn(*tangents)`` is the Jacobian-vector product at
+    ``primals``, with the forward evaluated once (``torch.func.linearize``). Under other
+    transforms or inside a trace, ``jvp_fn`` runs forward mode each call instead.
+
+    >>> import torch, functrans as ft
+    >>> out, jvp_fn = ft.linearize(torch.sin, torch.zeros(3))
+    >>> jvp_fn(torch.ones(3))
+    tensor([1., 1., 1.])
+    """
+
+    def call(*ps: Any) -> tuple[Any, Callable[..., Any]]:
+        if not torch._C._are_functorch_transforms_active() and not is_tracing():
+            import warnings
+
+            with warnings.catch_warnings():  # torch's constant folding warns about get_attr
+                warnings.simplefilter("ignore", UserWarning)
+                found: tuple[Any, Callable[..., Any]] = torch.func.linearize(func, *ps)
+            return found
+        out = func(*ps)
+
+        def jvp_fn(*tangents: Any) -> Any:
+            return torch.func.jvp(func, ps, tangents)[1]
+
+        return out, jvp_fn
+
+    return _frame("linearize", func, call)(*primals)
+
+
+def jacrev(
+    func: Callable[..., Any],
+    argnums: int | tuple[int, ...] = 0,
+    *,
+    has_aux: bool = False,
+    chunk_size: int | None = None,
+) -> Callable[..., Any]:
+    """The Jacobian of ``func`` by reverse mode (``torch.func.jacrev``), pytrees in and out.
+
+    >>> import torch, functrans as ft
+    >>> ft.jacrev(lambda x: x**2)(torch.tensor([1.0, 2.0]))
+    tensor([[2., 0.],
+            [0., 4.]])
+    """
+    return _frame(
+        "jacrev", func, torch.func.jacrev(func, argnums, has_aux=has_aux, chunk_size=chunk_size)
+    )
+
+
+def jacfwd(
+    func: Callable[..., Any],
+    argnums: int | tuple[int, ...] = 0,
+    has_aux: bool = False,
+    *,
+    randomness: str = "error",
+) -> Callable[..., Any]:
+    """The Jacobian of ``func`` by forward mode (``torch.func.jacfwd``).
+
+    >>> import torch, functrans as ft
+    >>> ft.jacfwd(torch.sin)(torch.zeros(2))
+    tensor([[1., 0.],
+            [0., 1.]])
+    """
+    return _frame("jacfwd", func, torch.func.jacfwd(func, argnums, has_aux, randomness=randomness))
+
+
+def hessian(func: Callable[..., Any], argnums: int | tuple[int, ...] = 0) -> Callable[..., Any]:
+    """The Hessian of scalar ``func``: ``jacfwd(jacrev(func))`` (``torch.func.hessian``).
+
+    >>> import torch, functrans as ft
+    >>> ft.hessian(lambda x: (x**3).sum())(torch.tensor([1.0, 2.0]))
+    tensor([[ 6.,  0.],
+            [ 0., 12.]])
+    """
+    return _frame("hessian", func, torch.func.hessian(func, argnums))
+
+
+def stop_gradient(x: _T) -> _T:
+    """``x`` (any pytree) with every tensor detached: no gradient flows through it, at any
+    nesting level (``jax.lax.stop_gradient``).
+
+    >>> import torch, functrans as ft
+    >>> ft.grad(lambda x: (x * ft.stop_gradient(x)).sum())(torch.tensor([3.0]))
+    tensor([3.])
+    """
+    tree: Any = x
+    stopped: Any = optree.tree_map(
+        lambda t: t.detach() if isinstance(t, torch.Tensor) else t, tree, namespace=NAMESPACE
+    )
+    return cast(_T, stopped)
+
+
+_CPU = torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class ShapeDtypeStruct:
+    """The shape, dtype and device of a tensor, without its data: what :func:`eval_shape`
+    returns for each output tensor, and accepted in place of an input tensor.
+
+    >>> ShapeDtypeStruct((2, 3), torch.float32).ndim
+    2
+    """
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device = _CPU
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+
+def eval_shape(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """The shapes and dtypes of ``func(*args, **kwargs)``'s outputs, computed without running
+    it: every tensor output becomes a :class:`ShapeDtypeStruct`. Arguments may be tensors or
+    :class:`ShapeDtypeStruct` s.
+
+    >>> import torch, functrans as ft
+    >>> ft.eval_shape(lambda x: {"y": x @ x.T}, ft.ShapeDtypeStruct((1000, 30), torch.float16))
+    {'y': ShapeDtypeStruct(shape=(1000, 1000), dtype=torch.float16, device=device(type='cpu'))}
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from ._trace import run_traced
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+
+    def fake(x: Any) -> Any:
+        if isinstance(x, ShapeDtypeStruct | torch.Tensor):
+            with mode:
+                t = torch.empty(tuple(x.shape), dtype=x.dtype, device=x.device)
+            return t.requires_grad_(getattr(x, "requires_grad", False))
+        return x
+
+    def run() -> Any:
+        with _disable_current_modes():  # inside a trace: shapes only, nothing recorded
+            given: Any = (args, kwargs)
+            a, kw = optree.tree_map(fake, given, namespace=NAMESPACE)
+            with mode:
+                return func(*a, **kw)
+
+    out = run_traced(run, func)
+    return optree.tree_map(
+        lambda t: (
+            ShapeDtypeStruct(tuple(t.shape), t.dtype, t.device)
+            if isinstance(t, torch.Tensor)
+            else t
+        ),
+        out,
+        namespace=NAMESPACE,
+    )
