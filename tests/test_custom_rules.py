@@ -192,3 +192,19 @@ def test_custom_jvp_rule_is_what_runs_where_plain_autograd_overflows():
 def test_custom_jvp_without_rule_is_named():
     with pytest.raises(ft.FunctransError, match="no rule; call defjvp"):
         ft.custom_jvp(torch.sin)(torch.ones(2))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="forward-over-forward of a custom_jvp (jacfwd(jacfwd),"
+    " hessian): torch.func's generated vmap rule of the autograd.Function asserts",
+)
+def test_custom_jvp_forward_over_forward():
+    x = torch.linspace(-1, 1, 3)
+    ours = ft.hessian(lambda x: log1pexp_rule()(x).pow(2).sum())(x)
+    assert_close(ours, tf.hessian(lambda x: torch.nn.functional.softplus(x).pow(2).sum())(x))
+
+
+def test_custom_jvp_forward_over_forward_fails_as_a_transform_error():
+    with pytest.raises(ft.TransformError, match=r"inside hessian\(custom_jvp\(log1pexp\)\)"):
+        ft.hessian(lambda x: log1pexp_rule()(x).pow(2).sum())(torch.linspace(-1, 1, 3))
