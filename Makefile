@@ -51,6 +51,7 @@ bench: $(STAMP)
 	$(VPY) -m benchmarks.runtime
 	$(VPY) -m benchmarks.codegen
 	$(VPY) -m benchmarks.compose
+	$(VPY) -m benchmarks.distributed
 
 bench-quick: $(STAMP)
 	$(VPY) -m benchmarks.partition_quality --quick
@@ -60,3 +61,4 @@ bench-quick: $(STAMP)
 	$(VPY) -m benchmarks.runtime --quick
 	$(VPY) -m benchmarks.codegen --quick
 	$(VPY) -m benchmarks.compose --quick --no-compile
+	$(VPY) -m benchmarks.distributed --quick --no-compile

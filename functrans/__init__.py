@@ -4,6 +4,7 @@ Trace a function to an ATen graph, build its joint forward+backward graph, and p
 forward and backward graphs that save exactly what you choose.
 """
 
+from . import distributed as distributed
 from . import viz as viz
 from ._api import grad as grad
 from ._api import value_and_grad as value_and_grad

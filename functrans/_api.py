@@ -10,7 +10,7 @@ from typing import Any, ParamSpec, TypeVar
 
 import torch
 
-from ._errors import FunctransError, InvalidArgumentError
+from ._errors import FunctransError, InvalidArgumentError, UnsupportedOpError
 from ._func import GRAD_SPEC, GradSpec
 from ._inline import inline_value_and_grad, inline_vjp
 from ._joint import joint, normalize_argnums
@@ -190,7 +190,10 @@ def check_differentiable(f: Callable[..., Any], args: tuple[Any, ...], argnums: 
     names = _positional_names(f)
     for i in normalize_argnums(argnums, len(args)):
         name = names[i] if i < len(names) else f"args[{i}]"
-        tensors, flat = flatten(args[i])
+        try:
+            tensors, flat = flatten(args[i])
+        except UnsupportedOpError as e:
+            raise UnsupportedOpError(f"grad: argument {i} ({name}): {e}") from e
         if not tensors:
             raise InvalidArgumentError(
                 f"grad: argument {i} ({name}) is {describe(args[i])}, which holds no tensor to "

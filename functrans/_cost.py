@@ -28,12 +28,14 @@ from torch.utils.flop_counter import flop_registry
 from ._graph import ROLE, Role
 
 __all__ = [
+    "COLLECTIVE_NAMESPACES",
     "COMPUTE_INTENSIVE",
     "RANDOM_UNLESS",
     "OpClass",
     "Storage",
     "activation_bytes",
     "flops",
+    "is_collective",
     "is_input_alias",
     "is_random",
     "nbytes",
@@ -74,6 +76,23 @@ COMPUTE_INTENSIVE: frozenset[Any] = frozenset(
 #: the attention kernels apply dropout only when ``dropout_p`` is not 0, and ``native_dropout``
 #: with ``train=False`` returns its input and a mask of ones. A seeded op not listed here is
 #: always random; so is a listed one whose argument is symbolic or another node's value.
+#: Op namespaces of torch.distributed's functional collectives (and their ``wait_tensor``).
+COLLECTIVE_NAMESPACES = frozenset(
+    {"_c10d_functional", "_c10d_functional_autograd", "c10d_functional", "_dtensor"}
+)
+
+
+def is_collective(node: fx.Node) -> bool:
+    """Whether ``node`` is a collective (or the wait on one): it talks to the other ranks.
+
+    >>> import torch.fx as fx
+    >>> g = fx.Graph()
+    >>> is_collective(g.call_function(torch.ops.aten.sin.default, (g.placeholder("x"),)))
+    False
+    """
+    return op_class(node) is OpClass.COLLECTIVE
+
+
 RANDOM_UNLESS: Mapping[Any, tuple[str, object]] = {
     getattr(aten, name): rule
     for name, rule in (
@@ -112,6 +131,7 @@ class OpClass(enum.Enum):
     COMPUTE = "compute"  # compute-intensive: matmul, conv, attention
     RANDOM = "random"  # draws from the RNG: recomputing changes the value
     EFFECTFUL = "effectful"  # mutates or has side effects
+    COLLECTIVE = "collective"  # talks to other ranks: every rank must issue the same sequence
     OTHER = "other"  # everything else (copies, scatter, indexing, ...)
 
 
@@ -169,6 +189,8 @@ def op_class(node: fx.Node) -> OpClass:
 def _class_of(op: torch._ops.OpOverload, *, seeded: bool = True) -> OpClass:
     """The class of every call of ``op`` (``seeded=False``: as if it drew no random numbers);
     cached per op, as strategies ask about thousands of nodes."""
+    if op.namespace in COLLECTIVE_NAMESPACES:
+        return OpClass.COLLECTIVE
     tags = set(op.tags)
     if seeded and torch.Tag.nondeterministic_seeded in tags:
         return OpClass.RANDOM

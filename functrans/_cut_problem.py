@@ -7,9 +7,11 @@ remat policy said about it (its tag). This module holds those rules, once:
 
 1. **Op classes** (:data:`OP_RULES`, one row per class): inputs are given to backward (never
    recomputed, saving them is free); random ops never re-run (new numbers would change the
-   gradients); effectful ops never re-run (the effect would happen twice). Every other class
-   may be saved or recomputed; a strategy may still prefer not to (``min_cut`` never recomputes
-   a matmul) -- preferences stay in the strategy.
+   gradients); effectful ops never re-run (the effect would happen twice); collectives never
+   re-run unless tagged ``MUST_RECOMPUTE`` (every rank must issue the same collectives, so
+   only a rule decides, never bytes), and then their waits, views and casts re-run with
+   them. Every other class may be saved or recomputed; a strategy may still prefer not to
+   (``min_cut`` never recomputes a matmul) -- preferences stay in the strategy.
 2. **Tags**: ``MUST_SAVE`` forbids recomputing a value the forward computes (so it is saved
    when backward needs it, and only then: unlike eager selective checkpointing, which keeps
    every MUST_SAVE output, a traced graph knows what backward reads); ``MUST_RECOMPUTE``
@@ -89,6 +91,9 @@ class OpRule:
     recompute: bool = True
     why_not_save: str = ""
     why_not_recompute: str = ""
+    #: a ``MUST_RECOMPUTE`` tag lifts ``recompute=False`` (a re-gathered weight); only the
+    #: tag, never a strategy's choice, so every rank decides alike
+    recompute_when_tagged: bool = False
 
 
 #: The save/recompute rule of every op class (a new class is a new row).
@@ -104,6 +109,14 @@ OP_RULES: Mapping[OpClass, OpRule] = MappingProxyType(
         ),
         OpClass.EFFECTFUL: OpRule(
             recompute=False, why_not_recompute="re-running it would repeat its side effect"
+        ),
+        OpClass.COLLECTIVE: OpRule(
+            recompute=False,
+            why_not_recompute=(
+                "re-running it would issue a collective the other ranks may not issue (a "
+                "hang); tag it MUST_RECOMPUTE (policies.reshard_after_forward) to re-gather"
+            ),
+            recompute_when_tagged=True,
         ),
         OpClass.OTHER: OpRule(),
     }
@@ -297,15 +310,19 @@ def _value(
     core: set[fx.Node],
     read: bool,
     feeds: bool,
+    regathered: set[fx.Node],
 ) -> ForwardValue:
     cls, tag = op_class(node), policy_of(node)
     if tag in _SAVE_TAGS and _is_view(node):
         tag = _base_tag(node)  # saving a view keeps its base: the view follows its base
+    if node in regathered:
+        tag = Policy.MUST_RECOMPUTE
     rule = OP_RULES[cls]
     in_forward = node in core
-    recompute = rule.recompute and not (tag is Policy.MUST_SAVE and in_forward)
+    reruns = rule.recompute or (rule.recompute_when_tagged and tag is Policy.MUST_RECOMPUTE)
+    recompute = reruns and not (tag is Policy.MUST_SAVE and in_forward)
     # a class that never re-runs wins over MUST_RECOMPUTE: the value is saved instead
-    overridden = tag is Policy.MUST_RECOMPUTE and not rule.recompute
+    overridden = tag is Policy.MUST_RECOMPUTE and not reruns
     save = (
         rule.save
         and isinstance(node.meta.get("val"), torch.Tensor)
@@ -337,6 +354,29 @@ def _feeds_backward(nodes: list[fx.Node]) -> set[fx.Node]:
     return out
 
 
+_CASTS = frozenset({torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default})
+
+
+def _regathered(nodes: list[fx.Node]) -> set[fx.Node]:
+    """Collectives tagged MUST_RECOMPUTE, and what backward would otherwise keep of them: the
+    waits on them and the views and casts after those (``nodes`` in graph order). Re-gathering
+    a weight but saving its cast copy would keep the full weight alive after all (FSDP's
+    reshard-after-forward frees the gathered weight and everything that holds it)."""
+    out: set[fx.Node] = set()
+    for n in nodes:
+        if n.op != "call_function":
+            continue
+        tag = policy_of(n)
+        if op_class(n) is OpClass.COLLECTIVE and tag is Policy.MUST_RECOMPUTE:
+            out.add(n)
+            continue
+        chained = op_class(n) is OpClass.COLLECTIVE or _is_view(n) or n.target in _CASTS
+        source = n.args[0] if n.args else None
+        if chained and source in out and tag is not Policy.MUST_SAVE:
+            out.add(n)
+    return out
+
+
 def _build(joint: JointGraph) -> CutProblem:
     nodes = [n for n in joint.forward_nodes() if n.op != "output"]
     index = {n: i for i, n in enumerate(nodes)}
@@ -344,7 +384,10 @@ def _build(joint: JointGraph) -> CutProblem:
     read = {n for n in joint.grad_outputs() if isinstance(n, fx.Node)}
     read |= {n for n in nodes if any(u.meta.get(PHASE) is Phase.BACKWARD for u in n.users)}
     feeds = _feeds_backward(nodes)
-    values = tuple(_value(n, i, index, core, n in read, n in feeds) for i, n in enumerate(nodes))
+    again = _regathered(nodes)
+    values = tuple(
+        _value(n, i, index, core, n in read, n in feeds, again) for i, n in enumerate(nodes)
+    )
     problem = CutProblem(joint, values, MappingProxyType(index))
     for v in values:
         if v.read_by_backward and not v.can_save and not v.can_recompute:

@@ -32,7 +32,7 @@ import torch
 
 from ._capture import Path, Reader, captured_constants, reach, swapped
 from ._decomp import Decompositions
-from ._errors import TraceError
+from ._errors import TraceError, UnsupportedOpError
 from ._jit_cache import Cache, Signature, Slot, leaves_order
 from ._joint import joint
 from ._logs import log
@@ -308,9 +308,15 @@ class Jitted(Generic[_P, _R]):
         """The exact path: the entry by its full key (compiled on a miss); the guarded path
         above is the same lookup, cheaper, for trees :class:`Guards` can describe."""
         leaves, spec = leaves_of(tree)
-        tensors, flat = flatten_leaves(leaves, spec, self._opts.static_argnums)
+        try:
+            tensors, flat = flatten_leaves(leaves, spec, self._opts.static_argnums)
+        except UnsupportedOpError as e:  # a tensor subclass it cannot take apart
+            self._warn_once(type(e).__name__, f"{self._owner}: {e}; this call runs as written")
+            raise _AsWritten from e
         if not all(map(_plain, tensors)):
             self._as_written(flat, tensors)
+        if flat.wrappers and torch.is_grad_enabled():
+            self._no_subclass_training(leaves)
         key = (exact_key(flat, tensors), state)
         slot = self._cache.by_key.get(key)
         if slot is None:
@@ -341,6 +347,26 @@ class Jitted(Generic[_P, _R]):
                 stacklevel=4,
             )
         raise _AsWritten
+
+    def _no_subclass_training(self, leaves: list[Any]) -> None:
+        """A tensor subclass (DTensor) that requires grad: compiled entries take subclasses
+        apart, which would cut them off autograd; such calls run as written (same values)."""
+        for x in leaves:
+            if isinstance(x, torch.Tensor) and x.requires_grad and not _plain(x):
+                self._warn_once(
+                    type(x).__qualname__ + ".grad",
+                    f"{self._owner}: a {type(x).__qualname__} that requires grad is an input "
+                    "(or a captured parameter); jit compiles subclass inputs for inference "
+                    "only (under torch.no_grad()), so this call runs as written. Differentiate "
+                    "with ft.grad/ft.vjp, which take DTensors apart, or jit the code inside "
+                    "the FSDP unit (functrans.distributed.jit_blocks).",
+                )
+                raise _AsWritten
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, stacklevel=5)
 
     def _names(self, flat: Flat, *, every_leaf: bool = False) -> list[str]:
         """Readable names of the tensor leaves (every leaf), captured tensors included."""

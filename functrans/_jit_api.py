@@ -13,7 +13,7 @@ from typing import Any, ParamSpec, Protocol, TypeVar, cast, overload
 import torch
 
 from ._decomp import Decompositions
-from ._errors import FunctransError
+from ._errors import FunctransError, UnsupportedOpError
 from ._jit import CACHE_SIZE, Jitted, _Options
 from ._jit_module import JitModule
 from ._partition import Strategy
@@ -132,5 +132,21 @@ def jit(
         cache_size=cache_size,
     )
     if isinstance(f, torch.nn.Module):
+        _refuse_fsdp(f)
         return JitModule(f, opts)
     return Jitted(f, opts)
+
+
+def _refuse_fsdp(module: torch.nn.Module) -> None:
+    """``jit`` of a module FSDP2 shards is refused with the supported way: its parameters are
+    DTensors that FSDP all-gathers in hooks around each unit, outside any trace."""
+    from .distributed import is_fsdp_module
+
+    if any(is_fsdp_module(m) for m in module.modules()):
+        raise UnsupportedOpError(
+            f"jit({type(module).__name__}): the model is sharded with FSDP2 (fully_shard); "
+            "its parameters are gathered by hooks around each FSDP unit, outside any trace. "
+            "Compile the blocks inside the units instead: "
+            "functrans.distributed.jit_blocks(model, partition=...) (see the README, "
+            "'Distributed training')"
+        )

@@ -15,13 +15,13 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ._decomp import Decompositions, decomposition_table
-from ._errors import TraceError
+from ._errors import TraceError, UnsupportedOpError
 from ._graph import JointGraph, Role, assign_phases
 from ._logs import log
 from ._passes import InputSpec, canonicalize, no_gc
-from ._pytree import NAMESPACE, Flat, flatten, unflatten
+from ._pytree import NAMESPACE, Flat, Wrapper, flatten, leaves_of, rebuild_leaves, unflatten
 from ._state import autocast_off
-from ._trace import arg_names, check_inputs, run_traced, trace, trace_module
+from ._trace import arg_names, check_inputs, flatten_args, run_traced, trace, trace_module
 
 __all__ = ["joint", "normalize_argnums"]
 
@@ -104,7 +104,7 @@ def joint(
 
     def build(*args: Any, **kwargs: Any) -> JointGraph:
         nums = normalize_argnums(argnums, len(args))
-        tensors, fn_in = flatten((args, kwargs))
+        tensors, fn_in = flatten_args(f, (args, kwargs))
         check_inputs(f, tensors, fn_in)
         wrt = _diff_leaves(args, nums)
         mask = [i in wrt for i in range(len(tensors))]
@@ -160,10 +160,19 @@ def _joint_function(
     def joint_fn(*leaves: torch.Tensor) -> list[torch.Tensor]:
         primals, cots = list(leaves[:n_primals]), list(leaves[n_primals:])
         with torch.enable_grad():
-            a, kw = unflatten(fn_in, primals)
-            outs, _ = flatten(f(*a, **kw))
-            wrt = [primals[i] for i in wrt_index]
-            diff_outs = [o for o, w in zip(outs, wants_tangent, strict=True) if w]
+            # tensor subclasses (DTensor) are differentiated as themselves: rebuilt around
+            # their inner tensors, their gradients taken apart again below
+            rebuilt = rebuild_leaves(fn_in, primals)
+            for i in wrt_index:
+                if rebuilt[i] is not primals[i] and not rebuilt[i].requires_grad:
+                    rebuilt[i].requires_grad_()
+            a, kw = unflatten(fn_in, rebuilt, rebuilt=True)
+            result = f(*a, **kw)
+            outs, _ = flatten(result)
+            raw = [t for t in leaves_of(result)[0] if isinstance(t, torch.Tensor)]
+            wrt = [rebuilt[i] for i in wrt_index]
+            diff_outs = [o for o, w in zip(raw, wants_tangent, strict=True) if w]
+            cots = [_like(o, t) for o, t in zip(diff_outs, cots, strict=True)]
             pairs = [(o, t) for o, t in zip(diff_outs, cots, strict=True) if o.requires_grad]
             grads: Sequence[torch.Tensor | None] = [None] * len(wrt)
             if pairs and wrt:
@@ -174,11 +183,50 @@ def _joint_function(
                         [o for o, _ in pairs], wrt, [t for _, t in pairs], allow_unused=True
                     )
         full = [
-            g if g is not None else torch.zeros_like(w) for g, w in zip(grads, wrt, strict=True)
+            _inner_grad(g if g is not None else torch.zeros_like(w), w)
+            for g, w in zip(grads, wrt, strict=True)
         ]
         return [o.detach() for o in outs] + [g.detach() for g in full]
 
     return joint_fn
+
+
+def _like(out: torch.Tensor, tangent: torch.Tensor) -> torch.Tensor:
+    """``tangent`` (a plain tensor) as the same tensor subclass as ``out``. A cotangent lives in
+    the dual space: where a DTensor output is Partial (a pending sum), its cotangent is
+    Replicate (what ``torch.ones_like`` of it gives, and what eager ``backward()`` uses)."""
+    wrapper = Wrapper.of(out)
+    if wrapper is None:
+        return tangent
+    rebuilt = wrapper.rebuild(tangent)
+    placements = getattr(out, "placements", None)
+    if placements is not None and any(p.is_partial() for p in placements):
+        from torch.distributed.tensor import DTensor, Replicate
+
+        dual = [Replicate() if p.is_partial() else p for p in placements]
+        mesh = getattr(out, "device_mesh")  # noqa: B009  # a DTensor's, untyped for mypy
+        rebuilt = DTensor.from_local(
+            tangent, mesh, dual, run_check=False, shape=out.shape, stride=out.stride()
+        )
+    return rebuilt
+
+
+def _inner_grad(g: torch.Tensor, wrt: torch.Tensor) -> torch.Tensor:
+    """The gradient ``g`` of ``wrt`` as what its graph output holds: for a tensor subclass, its
+    inner tensor, laid out as ``wrt`` is (a DTensor gradient is redistributed to ``wrt``'s
+    placements first)."""
+    wrapper = Wrapper.of(wrt)
+    if wrapper is None:
+        return g
+    if hasattr(g, "redistribute") and hasattr(wrt, "placements"):
+        g = g.redistribute(getattr(wrt, "device_mesh"), getattr(wrt, "placements"))  # noqa: B009
+    found = Wrapper.of(g)
+    if found is None or found.cls is not wrapper.cls or found.size != wrapper.size:
+        raise UnsupportedOpError(
+            f"the gradient of a {type(wrt).__qualname__} input is laid out differently from "
+            "the input; functrans cannot return it as the input's inner tensor"
+        )
+    return found.inner(g)
 
 
 def _eval_shape(

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ._cost import is_random
+from ._cost import is_collective, is_random
 from ._graph import PATH, ROLE, SOURCE, Role
 from ._tags import REMAT
 
@@ -130,8 +130,10 @@ def cse_key(node: fx.Node, env: dict[fx.Node, Any]) -> Any:
         target is operator.getitem or isinstance(target, torch._ops.OpOverload)
     ):
         return None
-    if isinstance(target, torch._ops.OpOverload) and (target._schema.is_mutable or is_random(node)):
-        return None
+    if isinstance(target, torch._ops.OpOverload) and (
+        target._schema.is_mutable or is_random(node) or is_collective(node)
+    ):
+        return None  # each collective is a message the other ranks expect: never merged
     args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
     try:
         return (target, _frozen(args), _frozen(kwargs), node.meta.get(REMAT))
@@ -142,8 +144,8 @@ def cse_key(node: fx.Node, env: dict[fx.Node, Any]) -> Any:
 def eliminate_dead_code(graph: fx.Graph, keep: Callable[[fx.Node], bool] | None = None) -> None:
     """Remove every op whose value nothing uses (in place, on a graph this pass owns)."""
     for node in reversed(list(graph.nodes)):
-        if node.op in ("placeholder", "output") or node.users:
-            continue
+        if node.op in ("placeholder", "output") or node.users or is_collective(node):
+            continue  # an unused collective is still a message the other ranks wait for
         if keep is not None and keep(node):
             continue
         graph.erase_node(node)

@@ -20,7 +20,7 @@ from typing import Any, Generic, TypeVar
 import optree
 import torch
 
-from ._errors import TraceError
+from ._errors import TraceError, UnsupportedOpError
 
 NAMESPACE = "functrans"
 
@@ -28,17 +28,69 @@ __all__ = [
     "NAMESPACE",
     "Flat",
     "Guards",
+    "Wrapper",
     "check_matches",
     "exact_key",
     "flatten",
     "flatten_leaves",
     "leaves_of",
+    "rebuild_leaves",
     "tensor_leaves",
     "unflatten",
     "unwrap_static",
     "wrap_static",
     "wrap_tree",
 ]
+
+
+@dataclass(frozen=True)
+class Wrapper:
+    """A traceable tensor subclass (``__tensor_flatten__``, e.g. DTensor) with one inner
+    tensor, as static metadata: the leaf is its inner tensor, :meth:`rebuild` puts it back."""
+
+    cls: type
+    attr: str
+    ctx: Any
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    opaque: tuple[tuple[str, Any], ...] = ()  # inner attributes that are not tensors (a mesh)
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> Wrapper | None:
+        """The wrapper of ``t``, None for a plain tensor; raises for a subclass functrans
+        cannot take apart (several inner tensors, or no ``__tensor_flatten__``)."""
+        if type(t) in _PLAIN or not is_traceable_wrapper_subclass(t):
+            return None
+        attrs, ctx = t.__tensor_flatten__()  # type: ignore[attr-defined]
+        tensors = [a for a in attrs if isinstance(getattr(t, a), torch.Tensor)]
+        if len(tensors) != 1:
+            raise UnsupportedOpError(
+                f"a {type(t).__qualname__} holds {len(tensors)} inner tensors ({tensors}); "
+                "functrans takes apart tensor subclasses with one inner tensor (DTensor...)"
+            )
+        opaque = tuple((a, getattr(t, a)) for a in attrs if a != tensors[0])
+        return cls(type(t), tensors[0], ctx, tuple(t.size()), tuple(t.stride()), opaque)
+
+    def inner(self, t: torch.Tensor) -> torch.Tensor:
+        """The inner tensor of ``t`` (a subclass instance like the one this describes)."""
+        found: torch.Tensor = getattr(t, self.attr)
+        return found
+
+    def rebuild(self, inner: torch.Tensor) -> torch.Tensor:
+        """The subclass instance around ``inner`` (not connected to ``inner`` by autograd)."""
+        rebuilt: torch.Tensor = self.cls.__tensor_unflatten__(  # type: ignore[attr-defined]
+            {self.attr: inner, **dict(self.opaque)}, self.ctx, self.size, self.stride
+        )
+        return rebuilt
+
+
+_PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
+
+
+def is_traceable_wrapper_subclass(t: Any) -> bool:
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass as check
+
+    return bool(check(t))
 
 
 @dataclass(frozen=True)
@@ -49,6 +101,9 @@ class Flat:
     is_tensor: tuple[bool, ...]
     static: tuple[Any, ...]  # value for static leaves, None placeholder for tensor leaves
     static_argnums: tuple[int, ...] = ()  # for a tree ``(args, kwargs)``: args kept opaque
+    #: per tensor leaf: how to rebuild the tensor subclass (DTensor...) whose inner tensor the
+    #: leaf is, or None for a plain tensor; empty when every tensor leaf is plain
+    wrappers: tuple[Wrapper | None, ...] = ()
 
     @property
     def num_tensors(self) -> int:
@@ -100,11 +155,28 @@ def flatten_leaves(
     is_tensor = tuple([isinstance(x, torch.Tensor) for x in leaves])
     static = tuple([None if t else x for x, t in zip(leaves, is_tensor, strict=True)])
     tensors = list(itertools.compress(leaves, is_tensor))
-    return tensors, Flat(spec, is_tensor, static, static_argnums)
+    wrappers: tuple[Wrapper | None, ...] = ()
+    if not all(type(t) in _PLAIN for t in tensors):
+        wrappers = tuple(Wrapper.of(t) for t in tensors)
+        tensors = [t if w is None else w.inner(t) for t, w in zip(tensors, wrappers, strict=True)]
+        if not any(wrappers):
+            wrappers = ()
+    return tensors, Flat(spec, is_tensor, static, static_argnums, wrappers)
 
 
-def unflatten(flat: Flat, tensors: Sequence[Any]) -> Any:
-    """Inverse of :func:`flatten`: put ``tensors`` back between the static leaves."""
+def rebuild_leaves(flat: Flat, tensors: Sequence[Any]) -> list[Any]:
+    """``tensors`` (inner tensors for subclass leaves) as the leaves the tree held: subclass
+    instances rebuilt around their inner tensors."""
+    if not flat.wrappers:
+        return list(tensors)
+    return [t if w is None else w.rebuild(t) for t, w in zip(tensors, flat.wrappers, strict=True)]
+
+
+def unflatten(flat: Flat, tensors: Sequence[Any], *, rebuilt: bool = False) -> Any:
+    """Inverse of :func:`flatten`: put ``tensors`` back between the static leaves (``rebuilt``:
+    subclass leaves are already rebuilt, see :func:`rebuild_leaves`)."""
+    if flat.wrappers and not rebuilt:
+        tensors = rebuild_leaves(flat, tensors)
     if flat.all_tensors:
         leaves: Sequence[Any] = tensors
     else:
@@ -131,7 +203,7 @@ def exact_key(flat: Flat, tensors: Sequence[torch.Tensor]) -> Any:
         (type(t), t.shape, t.stride(), t.dtype, t.device, t.requires_grad, _dispatch_keys(t))
         for t in tensors
     )
-    return (flat.spec, statics, meta)
+    return (flat.spec, statics, meta, flat.wrappers)
 
 
 def _dispatch_keys(t: torch.Tensor) -> int:
@@ -281,6 +353,8 @@ class _Guard:
         if _TENSOR_GUARDS is None:
             return None
         tensors = [leaves[i] for i in order]
+        if not all(type(t) in _PLAIN for t in tensors):
+            return None  # tensor subclasses (DTensor...): the exact path takes them apart
         if any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors):
             return None  # torch unwraps dead functorch wrappers on every call
         if not all(_by_identity(x) for x in leaves if not isinstance(x, torch.Tensor)):

@@ -35,7 +35,7 @@ from ._format import op_name
 from ._graph import SOURCE, Graph, Role
 from ._logs import log
 from ._passes import InputSpec, canonicalize, identifier
-from ._pytree import Flat, flatten, unflatten
+from ._pytree import NAMESPACE, Flat, Wrapper, flatten, unflatten
 from ._rng import seeded_then_drew, tracing_guard
 from ._state import autocast_off
 
@@ -43,6 +43,7 @@ __all__ = [
     "Decompositions",
     "arg_names",
     "check_inputs",
+    "flatten_args",
     "is_tracing",
     "run_traced",
     "trace",
@@ -96,6 +97,27 @@ def user_frame(exc: BaseException) -> traceback.FrameSummary | None:
         if not fr.filename.startswith(LIBRARY_DIRS) and not fr.filename.startswith("<")
     ]
     return frames[-1] if frames else None
+
+
+def flatten_args(
+    f: Callable[..., Any], tree: Any, static_argnums: tuple[int, ...] = ()
+) -> tuple[list[torch.Tensor], Flat]:
+    """:func:`flatten` of ``(args, kwargs)``; a tensor subclass functrans cannot take apart is
+    an :class:`UnsupportedOpError` naming the argument."""
+    try:
+        return flatten(tree, static_argnums=static_argnums)
+    except UnsupportedOpError as e:
+        leaves, spec = optree.tree_flatten(tree, namespace=NAMESPACE)
+        flat = Flat(spec, tuple(False for _ in leaves), tuple(leaves))
+        names = arg_names(f, flat, every_leaf=True)
+        for name, leaf in zip(names, leaves, strict=True):
+            try:
+                Wrapper.of(leaf) if isinstance(leaf, torch.Tensor) else None
+            except UnsupportedOpError:
+                raise UnsupportedOpError(
+                    f"{getattr(f, '__qualname__', f)}: input {name}: {e}"
+                ) from e
+        raise
 
 
 def check_inputs(f: Callable[..., Any], tensors: Sequence[torch.Tensor], flat: Flat) -> None:
@@ -392,7 +414,7 @@ def trace(
     table = decomposition_table(decompositions)
 
     def traced(*args: Any, **kwargs: Any) -> Graph:
-        tensors, in_flat = flatten((args, kwargs), static_argnums=tuple(static_argnums))
+        tensors, in_flat = flatten_args(f, (args, kwargs), tuple(static_argnums))
         check_inputs(f, tensors, in_flat)
         names = arg_names(f, in_flat)
         out_box: list[Flat] = []

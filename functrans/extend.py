@@ -54,6 +54,7 @@ from ._cost import COMPUTE_INTENSIVE as COMPUTE_INTENSIVE
 from ._cost import OpClass as OpClass
 from ._cost import activation_bytes as activation_bytes
 from ._cost import flops as flops
+from ._cost import is_collective as is_collective
 from ._cost import is_input_alias as is_input_alias
 from ._cost import is_random as is_random
 from ._cost import nbytes as nbytes

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ._cost import COMPUTE_INTENSIVE
+from ._cost import COLLECTIVE_NAMESPACES, COMPUTE_INTENSIVE
 from ._errors import FunctransError
 from ._tags import Policy, PolicyFn, PolicyLike
 
@@ -34,6 +34,7 @@ __all__ = [
     "everything_saveable",
     "normalize",
     "nothing_saveable",
+    "reshard_after_forward",
     "save_any_names_but_these",
     "save_from_both_policies",
     "save_only_these_names",
@@ -130,6 +131,26 @@ def save_any_names_but_these(*names: str) -> PolicyFn:
         return op is _name_op() and args[1] not in unwanted
 
     return policy
+
+
+def _is_all_gather(op: Any) -> bool:
+    packet = _packet(op)
+    name = getattr(packet, "_qualified_op_name", str(packet))
+    return name.split("::")[0] in COLLECTIVE_NAMESPACES and "all_gather" in name
+
+
+def reshard_after_forward(op: Any, *args: Any, **kwargs: Any) -> Policy:
+    """Re-gather weights in backward instead of keeping them (what FSDP's
+    ``reshard_after_forward=True`` does eagerly): every all-gather is ``MUST_RECOMPUTE``, and
+    with it its wait and the views and casts after it; everything else ``PREFER_SAVE`` (the
+    strategy decides). Collectives are otherwise never recomputed.
+
+    >>> import torch
+    >>> gather = torch.ops._c10d_functional.all_gather_into_tensor.default
+    >>> reshard_after_forward(gather).name, reshard_after_forward(torch.ops.aten.mm.default).name
+    ('MUST_RECOMPUTE', 'PREFER_SAVE')
+    """
+    return Policy.MUST_RECOMPUTE if _is_all_gather(op) else Policy.PREFER_SAVE
 
 
 def save_ops(*ops: Any) -> PolicyFn:

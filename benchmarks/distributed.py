@@ -1,0 +1,233 @@
+"""Distributed benchmark: FSDP-style training on 2 CPU processes (gloo), per rank.
+
+A 4-block MLP-mixer-style stack (LayerNorm, two Linears, GELU, residual; width 256, batch 64
+per rank) trained with:
+
+- eager FSDP2 (``fully_shard`` per block and the root), and FSDP2 with each block's forward
+  under ``torch.compile`` (``--no-compile`` skips it);
+- FSDP2 + ``ft.distributed.jit_blocks`` with ``default``, ``min_cut`` and ``memory_budget``;
+- functrans' own FSDP-style step: each weight a shard all-gathered with
+  ``all_gather_tensor_autograd`` inside one ``ft.jit``'d loss, ``min_cut`` with
+  ``policies.reshard_after_forward`` (the gathered weights are re-gathered in backward, as
+  FSDP2 does eagerly).
+
+Activation bytes: bytes of the distinct storages autograd saves during one forward (packed by
+``saved_tensors_hooks``), parameters (sharded, unsharded or gathered copies FSDP frees) not
+counted; for the functrans FSDP-style step, what its partition saves (gathered weights are
+recomputed, so none of them). Step time: median forward+backward over interleaved rounds.
+
+    python -m benchmarks.distributed [--quick] [--no-compile] [--steps N]
+
+Writes ``benchmarks/results/distributed.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+import functrans as ft
+from benchmarks import output_path
+from functrans import policies
+
+RESULTS = Path(__file__).resolve().parent / "results" / "distributed.json"
+
+
+class Block(torch.nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.ln = torch.nn.LayerNorm(d)
+        self.fc1, self.fc2 = torch.nn.Linear(d, 2 * d), torch.nn.Linear(2 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(F.gelu(self.fc1(self.ln(x))))
+
+
+class Stack(torch.nn.Module):
+    def __init__(self, d: int, layers: int) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(Block(d) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x.pow(2).mean()
+
+
+def fsdp(model: Stack) -> Stack:
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    return model
+
+
+def saved_bytes(step: Callable[[], torch.Tensor], params: Callable[[], set[int]]) -> int:
+    """Bytes of distinct storages autograd saves while ``step`` runs its forward, parameter
+    storages (read when packing) excluded."""
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key not in params() and isinstance(t, torch.Tensor) and not hasattr(t, "to_local"):
+            seen[key] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = step()
+    loss.backward()
+    return sum(seen.values())
+
+
+def _param_storages(models: list[torch.nn.Module], extra: list[torch.Tensor]) -> set[int]:
+    out = {t.untyped_storage().data_ptr() for t in extra}
+    for m in models:
+        for p in m.parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            out.add(local.untyped_storage().data_ptr())
+    return out
+
+
+def worker(rank: int, world: int, port: int, opts: dict[str, Any], queue: Any) -> None:
+    warnings.filterwarnings("ignore")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120)
+    )
+    torch.set_num_threads(1)
+    d, layers, batch = (64, 2, 16) if opts["quick"] else (256, 4, 64)
+    torch.manual_seed(0)
+    base = Stack(d, layers)
+    x = torch.randn(batch, d, generator=torch.Generator().manual_seed(rank))
+    models: dict[str, Stack] = {"eager FSDP2": fsdp(copy.deepcopy(base))}
+    if opts["compile"]:
+        m = fsdp(copy.deepcopy(base))
+        for block in m.blocks:
+            block.forward = torch.compile(block.forward)  # type: ignore[method-assign]
+        models["FSDP2 + torch.compile"] = m
+    for strategy, options in (("default", {}), ("min_cut", {}), ("memory_budget", {"budget": 0.3})):
+        m = ft.distributed.jit_blocks(fsdp(copy.deepcopy(base)), partition=strategy, **options)
+        models[f"FSDP2 + functrans {strategy}"] = m
+    steps: dict[str, Callable[[], torch.Tensor]] = {
+        k: (lambda m=m: m(x)) for k, m in models.items()
+    }
+
+    # functrans' own FSDP-style step: shards gathered inside the traced loss
+    shards = {
+        name: p.detach().chunk(world)[rank].clone().requires_grad_()
+        if p.dim()
+        else p.detach().clone().requires_grad_()
+        for name, p in base.named_parameters()
+    }
+    shapes = {name: p.shape for name, p in base.named_parameters()}
+
+    def loss(shards: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        full = {
+            n: funcol.all_gather_tensor_autograd(s, 0, dist.group.WORLD).view(shapes[n])
+            for n, s in shards.items()
+        }
+        return torch.func.functional_call(base, full, (x,))
+
+    resharded = ft.jit(ft.remat(loss, policy=policies.reshard_after_forward), partition="min_cut")
+    label = "functrans FSDP-style min_cut + reshard_after_forward"
+    steps[label] = lambda: resharded(shards, x)
+
+    eager_loss = steps["eager FSDP2"]().item()
+    for name, step in steps.items():
+        got = step()
+        assert abs(got.item() - eager_loss) < 1e-4 * max(1.0, abs(eager_loss)), (name, got)
+        got.backward()
+    params = lambda: _param_storages(list(models.values()), list(shards.values()))  # noqa: E731
+    activation = {name: saved_bytes(step, params) for name, step in steps.items()}
+    resharded_partitions = resharded.partitions()
+    activation[label] = sum(p.activation_bytes for p in resharded_partitions)
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    for _ in range(opts["steps"]):
+        for name, step in steps.items():
+            dist.barrier()
+            start = time.perf_counter()
+            step().backward()
+            times[name].append(time.perf_counter() - start)
+    seconds = {k: statistics.median(v) for k, v in times.items()}
+    base_s, base_b = seconds["eager FSDP2"], activation["eager FSDP2"]
+    queue.put(
+        (
+            rank,
+            {
+                "activation_bytes": activation,
+                "activation_vs_eager_fsdp2": {k: v / base_b for k, v in activation.items()},
+                "seconds": seconds,
+                "time_vs_eager_fsdp2": {k: v / base_s for k, v in seconds.items()},
+                "regathered_in_backward": sum(
+                    1
+                    for p in resharded_partitions
+                    for n in p.recomputed
+                    if "all_gather" in str(n.target)
+                ),
+            },
+        )
+    )
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--out", type=Path)
+    a = ap.parse_args()
+    opts = {"quick": a.quick, "compile": not a.no_compile, "steps": 3 if a.quick else a.steps}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=worker, args=(r, 2, port, opts, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=1800) for _ in procs)
+    for p in procs:
+        p.join()
+    out_json = {
+        "world": 2,
+        "backend": "gloo",
+        "torch": torch.__version__,
+        "ranks": [results[r] for r in range(2)],
+    }
+    for r in range(2):
+        print(f"rank {r}")
+        for key in ("activation_vs_eager_fsdp2", "time_vs_eager_fsdp2"):
+            print(
+                " ", key, json.dumps({k: round(v, 3) for k, v in results[r][key].items()}, indent=3)
+            )
+    out = output_path(a.out, RESULTS, a.quick)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(out_json, indent=1) + "\n")
+    print("wrote", out)
+
+
+if __name__ == "__main__":
+    main()
