@@ -37,7 +37,16 @@ from ._jit_cache import Cache, Signature, Slot, leaves_order
 from ._joint import joint
 from ._logs import log
 from ._partition import Partition, Strategy, partition
-from ._pytree import Flat, exact_key, flatten_leaves, leaves_of, unflatten, wrap_static
+from ._pytree import (
+    Flat,
+    Wrapper,
+    exact_key,
+    flatten_leaves,
+    leaves_of,
+    rebuild_leaves,
+    unflatten,
+    wrap_static,
+)
 from ._stack import transform_frame
 from ._state import ModuleFlags, State, autocast_off, capture, grad_enabled, no_autocast
 from ._trace import _TRACING, arg_names, is_tracing, trace
@@ -101,6 +110,8 @@ class _Entry:
     num_inputs: int
     partition: Partition | None
     copies: dict[int, int]  # flat output -> flat input it is an unmodified copy of
+    #: inputs or outputs are tensor subclasses (DTensor): taken apart around the graphs
+    subclass: bool = False
 
     @functools.cached_property
     def frozen(self) -> tuple[int, ...]:
@@ -136,6 +147,77 @@ class _Apply(torch.autograd.Function):
         return (None, *flat_grads, *([None] * (entry.num_inputs - entry.num_diff)))
 
 
+class _ApplySubclass(torch.autograd.Function):
+    """:class:`_Apply` for tensor-subclass (DTensor) inputs and outputs: autograd sees the
+    subclass tensors themselves; the compiled graphs take and give their inner tensors."""
+
+    @staticmethod
+    def forward(ctx: Any, entry: _Entry, *tensors: torch.Tensor) -> Any:
+        n = len(entry.out_meta)
+        ctx.ins = [Wrapper.of(t) for t in tensors]
+        flat = entry.forward(*_inner(tensors))
+        ctx.entry = entry
+        ctx.save_for_backward(*flat[n:])
+        outs = rebuild_leaves(entry.out_flat, flat[:n])
+        if entry.frozen:
+            ctx.mark_non_differentiable(*[outs[i] for i in entry.frozen])
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
+        entry: _Entry = ctx.entry
+        assert entry.backward is not None
+        wrappers = entry.out_flat.wrappers or (None,) * len(grads)
+        tangents = [
+            _inner_tangent(g, w, m)
+            for g, w, m in zip(grads, wrappers, entry.out_meta, strict=True)
+            if m.takes_tangent
+        ]
+        with autocast_off():
+            flat_grads = entry.backward(*ctx.saved_tensors, *tangents)
+        ins = ctx.ins[: entry.num_diff]
+        wrapped = [g if w is None else w.rebuild(g) for g, w in zip(flat_grads, ins, strict=True)]
+        return (None, *wrapped, *([None] * (entry.num_inputs - entry.num_diff)))
+
+
+def _inner(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The inner tensors of subclass tensors (DTensor: its local tensor); plain ones as is."""
+    out = []
+    for t in tensors:
+        w = Wrapper.of(t)
+        out.append(t if w is None else w.inner(t))
+    return out
+
+
+def _inner_tangent(g: torch.Tensor | None, wrapper: Wrapper | None, meta: _OutMeta) -> Any:
+    """The graph's tangent from autograd's gradient of an output: zeros for None, the inner
+    tensor for a subclass (a DTensor laid out as the traced cotangent first: Replicate where the
+    output is Partial)."""
+    if g is None:
+        return meta.zeros()
+    if wrapper is not None and hasattr(g, "redistribute"):
+        placements = [p for p in getattr(g, "placements", ())]
+        wanted = [Replicate() if p.is_partial() else p for p in _dtensor_placements(wrapper)]
+        if placements != wanted:
+            g = g.redistribute(getattr(g, "device_mesh"), wanted)  # noqa: B009
+    if wrapper is not None:
+        found = Wrapper.of(g)
+        g = g if found is None else found.inner(g)
+    return g.contiguous()
+
+
+def _dtensor_placements(wrapper: Wrapper) -> tuple[Any, ...]:
+    """A DTensor wrapper's placements (its flatten context starts with them)."""
+    ctx = wrapper.ctx
+    return tuple(ctx[0]) if isinstance(ctx, tuple) and ctx else ()
+
+
+def Replicate() -> Any:  # torch's class, imported when a DTensor needs it
+    from torch.distributed.tensor import Replicate as replicate
+
+    return replicate()
+
+
 # Function.apply without its Python layer, for guarded calls (functorch transforms never reach
 # them: those calls run the function as written)
 _apply: Callable[..., Any] = super(torch.autograd.Function, _Apply).apply
@@ -156,9 +238,13 @@ class _Options:
 class _Retry(Exception):
     """A compile found captured tensors to lift: read them and look the call up again."""
 
+    __functrans_control_flow__ = True
+
 
 class _AsWritten(Exception):
     """The call cannot be compiled (tensor subclasses): run the function as written."""
+
+    __functrans_control_flow__ = True
 
 
 _functorch_active = torch._C._are_functorch_transforms_active
@@ -169,6 +255,9 @@ def inline() -> bool:
     (``vmap``, ``grad``, ``jvp``: they must see the ops) and inside another functrans trace
     (the outer graph records the ops, as a nested ``jax.jit`` inlines)."""
     return bool(_functorch_active()) or is_tracing()
+
+
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
 def _plain(t: torch.Tensor) -> bool:
@@ -274,6 +363,10 @@ class Jitted(Generic[_P, _R]):
                     continue
                 apply = _Apply.apply
             entry = slot.entry
+            if entry.subclass:
+                apply = _ApplySubclass.apply
+                if entry.backward is None:
+                    ordered = _inner(ordered)
             if state.autocast_cpu is not None or state.autocast_cuda is not None:  # no_autocast
                 with no_autocast(state):
                     return _execute(apply, entry, ordered), entry, ordered
@@ -315,8 +408,9 @@ class Jitted(Generic[_P, _R]):
             raise _AsWritten from e
         if not all(map(_plain, tensors)):
             self._as_written(flat, tensors)
-        if flat.wrappers and torch.is_grad_enabled():
-            self._no_subclass_training(leaves)
+        if flat.wrappers:  # subclass tensors stay whole here: trace and joint take them apart
+            tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+            flat = dataclasses.replace(flat, wrappers=())
         key = (exact_key(flat, tensors), state)
         slot = self._cache.by_key.get(key)
         if slot is None:
@@ -347,21 +441,6 @@ class Jitted(Generic[_P, _R]):
                 stacklevel=4,
             )
         raise _AsWritten
-
-    def _no_subclass_training(self, leaves: list[Any]) -> None:
-        """A tensor subclass (DTensor) that requires grad: compiled entries take subclasses
-        apart, which would cut them off autograd; such calls run as written (same values)."""
-        for x in leaves:
-            if isinstance(x, torch.Tensor) and x.requires_grad and not _plain(x):
-                self._warn_once(
-                    type(x).__qualname__ + ".grad",
-                    f"{self._owner}: a {type(x).__qualname__} that requires grad is an input "
-                    "(or a captured parameter); jit compiles subclass inputs for inference "
-                    "only (under torch.no_grad()), so this call runs as written. Differentiate "
-                    "with ft.grad/ft.vjp, which take DTensors apart, or jit the code inside "
-                    "the FSDP unit (functrans.distributed.jit_blocks).",
-                )
-                raise _AsWritten
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
@@ -489,7 +568,8 @@ class Jitted(Generic[_P, _R]):
         decompositions = self._opts.decompositions
         if decompositions == "auto":
             decompositions = getattr(backend, "decompositions", "core")
-        inputs = [*example[0], *example[1]]
+        inputs = _inner([*example[0], *example[1]])
+        subclass = any(type(t) not in _PLAIN_TYPES for t in [*example[0], *example[1]])
         t0 = time.perf_counter()
         if not training:
             g = trace(flat_f, decompositions=decompositions)(*example)
@@ -507,6 +587,7 @@ class Jitted(Generic[_P, _R]):
                 num_inputs=len(inputs),
                 partition=None,
                 copies=_copies(g.placeholders(), vals),
+                subclass=subclass or bool(g.out_flat.wrappers),
             )
             return entry, g.graph_module
         jg = joint(flat_f, argnums=0, decompositions=decompositions)(*example)
@@ -543,6 +624,7 @@ class Jitted(Generic[_P, _R]):
             num_inputs=len(inputs),
             partition=p,
             copies=_copies(primals, jg.forward_outputs()),
+            subclass=subclass or bool(jg.fn_out.wrappers),
         )
         return entry, jg.graph_module
 

@@ -242,7 +242,11 @@ def _eval_shape(
     def run() -> Any:
         with mode, torch.enable_grad():
             leaves = [t.detach().requires_grad_(m) for t, m in zip(fakes, mask, strict=True)]
-            a, kw = unflatten(fn_in, leaves)
+            rebuilt = rebuild_leaves(fn_in, leaves)  # a subclass requires grad itself
+            for r, leaf, m in zip(rebuilt, leaves, mask, strict=True):
+                if r is not leaf and m and not r.requires_grad:
+                    r.requires_grad_()
+            a, kw = unflatten(fn_in, rebuilt, rebuilt=True)
             return f(*a, **kw)
 
     out = run_traced(run, f)

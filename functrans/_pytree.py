@@ -169,7 +169,10 @@ def rebuild_leaves(flat: Flat, tensors: Sequence[Any]) -> list[Any]:
     instances rebuilt around their inner tensors."""
     if not flat.wrappers:
         return list(tensors)
-    return [t if w is None else w.rebuild(t) for t, w in zip(tensors, flat.wrappers, strict=True)]
+    return [  # idempotent: a leaf already of the subclass stays as it is
+        t if w is None or isinstance(t, w.cls) else w.rebuild(t)
+        for t, w in zip(tensors, flat.wrappers, strict=True)
+    ]
 
 
 def unflatten(flat: Flat, tensors: Sequence[Any], *, rebuilt: bool = False) -> Any:
@@ -201,6 +204,7 @@ def exact_key(flat: Flat, tensors: Sequence[torch.Tensor]) -> Any:
         statics = tuple((k, repr(s)) for k, s in statics)
     meta = tuple(
         (type(t), t.shape, t.stride(), t.dtype, t.device, t.requires_grad, _dispatch_keys(t))
+        + (() if type(t) in _PLAIN else (Wrapper.of(t),))  # a DTensor's placements, mesh
         for t in tensors
     )
     return (flat.spec, statics, meta, flat.wrappers)

@@ -48,6 +48,8 @@ _STACK: contextvars.ContextVar[tuple[Frame, ...]] = contextvars.ContextVar(
     "functrans_transform_stack", default=()
 )
 _NAMED = "__functrans_stack_named__"
+#: Class attribute of functrans' internal control-flow exceptions (a retry): never renamed.
+CONTROL_FLOW = "__functrans_control_flow__"
 
 
 class TransformError(FunctransError):
@@ -88,7 +90,7 @@ def transform_frame(transform: str, fn: Callable[..., Any]) -> Iterator[None]:
     try:
         yield
     except Exception as e:
-        if len(frames) < 2 or getattr(e, _NAMED, False):
+        if len(frames) < 2 or getattr(e, _NAMED, False) or getattr(e, CONTROL_FLOW, False):
             raise
         named = _name(e, frames)
         if named is e:

@@ -179,6 +179,13 @@ def dtensor_arguments(rank: int, world: int) -> dict[str, Any]:
     def gathered(x: Any, w: Any) -> torch.Tensor:  # all-gathers in forward: a plain output
         return torch.tanh((x @ w).full_tensor()).pow(2).sum()
 
+    for strategy in ("default", "min_cut"):  # jit training: DTensor in, DTensor grads out
+        w_leaf = dw.detach().clone().requires_grad_()
+        ft.jit(gathered, partition=strategy)(dx, w_leaf).backward()
+        ref_w = dw.detach().clone().requires_grad_()
+        gathered(dx, ref_w).backward()
+        assert w_leaf.grad.placements == ref_w.grad.placements
+        torch.testing.assert_close(w_leaf.grad.to_local(), ref_w.grad.to_local(), msg=strategy)
     jg = ft.joint(gathered, argnums=1)(dx, dw)
     out["collectives"] = [str(n.target) for n in jg.ops() if is_collective(n)]
     ref_w = dw.detach().clone().requires_grad_()
@@ -191,8 +198,8 @@ def dtensor_arguments(rank: int, world: int) -> dict[str, Any]:
 
 def tensor_parallel_blocks(rank: int, world: int) -> dict[str, Any]:
     """An MLP and an attention block under parallelize_module (Colwise/RowwiseParallel):
-    ``ft.jit`` of the block equals eager TP, compiled for inference and as written (same
-    values) when the DTensor parameters require grad."""
+    ``ft.jit`` of the block equals eager TP, compiled for inference and for training (DTensor
+    parameters get DTensor gradients); three training steps with SGD."""
     import copy
 
     from torch.distributed.device_mesh import init_device_mesh
@@ -241,13 +248,19 @@ def tensor_parallel_blocks(rank: int, world: int) -> dict[str, Any]:
         ours = ft.jit(parallelize_module(copy.deepcopy(module), mesh, plan))
         with torch.no_grad():
             torch.testing.assert_close(ours(x), eager(x), msg=name)
+        opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (eager, ours)]
+        for _ in range(3):
+            for m, opt in zip((eager, ours), opts, strict=True):
+                m(x).pow(2).mean().backward()
+                opt.step()
+            for (pname, a), (_, b) in zip(
+                eager.named_parameters(), ours.named_parameters(), strict=True
+            ):
+                torch.testing.assert_close(_local(b.grad), _local(a.grad), msg=pname)
+                torch.testing.assert_close(_local(b), _local(a), msg=pname)
+            for opt in opts:
+                opt.zero_grad()
         compiled[name] = ours.cache_info().misses
-        eager(x).pow(2).mean().backward()
-        ours(x).pow(2).mean().backward()
-        for (pname, a), (_, b) in zip(
-            eager.named_parameters(), ours.named_parameters(), strict=True
-        ):
-            torch.testing.assert_close(_local(b.grad), _local(a.grad), msg=pname)
     return compiled
 
 

@@ -442,3 +442,14 @@ def test_vmap_of_jit_compiles_the_batched_function(monkeypatch):
     for _ in range(3):
         assert_close(batched(x, w), tf.vmap(lambda x, w: torch.tanh(x @ w), (0, None))(x, w))
     assert len(compiles) == 1
+
+
+def test_vmap_of_jit_with_captured_tensors_lifts_them():
+    """The batched jit of ``vmap(jit(f))`` lifts what ``f`` captures (its internal retry is not
+    an error of the user's), and a replaced capture is seen."""
+    holder = {"w": torch.randn(3, 2)}
+    batched = ft.vmap(ft.jit(lambda x: torch.tanh(x @ holder["w"])))
+    x = torch.randn(4, 5, 3)
+    assert_close(batched(x), torch.tanh(x @ holder["w"]))
+    holder["w"] = torch.randn(3, 2)
+    assert_close(batched(x), torch.tanh(x @ holder["w"]))
