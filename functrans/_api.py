@@ -124,12 +124,12 @@ def _value_and_grad_fn(
             return _torch_func_value_and_grad(f, argnums, has_aux, args, kwargs)
         if is_tracing():  # inside another functrans trace: the outer trace records the backward
             value, grads = inline_value_and_grad(f, argnums, has_aux, args, kwargs)
-            _scalar_output(f, value, has_aux)
+            scalar_output(f, value, has_aux)
             return value, grads
         jg = joint(f, argnums=argnums, has_aux=has_aux)(*args, **kwargs)
         p = _partition(jg, partition, options)
         value, saved = p.forward(*args, **kwargs)
-        out = _scalar_output(f, value, has_aux)
+        out = scalar_output(f, value, has_aux)
         grads = p.backward(saved, (torch.ones_like(out),))
         return value, grads
 
@@ -150,7 +150,7 @@ def _spec(
     return GradSpec(run, f, nums, has_aux, with_value, partition, tuple(options.items()))
 
 
-def _scalar_output(f: Callable[..., Any], value: Any, has_aux: bool) -> torch.Tensor:
+def scalar_output(f: Callable[..., Any], value: Any, has_aux: bool) -> torch.Tensor:
     """The differentiated output of ``value``, or :class:`NonScalarOutputError`."""
     out = value[0] if has_aux else value
     if not (isinstance(out, torch.Tensor) and out.numel() == 1 and out.is_floating_point()):

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, ParamSpec, TypeVar, cast
 
@@ -171,6 +171,35 @@ class _VjpRule(torch.autograd.Function):
         )
 
 
+def _is_float(t: Any) -> bool:
+    return _is_tensor(t) and (t.is_floating_point() or t.is_complex())
+
+
+def _float_vjp(
+    fn: Callable[..., tuple[torch.Tensor, ...]], inputs: Sequence[torch.Tensor]
+) -> tuple[tuple[torch.Tensor, ...], Callable[[Any], list[Any]]]:
+    """``torch.func.vjp`` of ``fn`` over its floating-point inputs only (integer and boolean
+    ones held fixed, their gradient None): differentiating them is not defined."""
+    where = [i for i, t in enumerate(inputs) if _is_float(t)]
+
+    def over_floats(*floats: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        full = list(inputs)
+        for i, t in zip(where, floats, strict=True):
+            full[i] = t
+        return fn(*full)
+
+    found: Any = torch.func.vjp(over_floats, *[inputs[i] for i in where])
+    outs, vjp_fn = found[0], found[1]
+
+    def full_vjp(cots: Any) -> list[Any]:
+        grads: list[Any] = [None] * len(inputs)
+        for i, g in zip(where, vjp_fn(cots), strict=True):
+            grads[i] = g
+        return grads
+
+    return outs, full_vjp
+
+
 def _residual_grads(
     rule: Any, call: _Call, mask: list[bool], inputs: Any, res_g: Any
 ) -> tuple[Any, ...]:
@@ -184,13 +213,11 @@ def _residual_grads(
             _IN_RULE.reset(token)
         return tuple(x for x in _flatten(res)[0] if _is_tensor(x))
 
-    found_vjp: Any = torch.func.vjp(residuals_of, *inputs)
-    res, vjp_fn = found_vjp[0], found_vjp[1]
+    res, vjp_fn = _float_vjp(residuals_of, inputs)
     cots = tuple(
         g if g is not None else torch.zeros_like(r) for g, r in zip(res_g, res, strict=True)
     )
-    found: tuple[Any, ...] = vjp_fn(cots)
-    return found
+    return tuple(vjp_fn(cots))
 
 
 def _add(a: Any, b: Any) -> list[Any]:
@@ -316,6 +343,7 @@ class _JvpRule(torch.autograd.Function):
         out_leaves, call.out_spec = _flatten(out)
         out_t, call.out_statics = _split(out_leaves)
         call.n_out = len(out_t)
+        call.out_meta = [(t.shape, t.dtype, t.device) for t in out_t]
         return _distinct(tensors, out_t)
 
     @staticmethod
@@ -323,6 +351,8 @@ class _JvpRule(torch.autograd.Function):
         ctx.rule, ctx.call, ctx.mask = inputs[0], inputs[1], inputs[2]
         ctx.save_for_backward(*inputs[3:])
         ctx.save_for_forward(*inputs[3:])
+        outs = output if isinstance(output, tuple) else (output,)
+        ctx.mark_non_differentiable(*[o for o in outs if not _is_float(o)])
 
     @staticmethod
     def jvp(ctx: Any, *tangents: Any) -> Any:
@@ -331,28 +361,38 @@ class _JvpRule(torch.autograd.Function):
             t if t is not None else torch.zeros_like(p)
             for t, p in zip(tangents[3:], primals, strict=True)
         ]
-        return tuple(_tangent_out(ctx.rule, ctx.call, ctx.mask, primals, ts))
+        found = _tangent_out(ctx.rule, ctx.call, ctx.mask, primals, ts)
+        return tuple(  # zeros where the rule gave None for a float output
+            t if t is not None or not dtype.is_floating_point else torch.zeros(shape, dtype=dtype)
+            for t, (shape, dtype, _) in zip(found, ctx.call.out_meta, strict=True)
+        )
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
         # the rule is linear in the tangents: its transpose at the primals is the vjp
         primals = ctx.saved_tensors
+        floats = [i for i, (_, dtype, _) in enumerate(ctx.call.out_meta) if dtype.is_floating_point]
 
         def tangent_out(*ts: Any) -> tuple[torch.Tensor, ...]:
-            return tuple(_tangent_out(ctx.rule, ctx.call, ctx.mask, primals, ts))
+            found = _tangent_out(ctx.rule, ctx.call, ctx.mask, primals, ts)
+            meta = ctx.call.out_meta
+            return tuple(
+                t if (t := found[i]) is not None else torch.zeros(meta[i][0], dtype=meta[i][1])
+                for i in floats
+            )
 
-        zeros = [torch.zeros_like(p) for p in primals]
-        found: Any = torch.func.vjp(tangent_out, *zeros)
-        outs, vjp_fn = found[0], found[1]
+        outs, vjp_fn = _float_vjp(tangent_out, [torch.zeros_like(p) for p in primals])
         cots = tuple(
-            g if g is not None else torch.zeros_like(o) for g, o in zip(grads, outs, strict=True)
+            grads[i] if grads[i] is not None else torch.zeros_like(o)
+            for i, o in zip(floats, outs, strict=True)
         )
         return (None, None, None, *vjp_fn(cots))
 
 
 def _tangent_out(
     rule: custom_jvp[..., Any], call: _Call, mask: list[bool], primals: Any, tangents: Any
-) -> list[torch.Tensor]:
+) -> list[torch.Tensor | None]:
+    """The rule's tangent for every tensor output (None where it gave none)."""
     args = _args(call, mask, primals)
     t_args = _args(call, mask, tangents)
     name = fn_name(rule.fun)
@@ -368,7 +408,12 @@ def _tangent_out(
         raise InvalidArgumentError(
             f"custom_jvp {name}: tangent_out has structure {t_spec}, the output {call.out_spec}"
         )
-    return [t for t in t_leaves if _is_tensor(t)]
+    out_leaves = _flatten(_unflatten(call.out_spec, call.out_statics))[0]
+    return [
+        t if _is_tensor(t) else None
+        for t, o in zip(t_leaves, out_leaves, strict=True)
+        if o is _SLOT
+    ]
 
 
 class custom_jvp(Generic[_P, _R]):  # JAX's name

@@ -358,21 +358,26 @@ _CASTS = frozenset({torch.ops.aten._to_copy.default, torch.ops.prims.convert_ele
 
 
 def _regathered(nodes: list[fx.Node]) -> set[fx.Node]:
-    """Collectives tagged MUST_RECOMPUTE, and what backward would otherwise keep of them: the
-    waits on them and the views and casts after those (``nodes`` in graph order). Re-gathering
-    a weight but saving its cast copy would keep the full weight alive after all (FSDP's
+    """Collectives tagged MUST_RECOMPUTE, and what backward would otherwise keep of them: every
+    value computed from them alone (their waits, and the views, casts, chunks and concatenations
+    that rebuild a weight sharded on another dim), ``nodes`` in graph order. Re-gathering a weight
+    but saving its rebuilt copy would keep the full weight alive after all (FSDP's
     reshard-after-forward frees the gathered weight and everything that holds it)."""
     out: set[fx.Node] = set()
     for n in nodes:
         if n.op != "call_function":
             continue
-        tag = policy_of(n)
-        if op_class(n) is OpClass.COLLECTIVE and tag is Policy.MUST_RECOMPUTE:
+        tag, cls = policy_of(n), op_class(n)
+        if cls is OpClass.COLLECTIVE and tag is Policy.MUST_RECOMPUTE:
             out.add(n)
             continue
-        chained = op_class(n) is OpClass.COLLECTIVE or _is_view(n) or n.target in _CASTS
-        source = n.args[0] if n.args else None
-        if chained and source in out and tag is not Policy.MUST_SAVE:
+        sources, rule = n.all_input_nodes, OP_RULES[cls]
+        derived = bool(sources) and all(a in out for a in sources)
+        if (
+            derived
+            and tag is not Policy.MUST_SAVE
+            and (rule.recompute or rule.recompute_when_tagged)
+        ):
             out.add(n)
     return out
 

@@ -155,31 +155,34 @@ def _per_example(
     dims = in_dims if isinstance(in_dims, tuple) else (in_dims,) * len(args)
     if len(dims) != len(args) or any(d not in (0, None) for d in dims):
         return _NOT_PLANNED
-    batch = {
-        t.shape[0]
+    batched = [
+        t
         for a, d in zip(args, dims, strict=True)
         if d == 0
         for t in optree.tree_leaves(a, namespace=NAMESPACE)
         if isinstance(t, torch.Tensor)
-    }
-    if len(batch) != 1:
+    ]
+    batch = {t.shape[0] for t in batched if t.dim() > 0}
+    if len(batch) != 1 or any(t.dim() == 0 for t in batched):
         return _NOT_PLANNED  # torch.func names the mismatch (or the missing batch)
     (size,) = batch
     nums = (spec.argnums,) if isinstance(spec.argnums, int) else spec.argnums
     nums = tuple(i % len(args) for i in nums)
     new_args, new_dims = list(args), list(dims)
     for i in nums:
-        if dims[i] is None:
+        if dims[i] is None:  # shared: per-example copies of its float tensors, batched at 0
             new_args[i] = optree.tree_map(
                 lambda t: _per_example_copy(t, size), args[i], namespace=NAMESPACE
             )
-            new_dims[i] = 0
+            new_dims[i] = optree.tree_map(
+                lambda t: 0 if _is_float_tensor(t) else None, args[i], namespace=NAMESPACE
+            )
     each = torch.func.vmap(spec.f, tuple(new_dims), 0, randomness)
 
     def total(*a: Any, **kw: Any) -> tuple[torch.Tensor, Any]:
         values = each(*a, **kw)
         out = values[0] if spec.has_aux else values
-        if not (isinstance(out, torch.Tensor) and out.shape == (size,)):
+        if not (isinstance(out, torch.Tensor) and out.dim() > 0 and out.numel() == size):
             from ._api import NonScalarOutputError
 
             raise NonScalarOutputError(
@@ -199,10 +202,13 @@ def _per_example(
     return (grads, values[1]) if spec.has_aux else grads
 
 
+def _is_float_tensor(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.is_floating_point()
+
+
 def _per_example_copy(t: Any, size: int) -> Any:
-    if isinstance(t, torch.Tensor) and t.is_floating_point():
-        return t.detach().unsqueeze(0).expand(size, *t.shape)
-    return t
+    """``size`` stride-0 copies of ``t`` (a view: gradients still flow to ``t``)."""
+    return t.unsqueeze(0).expand(size, *t.shape) if _is_float_tensor(t) else t
 
 
 def _describe(out: Any, size: int) -> str:
@@ -341,6 +347,12 @@ def stop_gradient(x: _T) -> _T:
 _CPU = torch.device("cpu")
 
 
+def _struct_of(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return ShapeDtypeStruct(tuple(x.shape), x.dtype, x.device)
+    return x
+
+
 @dataclass(frozen=True)
 class ShapeDtypeStruct:
     """The shape, dtype and device of a tensor, without its data: what :func:`eval_shape`
@@ -371,25 +383,34 @@ def eval_shape(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._python_dispatch import _disable_current_modes
 
+    from ._capture import reach, swapped
     from ._trace import run_traced
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
+    given: Any = (args, kwargs)
+    # shapes read here, where torch.func's transforms show the per-example (logical) ones
+    specs = optree.tree_map(_struct_of, given, namespace=NAMESPACE)
+    # what the function captures (closures, globals, module state) is faked too: an in-place
+    # update inside (BatchNorm's counters) must not touch the real tensors
+    found = reach(func)
+    paths = [p for ps in found.tensors.values() for p in ps if p.writable]
 
     def fake(x: Any) -> Any:
-        if isinstance(x, ShapeDtypeStruct | torch.Tensor):
+        if isinstance(x, ShapeDtypeStruct):
             with mode:
-                t = torch.empty(tuple(x.shape), dtype=x.dtype, device=x.device)
-            return t.requires_grad_(getattr(x, "requires_grad", False))
+                return torch.empty(x.shape, dtype=x.dtype, device=x.device)
         return x
 
     def run() -> Any:
-        with _disable_current_modes():  # inside a trace: shapes only, nothing recorded
-            given: Any = (args, kwargs)
-            a, kw = optree.tree_map(fake, given, namespace=NAMESPACE)
-            with mode:
+        # inside a trace or torch.func transform: shapes only, nothing recorded or transformed
+        with _disable_current_modes():
+            a, kw = optree.tree_map(fake, specs, namespace=NAMESPACE)
+            captured = [mode.from_tensor(p.read(func)) for p in paths]
+            with swapped(paths, func, captured), mode:
                 return func(*a, **kw)
 
-    out = run_traced(run, func)
+    with torch._C._DisableFuncTorch():
+        out = run_traced(run, func)
     return optree.tree_map(
         lambda t: (
             ShapeDtypeStruct(tuple(t.shape), t.dtype, t.device)

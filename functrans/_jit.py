@@ -33,6 +33,7 @@ import torch
 from ._capture import Path, Reader, captured_constants, reach, swapped
 from ._decomp import Decompositions
 from ._errors import TraceError, UnsupportedOpError
+from ._func import GRAD_SPEC, GradSpec
 from ._jit_cache import Cache, Signature, Slot, leaves_order
 from ._joint import joint
 from ._logs import log
@@ -235,6 +236,10 @@ class _Options:
     cache_size: int = CACHE_SIZE
 
 
+#: On a jit's flat function: how to build the function to trace instead (``jit(grad(f))``).
+_PLANNED = "__functrans_planned__"
+
+
 class _Retry(Exception):
     """A compile found captured tensors to lift: read them and look the call up again."""
 
@@ -412,6 +417,14 @@ class Jitted(Generic[_P, _R]):
             tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
             flat = dataclasses.replace(flat, wrappers=())
         key = (exact_key(flat, tensors), state)
+        try:
+            hash(key)
+        except TypeError as e:  # a subclass whose flatten context cannot be keyed
+            self._warn_once(
+                "unhashable",
+                f"{self._owner}: {e} in an input's metadata; this call runs as written",
+            )
+            raise _AsWritten from e
         slot = self._cache.by_key.get(key)
         if slot is None:
             with self._lock:  # one thread compiles; the others wait and then hit
@@ -500,6 +513,9 @@ class Jitted(Generic[_P, _R]):
             tuple(tensors[i].detach() for i in diff),
             tuple(tensors[i].detach() for i in other),
         )
+        spec = getattr(self._f, GRAD_SPEC, None)
+        if not training and spec is not None and spec.run is self._f:
+            setattr(flat_f, _PLANNED, self._planned_grad(spec, flat, example, paths))
         entry, gm = self._build(flat_f, example, training)
         self._lift_captures(gm)
         modules = self._module_names if self._given_names is None else self._given_names()
@@ -561,6 +577,50 @@ class Jitted(Generic[_P, _R]):
                 stacklevel=6,
             )
 
+    def _planned_grad(
+        self, spec: GradSpec, flat: Flat, example: Any, paths: list[str]
+    ) -> Callable[[Any], Callable[..., Any]]:
+        """For ``jit(grad(f, partition=s))``: (given the decompositions) the function to trace
+        instead of the inlined gradient: ``f``'s joint graph cut by ``s``, its forward then its
+        backward, so the compiled graph saves between them what ``s`` chose and recomputes the
+        rest (traced without CSE, which would merge the recomputation back)."""
+        from ._api import check_differentiable, scalar_output
+
+        leaves = [*example[1]]  # an inference entry: no input is differentiated
+
+        def target(*a: Any, **kw: Any) -> Any:  # f, with the captured tensors swapped in
+            captured = kw.pop(_CAPTURED, None)
+            if captured is None:
+                return spec.f(*a, **kw)
+            with swapped(self._captures, self._f, captured):
+                return spec.f(*a, **kw)
+
+        functools.update_wrapper(target, spec.f, updated=())
+
+        def plan(decompositions: Decompositions) -> Callable[..., Any]:
+            a, kw = unflatten(flat, leaves)
+            check_differentiable(spec.f, a, spec.argnums)
+            jg = joint(
+                target, argnums=spec.argnums, has_aux=spec.has_aux, decompositions=decompositions
+            )(*a, **kw)
+            p = partition(jg, spec.partition, **dict(spec.options))
+
+            def stitched(diff: tuple[Any, ...], other: tuple[Any, ...]) -> Any:
+                a, kw = unflatten(flat, list(other))
+                value, saved = p.forward(*a, **kw)
+                out = scalar_output(spec.f, value, spec.has_aux)
+                grads = p.backward(saved, (torch.ones_like(out),))
+                if spec.with_value:
+                    return value, grads
+                return (grads, value[1]) if spec.has_aux else grads
+
+            stitched.__qualname__ = getattr(spec.f, "__qualname__", self._owner)
+            stitched.__functrans_paths__ = paths  # type: ignore[attr-defined]
+            stitched.__functrans_partition__ = p  # type: ignore[attr-defined]  # partitions()
+            return stitched
+
+        return plan
+
     def _build(
         self, flat_f: Callable[..., Any], example: Any, training: bool
     ) -> tuple[_Entry, torch.fx.GraphModule]:
@@ -572,7 +632,9 @@ class Jitted(Generic[_P, _R]):
         subclass = any(type(t) not in _PLAIN_TYPES for t in [*example[0], *example[1]])
         t0 = time.perf_counter()
         if not training:
-            g = trace(flat_f, decompositions=decompositions)(*example)
+            planned = getattr(flat_f, _PLANNED, None)
+            traced = planned(decompositions) if planned is not None else flat_f
+            g = trace(traced, decompositions=decompositions, cse=planned is None)(*example)
             t1 = time.perf_counter()
             fwd = backend.compile(g, inputs)
             self._times.trace_s += t1 - t0
@@ -585,7 +647,7 @@ class Jitted(Generic[_P, _R]):
                 out_meta=tuple(_OutMeta.of(v.meta["val"], False, False) for v in vals),
                 num_diff=0,
                 num_inputs=len(inputs),
-                partition=None,
+                partition=getattr(traced, "__functrans_partition__", None),
                 copies=_copies(g.placeholders(), vals),
                 subclass=subclass or bool(g.out_flat.wrappers),
             )

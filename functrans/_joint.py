@@ -95,7 +95,9 @@ def joint(
 
     def traced(*args: _P.args, **kwargs: _P.kwargs) -> JointGraph:
         try:
-            with no_gc():
+            # under torch.inference_mode() autograd records nothing: the backward would be
+            # zeros. The trace runs on fake tensors, so leaving inference mode costs nothing
+            with no_gc(), torch.inference_mode(False):
                 return build(*args, **kwargs)
         except RuntimeError as e:
             if "in-place operation" in str(e):  # autograd refused to mutate a leaf: name it
@@ -250,7 +252,10 @@ def _eval_shape(
             return f(*a, **kw)
 
     out = run_traced(run, f)
-    differentiable = tuple(t.requires_grad for t in flatten(out)[0])
+    # read on the leaves themselves: a subclass output (DTensor) requires grad, its inner
+    # tensor never does
+    raw = [t for t in leaves_of(out)[0] if isinstance(t, torch.Tensor)]
+    differentiable = tuple(t.requires_grad for t in raw)
     tree = optree.tree_map(
         lambda x: x.detach() if isinstance(x, torch.Tensor) else x, out, namespace=NAMESPACE
     )

@@ -76,9 +76,12 @@ def source_of(stack_trace: str | None) -> str | None:
     return f"{m['file']}:{m['line']}: {m['code'].strip()}"
 
 
-def canonicalize(gm: fx.GraphModule, inputs: Sequence[InputSpec]) -> fx.GraphModule:
-    """Rename and tag placeholders, drop identity ops, merge common subexpressions, remove dead
-    code, record source lines."""
+def canonicalize(
+    gm: fx.GraphModule, inputs: Sequence[InputSpec], *, cse: bool = True
+) -> fx.GraphModule:
+    """Rename and tag placeholders, drop identity ops, merge common subexpressions (unless
+    ``cse`` is False: a graph that recomputes on purpose), remove dead code, record source
+    lines."""
     new = fx.Graph()
     env: dict[fx.Node, Any] = {}
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -97,7 +100,7 @@ def canonicalize(gm: fx.GraphModule, inputs: Sequence[InputSpec]) -> fx.GraphMod
         if node.op == "call_function" and node.target in _IDENTITY_OPS:
             env[node] = env[node.args[0]]
             continue
-        key = cse_key(node, env)
+        key = cse_key(node, env) if cse else None
         if key is not None and key in seen:
             env[node] = seen[key]
             continue

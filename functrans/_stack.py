@@ -6,9 +6,10 @@ leaves the innermost of two or more frames, it is named once with the whole stac
 user's line:
 
 - a :class:`FunctransError` keeps its type; its message gets the stack in front;
-- any other exception becomes a :class:`TransformError` that is *also* an instance of the
-  original type (a ``RuntimeError`` from a shape mismatch stays catchable as one), with the
-  original as its ``__cause__``.
+- any other exception stays the same object, now also a :class:`TransformError` (a
+  ``RuntimeError`` from a shape mismatch is still caught by ``except RuntimeError``, a user's
+  own exception keeps its arguments and attributes): torch's and Python's errors get the
+  stack, op and line in front of their message, the user's own exceptions as a note.
 
 A single transform leaves errors as they are: its own messages already name the function.
 
@@ -24,12 +25,11 @@ inside jit(vmap(grad(loss))): RuntimeError (`aten.mv.default`, ...) at <doctest 
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from ._errors import FunctransError
 
@@ -81,23 +81,31 @@ def current_stack() -> tuple[Frame, ...]:
     return _STACK.get()
 
 
-@contextlib.contextmanager
-def transform_frame(transform: str, fn: Callable[..., Any]) -> Iterator[None]:
+class transform_frame:  # used as a function: with transform_frame(...)
     """Run the body as transform ``transform`` of ``fn``; name errors raised inside nested
-    transforms (see the module docstring)."""
-    frames = (*_STACK.get(), Frame(transform, fn))
-    token = _STACK.set(frames)
-    try:
-        yield
-    except Exception as e:
-        if len(frames) < 2 or getattr(e, _NAMED, False) or getattr(e, CONTROL_FLOW, False):
-            raise
-        named = _name(e, frames)
-        if named is e:
-            raise
-        raise named from e
-    finally:
-        _STACK.reset(token)
+    transforms (see the module docstring). A class, not a generator: a ``StopIteration`` raised
+    inside passes through as itself."""
+
+    def __init__(self, transform: str, fn: Callable[..., Any]) -> None:
+        self.frames = (*_STACK.get(), Frame(transform, fn))
+
+    def __enter__(self) -> None:
+        self.token = _STACK.set(self.frames)
+
+    def __exit__(self, kind: Any, e: BaseException | None, tb: Any) -> Literal[False]:
+        _STACK.reset(self.token)
+        named = (
+            isinstance(e, Exception)
+            and len(self.frames) >= 2
+            and not getattr(e, _NAMED, False)
+            and not getattr(e, CONTROL_FLOW, False)
+            and not isinstance(e, StopIteration | StopAsyncIteration)
+        )
+        if named:
+            renamed = _name(e, self.frames)  # type: ignore[arg-type]  # an Exception
+            if renamed is not e:
+                raise renamed from e
+        return False  # the exception goes on, as itself
 
 
 def _user_line(e: BaseException) -> traceback.FrameSummary | None:
@@ -123,6 +131,9 @@ def _error_class(kind: type[Exception]) -> type[Exception]:
 
 
 def _name(e: Exception, frames: tuple[Frame, ...]) -> Exception:
+    """``e`` named: the same object where Python allows (its type, arguments and attributes
+    stay what ``except`` clauses and handlers expect), else a copy with the same arguments.
+    The caller raises what this returns."""
     stack = f"inside {describe_stack(frames)}"
     if isinstance(e, FunctransError):
         if e.args and isinstance(e.args[0], str):
@@ -135,11 +146,23 @@ def _name(e: Exception, frames: tuple[Frame, ...]) -> Exception:
 
     fr = _user_line(e)
     where = f" at {fr.filename}:{fr.lineno}: `{(fr.line or '').strip()}`" if fr else ""
-    message = f"{stack}: {type(e).__name__}{culprit(e)}{where}\n{e}"
-    named: Exception
+    head = f"{stack}: {type(e).__name__}{culprit(e)}{where}"
+    named = e
     try:
-        named = _error_class(type(e))(message)
-    except TypeError:  # a layout Python cannot mix (OSError...): a plain TransformError
-        named = TransformError(message)
+        e.__class__ = _error_class(type(e))  # a user's exception class: renamed in place
+    except TypeError:  # a built-in type's instance: a copy of the same class and arguments
+        try:
+            named = _error_class(type(e))(*e.args)
+        except TypeError:
+            return e  # cannot be mixed with TransformError (OSError...): left as it is
+        named.__notes__ = list(getattr(e, "__notes__", []))
+    if type(e).__module__ == "builtins" and not isinstance(e, KeyError) and _one_message(e):
+        named.args = (f"{head}\n{e.args[0]}",)  # torch's and Python's own errors
+    else:
+        named.add_note(head)  # a user's exception or a KeyError: its arguments are data
     setattr(named, _NAMED, True)
     return named
+
+
+def _one_message(e: Exception) -> bool:
+    return len(e.args) == 1 and isinstance(e.args[0], str)

@@ -392,12 +392,14 @@ def trace(
     *,
     decompositions: Decompositions = "core",
     static_argnums: Sequence[int] = (),
+    cse: bool = True,
 ) -> Callable[..., Graph]:
     """Trace ``f`` on example arguments to a functional ATen :class:`Graph`.
 
     Tensor leaves of the arguments (any optree pytree) become graph inputs; all other leaves,
     and the arguments listed in ``static_argnums``, are static: baked into the graph and
-    checked when the graph is called.
+    checked when the graph is called. ``cse=False`` keeps repeated computations apart (a
+    function that recomputes on purpose, as a partitioned backward does).
 
     >>> import torch, functrans as ft
     >>> def f(x, cfg):
@@ -429,7 +431,7 @@ def trace(
             flat_fn, [t.detach() for t in tensors], user_fn=f, table=table, input_paths=names
         )
         specs = [InputSpec(identifier(n), Role.PRIMAL, n) for n in names]
-        graph = Graph(canonicalize(gm, specs), in_flat, out_box[-1])
+        graph = Graph(canonicalize(gm, specs, cse=cse), in_flat, out_box[-1])
         log("trace", f"graph of {getattr(f, '__qualname__', f)}", lambda: str(graph))
         return graph
 

@@ -453,3 +453,94 @@ def test_vmap_of_jit_with_captured_tensors_lifts_them():
     assert_close(batched(x), torch.tanh(x @ holder["w"]))
     holder["w"] = torch.randn(3, 2)
     assert_close(batched(x), torch.tanh(x @ holder["w"]))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_jit_of_grad_is_cut_by_grads_own_strategy(strategy):
+    """``ft.jit(ft.grad(f, partition=s))`` compiles f's joint graph cut by ``s`` (its forward,
+    then its backward: what ``s`` did not save is recomputed in the one compiled graph), not an
+    inlined gradient; captured tensors are still lifted and re-read."""
+
+    def loss(w, x):
+        h = torch.tanh(x @ w)
+        return (h.sin() * h).pow(2).sum()
+
+    w, x = torch.randn(8, 8), torch.randn(4, 8)
+    jitted = ft.jit(ft.grad(loss, partition=strategy))
+    assert_close(jitted(w, x), tf.grad(loss)(w, x))
+    (p,) = jitted.partitions()
+    assert p.strategy == strategy
+    assert (p.recomputed == ()) == (strategy == "default")  # min_cut recomputes tanh, sin
+    holder = {"w": w}
+    vg = ft.jit(ft.value_and_grad(lambda x: loss(holder["w"], x), partition=strategy))
+    for scale in (1.0, 2.0):
+        holder["w"] = w * scale
+        value, g = vg(x)
+        assert_close((value, g), (loss(w * scale, x), tf.grad(loss, argnums=1)(w * scale, x)))
+    assert vg.cache_info().misses == 1
+
+
+# --- found in review ---------------------------------------------------------------------------
+
+
+def test_grads_under_inference_mode_are_not_zeros(data):
+    w, xs, _ = data
+    with torch.inference_mode():
+        ours = ft.vmap(ft.grad(loss), in_dims=(None, 0))(w, xs)
+        single = ft.grad(loss)(w, xs[0])
+        jitted = ft.jit(ft.grad(loss))(w, xs[0])
+    assert_close(ours, tf.vmap(tf.grad(loss), in_dims=(None, 0))(w, xs))
+    assert_close((single, jitted), (tf.grad(loss)(w, xs[0]),) * 2)
+
+
+def test_per_example_grads_stay_differentiable_in_shared_params(data):
+    """A gradient penalty on per-example gradients needs them connected to the parameters."""
+    w, xs, _ = data
+    w = w.clone().requires_grad_()
+    per_example = ft.vmap(ft.grad(loss), in_dims=(None, 0))(w, xs)
+    assert per_example.requires_grad
+    (penalty,) = torch.autograd.grad(per_example.pow(2).sum(), w)
+    expected = tf.grad(lambda w: tf.vmap(tf.grad(loss), in_dims=(None, 0))(w, xs).pow(2).sum())(w)
+    assert_close(penalty, expected)
+
+
+def test_per_example_plan_edge_cases(data):
+    w, xs, _ = data
+    params = {"w": w, "scale": 2.0}  # a non-tensor leaf in the shared argument
+    got = ft.vmap(ft.grad(lambda p, x: loss(p["w"], x) * p["scale"]), in_dims=(None, 0))(params, xs)
+    assert got["scale"] is None
+    assert_close(got["w"], 2 * tf.vmap(tf.grad(loss), in_dims=(None, 0))(w, xs))
+    shaped = ft.vmap(ft.grad(lambda w, x: loss(w, x).reshape(1)), in_dims=(None, 0))(w, xs)
+    assert_close(shaped, tf.vmap(tf.grad(loss), in_dims=(None, 0))(w, xs))  # one element each
+    with pytest.raises(ValueError, match="in_dim=0"):  # a 0-d input cannot be batched
+        ft.vmap(ft.grad(torch.sin))(torch.tensor(1.0))
+
+
+def test_eval_shape_under_transforms_and_without_side_effects():
+    c = torch.randn(3, 5)
+    f = lambda x: x * ft.eval_shape(lambda y: y @ c, x).shape[-1]  # noqa: E731
+    assert_close(ft.vmap(f)(torch.ones(2, 3)), torch.full((2, 3), 5.0))
+    assert_close(ft.jvp(f, (torch.ones(2, 3),), (torch.ones(2, 3),))[1], torch.full((2, 3), 5.0))
+    bn = torch.nn.BatchNorm1d(3)
+    assert ft.eval_shape(bn, ft.ShapeDtypeStruct((4, 3), torch.float32)).shape == (4, 3)
+    assert bn.num_batches_tracked.item() == 0 and bn.running_mean.abs().sum() == 0
+
+
+def test_user_exceptions_inside_nested_transforms_keep_what_handlers_need():
+    class CodedError(Exception):
+        def __init__(self, code, msg):
+            super().__init__(code, msg)
+            self.code = code
+
+    def coded(x):
+        raise CodedError(7, "bad input")
+
+    with pytest.raises(CodedError) as info:
+        ft.jit(ft.vmap(coded))(torch.ones(2, 3))
+    assert info.value.code == 7 and info.value.args == (7, "bad input")
+    assert "inside jit(vmap(coded))" in info.value.__notes__[0]
+    with pytest.raises(StopIteration):  # not turned into "generator raised StopIteration"
+        ft.jit(ft.vmap(lambda x: next(iter([]))))(torch.ones(2, 3))
+    with pytest.raises(KeyError) as key:
+        ft.jit(ft.vmap(lambda x: {}["k"]))(torch.ones(2, 3))
+    assert key.value.args == ("k",)  # the key, as handlers read it

@@ -208,3 +208,52 @@ def test_custom_jvp_forward_over_forward():
 def test_custom_jvp_forward_over_forward_fails_as_a_transform_error():
     with pytest.raises(ft.TransformError, match=r"inside hessian\(custom_jvp\(log1pexp\)\)"):
         ft.hessian(lambda x: log1pexp_rule()(x).pow(2).sum())(torch.linspace(-1, 1, 3))
+
+
+# found in review: integer and boolean arguments and outputs of custom rules
+def test_custom_jvp_with_a_boolean_argument_differentiates_the_float_one():
+    @ft.custom_jvp
+    def masked_exp(x, m):
+        return torch.where(m, x.exp(), x)
+
+    @masked_exp.defjvp
+    def _(primals, tangents):
+        x, m = primals
+        return masked_exp(x, m), torch.where(m, x.exp() * tangents[0], tangents[0])
+
+    m, x = torch.tensor([True, False, True]), torch.randn(3)
+    expected = torch.where(m, x.exp(), torch.ones(3))
+    assert_close(ft.grad(lambda x: masked_exp(x, m).sum())(x), expected)
+    assert_close(tf.grad(lambda x: masked_exp(x, m).sum())(x), expected)
+    assert_close(ft.jvp(lambda x: masked_exp(x, m), (x,), (torch.ones(3),))[1], expected)
+
+
+def test_custom_jvp_with_an_integer_output():
+    @ft.custom_jvp
+    def double_and_argmax(x):
+        return x * 2, x.argmax()
+
+    @double_and_argmax.defjvp
+    def _(primals, tangents):
+        return double_and_argmax(primals[0]), (tangents[0] * 2, None)
+
+    x = torch.randn(3)
+    assert_close(
+        ft.jvp(lambda x: double_and_argmax(x)[0], (x,), (torch.ones(3),))[1], torch.full((3,), 2.0)
+    )
+    assert_close(ft.grad(lambda x: double_and_argmax(x)[0].sum())(x), torch.full((3,), 2.0))
+
+
+def test_custom_vjp_double_backward_with_a_boolean_argument():
+    m, x = torch.tensor([True, False, True]), torch.randn(3)
+
+    @ft.custom_vjp
+    def masked_exp(x, m):
+        return torch.where(m, x.exp(), x)
+
+    masked_exp.defvjp(
+        lambda x, m: (masked_exp(x, m), (x.exp(),)),
+        lambda res, g: (torch.where(m, res[0] * g, g), None),
+    )
+    second = ft.grad(lambda x: ft.grad(lambda x: masked_exp(x, m).sum())(x).sum())(x)
+    assert_close(second, torch.where(m, x.exp(), torch.zeros(3)))

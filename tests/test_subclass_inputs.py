@@ -33,3 +33,65 @@ def test_jit_runs_an_unsupported_subclass_as_written():
         out = ft.jit(f)(torch.ones(2), w)
     assert isinstance(out, TwoTensor)
     torch.testing.assert_close((out.a, out.b), (torch.tensor(2.0), torch.tensor(4.0)))
+
+
+class OneTensor(torch.Tensor):
+    """A traceable wrapper subclass with one inner tensor (as DTensor has), for tests."""
+
+    @staticmethod
+    def __new__(cls, a, meta=None):
+        return torch.Tensor._make_wrapper_subclass(
+            cls,
+            a.shape,
+            strides=a.stride(),
+            dtype=a.dtype,
+            device=a.device,
+            requires_grad=a.requires_grad,
+        )
+
+    def __init__(self, a, meta=None):
+        self.a, self.meta = a, meta
+
+    def __repr__(self):
+        return f"OneTensor({self.a})"
+
+    def __tensor_flatten__(self):
+        return ["a"], self.meta
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, size, stride):
+        return OneTensor(inner["a"], meta)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args, kwargs=None):
+        from torch.utils._python_dispatch import return_and_correct_aliasing
+        from torch.utils._pytree import tree_map_only
+
+        kwargs = kwargs or {}
+        unwrapped = func(
+            *tree_map_only(OneTensor, lambda x: x.a, args),
+            **tree_map_only(OneTensor, lambda x: x.a, kwargs),
+        )
+        out = tree_map_only(torch.Tensor, OneTensor, unwrapped)
+        return return_and_correct_aliasing(func, args, kwargs, out)
+
+
+def test_jit_trains_through_a_subclass_output():
+    """Found in review: the subclass output's inner tensor never requires grad, so jit compiled
+    an inference entry and the gradient was silently lost."""
+    x = torch.randn(3)
+    w = OneTensor(torch.randn(3)).requires_grad_()
+    ref = OneTensor(w.a.clone()).requires_grad_()
+    out = ft.jit(lambda x, w: (x * w).sin())(x, w)
+    assert isinstance(out, OneTensor) and out.requires_grad
+    (out * 2).sum().backward()
+    ((x * ref).sin() * 2).sum().backward()
+    torch.testing.assert_close(w.grad.a, ref.grad.a)
+
+
+def test_jit_runs_a_subclass_with_unhashable_metadata_as_written():
+    """Found in review: a flatten context that cannot be hashed crashed the cache lookup."""
+    w = OneTensor(torch.randn(3), meta=["tag"])
+    with pytest.warns(UserWarning, match="runs as written"):
+        out = ft.jit(lambda x, w: x * w)(torch.ones(3), w)
+    torch.testing.assert_close(out.a, w.a)
