@@ -36,14 +36,18 @@ from ._trace import is_tracing
 
 __all__ = [
     "GRAD_SPEC",
+    "PER_EXAMPLE",
     "GradSpec",
+    "PerExample",
     "ShapeDtypeStruct",
+    "VmapOfGrad",
     "eval_shape",
     "hessian",
     "jacfwd",
     "jacrev",
     "jvp",
     "linearize",
+    "plan_per_example",
     "stop_gradient",
     "vmap",
 ]
@@ -120,7 +124,25 @@ def vmap(
             return compiled(*args, **kwargs)
         return batched(*args, **kwargs)
 
-    return _frame("vmap", func, call)
+    wrapped = _frame("vmap", func, call)
+    if spec is not None and out_dims == 0 and chunk_size is None:
+        setattr(wrapped, PER_EXAMPLE, VmapOfGrad(wrapped, spec, in_dims, randomness))
+    return wrapped
+
+
+#: Attribute on the function ``vmap(grad(f))`` returns: its :class:`VmapOfGrad`.
+PER_EXAMPLE = "__functrans_per_example__"
+
+
+@dataclass(frozen=True)
+class VmapOfGrad:
+    """What a ``vmap(grad(f))`` function batches, so ``jit`` of it can plan the per-example
+    joint graph as the eager call does (see :func:`plan_per_example`)."""
+
+    run: Callable[..., Any]
+    spec: GradSpec
+    in_dims: Any
+    randomness: str
 
 
 _NOT_PLANNED = object()
@@ -141,20 +163,37 @@ def _batched_jit(
     return func.rewrap(inner)
 
 
-def _per_example(
-    spec: GradSpec, in_dims: Any, randomness: str, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> Any:
-    """``vmap(grad(f), in_dims)(*args)`` as ``grad`` of ``sum_i f(...)`` over per-example
-    copies of the shared differentiated arguments: one joint graph, cut by the grad's
-    strategy. ``_NOT_PLANNED`` where that does not apply (inside traces and other
-    transforms, where the enclosing graph decides; batch dims other than 0 or None)."""
-    from ._api import _value_and_grad_fn
+@dataclass(frozen=True)
+class PerExample:
+    """``vmap(grad(f))`` planned as the gradient of ``sum_i f(...)`` (:attr:`total`) with
+    respect to per-example copies of the shared differentiated arguments (:attr:`args`)."""
 
-    if is_tracing() or _functorch_active() or not args:
-        return _NOT_PLANNED
+    spec: GradSpec
+    total: Callable[..., tuple[torch.Tensor, Any]]
+    args: tuple[Any, ...]
+
+    def finish(self, values: Any, grads: Any) -> Any:
+        """What ``vmap(grad(f))`` returns, from the per-example values and the gradients."""
+        if self.spec.with_value:
+            return values, grads
+        return (grads, values[1]) if self.spec.has_aux else grads
+
+
+def plan_per_example(
+    spec: GradSpec,
+    f: Callable[..., Any],
+    in_dims: Any,
+    randomness: str,
+    args: tuple[Any, ...],
+) -> PerExample | None:
+    """The :class:`PerExample` plan of ``vmap(grad(f), in_dims)(*args)`` (``f``: the function
+    ``spec`` differentiates, or a stand-in for it); None where it does not apply (batch dims
+    other than 0 or None, a batch it cannot read: torch.func's own path names the problem)."""
+    if not args:
+        return None
     dims = in_dims if isinstance(in_dims, tuple) else (in_dims,) * len(args)
     if len(dims) != len(args) or any(d not in (0, None) for d in dims):
-        return _NOT_PLANNED
+        return None
     batched = [
         t
         for a, d in zip(args, dims, strict=True)
@@ -164,7 +203,7 @@ def _per_example(
     ]
     batch = {t.shape[0] for t in batched if t.dim() > 0}
     if len(batch) != 1 or any(t.dim() == 0 for t in batched):
-        return _NOT_PLANNED  # torch.func names the mismatch (or the missing batch)
+        return None
     (size,) = batch
     nums = (spec.argnums,) if isinstance(spec.argnums, int) else spec.argnums
     nums = tuple(i % len(args) for i in nums)
@@ -177,7 +216,7 @@ def _per_example(
             new_dims[i] = optree.tree_map(
                 lambda t: 0 if _is_float_tensor(t) else None, args[i], namespace=NAMESPACE
             )
-    each = torch.func.vmap(spec.f, tuple(new_dims), 0, randomness)
+    each = torch.func.vmap(f, tuple(new_dims), 0, randomness)
 
     def total(*a: Any, **kw: Any) -> tuple[torch.Tensor, Any]:
         values = each(*a, **kw)
@@ -192,14 +231,27 @@ def _per_example(
         return out.sum(), values
 
     total.__qualname__ = getattr(spec.f, "__qualname__", "f")
+    return PerExample(spec, total, tuple(new_args))
+
+
+def _per_example(
+    spec: GradSpec, in_dims: Any, randomness: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """``vmap(grad(f), in_dims)(*args)`` as one joint graph cut by the grad's strategy (see
+    :func:`plan_per_example`); ``_NOT_PLANNED`` inside traces and other transforms, where the
+    enclosing graph decides, and where the plan does not apply."""
+    from ._api import _value_and_grad_fn
+
+    if is_tracing() or _functorch_active():
+        return _NOT_PLANNED
+    plan = plan_per_example(spec, spec.f, in_dims, randomness, args)
+    if plan is None:
+        return _NOT_PLANNED
     name = "value_and_grad" if spec.with_value else "grad"
-    options = dict(spec.options)
     (_, values), grads = _value_and_grad_fn(
-        total, spec.argnums, True, spec.partition, options, name
-    )(*new_args, **kwargs)
-    if spec.with_value:
-        return values, grads
-    return (grads, values[1]) if spec.has_aux else grads
+        plan.total, spec.argnums, True, spec.partition, dict(spec.options), name
+    )(*plan.args, **kwargs)
+    return plan.finish(values, grads)
 
 
 def _is_float_tensor(t: Any) -> bool:

@@ -33,7 +33,7 @@ import torch
 from ._capture import Path, Reader, captured_constants, reach, swapped
 from ._decomp import Decompositions
 from ._errors import TraceError, UnsupportedOpError
-from ._func import GRAD_SPEC, GradSpec
+from ._func import GRAD_SPEC, PER_EXAMPLE, GradSpec, PerExample, VmapOfGrad, plan_per_example
 from ._jit_cache import Cache, Signature, Slot, leaves_order
 from ._joint import joint
 from ._logs import log
@@ -234,6 +234,10 @@ class _Options:
     decompositions: Decompositions
     partition_options: dict[str, Any]
     cache_size: int = CACHE_SIZE
+
+
+def _grad_name(spec: GradSpec) -> str:
+    return "value_and_grad" if spec.with_value else "grad"
 
 
 #: On a jit's flat function: how to build the function to trace instead (``jit(grad(f))``).
@@ -514,8 +518,11 @@ class Jitted(Generic[_P, _R]):
             tuple(tensors[i].detach() for i in other),
         )
         spec = getattr(self._f, GRAD_SPEC, None)
+        batched = getattr(self._f, PER_EXAMPLE, None)
         if not training and spec is not None and spec.run is self._f:
             setattr(flat_f, _PLANNED, self._planned_grad(spec, flat, example, paths))
+        elif not training and batched is not None and batched.run is self._f:
+            setattr(flat_f, _PLANNED, self._planned_per_example(batched, flat, example, paths))
         entry, gm = self._build(flat_f, example, training)
         self._lift_captures(gm)
         modules = self._module_names if self._given_names is None else self._given_names()
@@ -587,22 +594,18 @@ class Jitted(Generic[_P, _R]):
         from ._api import check_differentiable, scalar_output
 
         leaves = [*example[1]]  # an inference entry: no input is differentiated
-
-        def target(*a: Any, **kw: Any) -> Any:  # f, with the captured tensors swapped in
-            captured = kw.pop(_CAPTURED, None)
-            if captured is None:
-                return spec.f(*a, **kw)
-            with swapped(self._captures, self._f, captured):
-                return spec.f(*a, **kw)
-
-        functools.update_wrapper(target, spec.f, updated=())
+        target = self._swapping(spec.f)
 
         def plan(decompositions: Decompositions) -> Callable[..., Any]:
             a, kw = unflatten(flat, leaves)
-            check_differentiable(spec.f, a, spec.argnums)
-            jg = joint(
-                target, argnums=spec.argnums, has_aux=spec.has_aux, decompositions=decompositions
-            )(*a, **kw)
+            with transform_frame(_grad_name(spec), spec.f):  # errors name jit(grad(f))
+                check_differentiable(spec.f, a, spec.argnums)
+                jg = joint(
+                    target,
+                    argnums=spec.argnums,
+                    has_aux=spec.has_aux,
+                    decompositions=decompositions,
+                )(*a, **kw)
             p = partition(jg, spec.partition, **dict(spec.options))
 
             def stitched(diff: tuple[Any, ...], other: tuple[Any, ...]) -> Any:
@@ -621,6 +624,57 @@ class Jitted(Generic[_P, _R]):
 
         return plan
 
+    def _planned_per_example(
+        self, batched: VmapOfGrad, flat: Flat, example: Any, paths: list[str]
+    ) -> Callable[[Any], Callable[..., Any] | None]:
+        """For ``jit(vmap(grad(f, partition=s)))``: as :meth:`_planned_grad`, for the
+        per-example joint graph eager ``vmap(grad)`` plans (None where that plan does not
+        apply: the batched function is traced as it is)."""
+        spec, leaves, target = batched.spec, [*example[1]], self._swapping(batched.spec.f)
+
+        def plan_for(a: tuple[Any, ...]) -> PerExample | None:
+            return plan_per_example(spec, target, batched.in_dims, batched.randomness, a)
+
+        def plan(decompositions: Decompositions) -> Callable[..., Any] | None:
+            a, kw = unflatten(flat, leaves)
+            first = plan_for(a)
+            if first is None:
+                return None
+            with transform_frame("vmap", spec.f), transform_frame(_grad_name(spec), spec.f):
+                jg = joint(
+                    first.total, argnums=spec.argnums, has_aux=True, decompositions=decompositions
+                )(*first.args, **kw)
+            p = partition(jg, spec.partition, **dict(spec.options))
+
+            def stitched(diff: tuple[Any, ...], other: tuple[Any, ...]) -> Any:
+                a, kw = unflatten(flat, list(other))
+                again = plan_for(a)
+                assert again is not None  # the same shapes as the plan above
+                (total, values), saved = p.forward(*again.args, **kw)
+                grads = p.backward(saved, (torch.ones_like(total),))
+                return again.finish(values, grads)
+
+            stitched.__qualname__ = getattr(spec.f, "__qualname__", self._owner)
+            stitched.__functrans_paths__ = paths  # type: ignore[attr-defined]
+            stitched.__functrans_partition__ = p  # type: ignore[attr-defined]
+            return stitched
+
+        return plan
+
+    def _swapping(self, f: Callable[..., Any]) -> Callable[..., Any]:
+        """``f`` with this function's captured tensors swapped for the traced ones (passed
+        under ``_CAPTURED``), as :meth:`_call` does for the whole function."""
+
+        def target(*a: Any, **kw: Any) -> Any:
+            captured = kw.pop(_CAPTURED, None)
+            if captured is None:
+                return f(*a, **kw)
+            with swapped(self._captures, self._f, captured):
+                return f(*a, **kw)
+
+        functools.update_wrapper(target, f, updated=())
+        return target
+
     def _build(
         self, flat_f: Callable[..., Any], example: Any, training: bool
     ) -> tuple[_Entry, torch.fx.GraphModule]:
@@ -633,8 +687,9 @@ class Jitted(Generic[_P, _R]):
         t0 = time.perf_counter()
         if not training:
             planned = getattr(flat_f, _PLANNED, None)
-            traced = planned(decompositions) if planned is not None else flat_f
-            g = trace(traced, decompositions=decompositions, cse=planned is None)(*example)
+            stitched = planned(decompositions) if planned is not None else None
+            traced = flat_f if stitched is None else stitched
+            g = trace(traced, decompositions=decompositions, cse=stitched is None)(*example)
             t1 = time.perf_counter()
             fwd = backend.compile(g, inputs)
             self._times.trace_s += t1 - t0

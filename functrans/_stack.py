@@ -20,7 +20,7 @@ A single transform leaves errors as they are: its own messages already name the 
 ...     ft.jit(ft.vmap(ft.grad(loss)))(torch.ones(4, 3))
 ... except ft.FunctransError as e:
 ...     print(str(e).splitlines()[0])
-inside jit(vmap(grad(loss))): RuntimeError (`aten.mv.default`, ...) at <doctest ...>:2: ...
+inside jit(vmap(grad(loss))): RuntimeError (`aten.mv.default`...) at <doctest ...>:2: ...
 """
 
 from __future__ import annotations

@@ -544,3 +544,19 @@ def test_user_exceptions_inside_nested_transforms_keep_what_handlers_need():
     with pytest.raises(KeyError) as key:
         ft.jit(ft.vmap(lambda x: {}["k"]))(torch.ones(2, 3))
     assert key.value.args == ("k",)  # the key, as handlers read it
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_jit_of_vmap_grad_is_the_per_example_joint_cut_by_the_strategy(strategy, data):
+    """``ft.jit(ft.vmap(ft.grad(loss, partition=s)))`` compiles the per-example joint graph
+    eager vmap(grad) plans, cut by ``s``; captured tensors are lifted and re-read."""
+    w, xs, _ = data
+    holder = {"w": w}
+    jitted = ft.jit(ft.vmap(ft.grad(lambda x: loss(holder["w"], x), partition=strategy)))
+    for scale in (1.0, 3.0):
+        holder["w"] = w * scale
+        expected = tf.vmap(tf.grad(loss, argnums=1), in_dims=(None, 0))(w * scale, xs)
+        assert_close(jitted(xs), expected)
+    (p,) = jitted.partitions()
+    assert p.strategy == strategy and jitted.cache_info().misses == 1
+    assert (p.recomputed == ()) == (strategy == "default")
