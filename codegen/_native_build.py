@@ -6,6 +6,11 @@ so a truncated or empty file (a full disk, a killed copy) is rebuilt rather than
 could kill the process with SIGBUS. A build runs in a private directory and its library is
 renamed into place, then its checksum: a reader sees a whole library or none.
 
+The cache holds code this process runs, so it must be this user's alone: folders are created
+readable and writable by the user only, and a library, checksum or folder that another user
+owns or can write is refused (:class:`NativeBuildError`; the backend then warns and runs its
+Python executor).
+
 Builds take a lock (``<dir>/lock``, holding the owner's pid, host and a token) so that processes
 starting together build once. A lock whose owner is no longer running, or older than
 :func:`lock_timeout` (``$FUNCTRANS_NATIVE_LOCK_TIMEOUT`` seconds, by default
@@ -14,7 +19,7 @@ The lock only saves work: builders never share files, so two builds at once (a b
 whose owner was alive after all) both succeed.
 
 >>> tmp = tempfile.TemporaryDirectory()
->>> lib = Path(tmp.name) / "lib.so"
+>>> lib = Path(tmp.name) / "native" / "digest" / "lib.so"  # <cache root>/native/<digest>/
 >>> def compile(into):
 ...     (into / "lib.so").write_bytes(b"built")
 ...     return "fresh"
@@ -46,7 +51,14 @@ from typing import Any, TypeVar
 
 from functrans.extend import FunctransError
 
-__all__ = ["LOCK_TIMEOUT_S", "NativeBuildError", "cached_build", "check", "lock_timeout"]
+__all__ = [
+    "LOCK_TIMEOUT_S",
+    "NativeBuildError",
+    "cached_build",
+    "check",
+    "lock_timeout",
+    "untrusted",
+]
 
 T = TypeVar("T")
 
@@ -90,9 +102,10 @@ def cached_build(lib: Path, compile: Callable[[Path], T], load: Callable[[Path],
     """``load(lib)`` if ``lib`` passes :func:`check`; otherwise, under the directory's lock,
     ``compile(tmp)`` in a fresh private directory ``tmp`` (which must leave ``tmp / lib.name``
     there), publish that library as ``lib`` and return what ``compile`` returned."""
+    _private_dirs(lib.parent)
+    _refuse_untrusted(lib)
     if check(lib) is None:
         return load(lib)
-    lib.parent.mkdir(parents=True, exist_ok=True)
     with _lock(lib.parent / "lock"):
         problem = check(lib)
         if problem is None:  # another process built it while this one waited
@@ -113,6 +126,48 @@ def cached_build(lib: Path, compile: Callable[[Path], T], load: Callable[[Path],
             return result
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _private_dirs(directory: Path) -> None:
+    """Create ``directory`` and any missing parents readable and writable by this user only
+    (``os.makedirs``' mode reaches the last one only)."""
+    missing = []
+    for d in (directory, *directory.parents):
+        if d.exists():
+            break
+        missing.append(d)
+    for d in reversed(missing):
+        with contextlib.suppress(FileExistsError):  # another process made it meanwhile
+            d.mkdir(mode=0o700)
+
+
+def untrusted(path: Path) -> str | None:
+    """Why ``path`` must not be trusted with code this process runs (another user owns it or
+    can write it), or None. On systems without POSIX owners, None."""
+    if not hasattr(os, "getuid"):
+        return None
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return None
+    if st.st_uid != os.getuid():
+        return f"{path} is owned by another user (uid {st.st_uid})"
+    if st.st_mode & 0o022:
+        return f"{path} is writable by other users (mode {oct(st.st_mode & 0o777)})"
+    return None
+
+
+def _refuse_untrusted(lib: Path) -> None:
+    """The library, its checksum and the directories down to it (its folder, ``native`` and
+    the cache root) must be this user's alone: another user who can write there could make
+    this process load their code."""
+    for path in (lib, _sidecar(lib), lib.parent, lib.parent.parent, lib.parent.parent.parent):
+        reason = untrusted(path)
+        if reason is not None:
+            raise NativeBuildError(
+                f"refusing the native build cache: {reason}. Point FUNCTRANS_CACHE_DIR at a "
+                "directory only you can write (functrans creates its own folders that way)"
+            )
 
 
 def check(lib: Path) -> str | None:

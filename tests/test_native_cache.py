@@ -298,3 +298,44 @@ def test_lock_timeout_comes_from_the_environment(monkeypatch):
         monkeypatch.setenv(_native_build.TIMEOUT_ENV, bad)
         with pytest.raises(_native_build.NativeBuildError, match="must be a number of seconds"):
             _native_build.lock_timeout()
+
+
+# the cache holds code this process runs: it must be this user's alone (issue 19)
+def test_cache_folders_are_created_private(tmp_path):
+    lib = tmp_path / "root" / "native" / "abc" / "lib.so"
+    _native_build.cached_build(lib, lambda into: (into / "lib.so").write_bytes(b"x"), bytes)
+    for d in (lib.parent, lib.parent.parent, lib.parent.parent.parent):
+        assert d.stat().st_mode & 0o777 == 0o700, d
+
+
+@pytest.mark.parametrize("what", ["folder", "library"])
+def test_a_cache_others_can_write_is_refused(tmp_path, what):
+    lib = tmp_path / "root" / "native" / "abc" / "lib.so"
+    built = []
+    _native_build.cached_build(lib, lambda into: (into / "lib.so").write_bytes(b"x"), bytes)
+    (lib.parent if what == "folder" else lib).chmod(0o777 if what == "folder" else 0o666)
+    with pytest.raises(_native_build.NativeBuildError, match="writable by other users"):
+        _native_build.cached_build(lib, lambda into: built.append(1), bytes)
+    assert built == []  # nothing built or loaded from there
+
+
+def test_a_refused_cache_falls_back_to_the_python_executor(tmp_path):
+    root = tmp_path / "shared"
+    root.mkdir()
+    root.chmod(0o777)
+    env = {**os.environ, "FUNCTRANS_CACHE_DIR": str(root), "FUNCTRANS_NATIVE": "1"}
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import torch, functrans as ft\nprint(ft.jit(lambda x: x.sin())(torch.zeros(2)))",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "tensor([0., 0.])" in done.stdout
+    assert "refusing the native build cache" in done.stderr
+    assert not (root / "native").exists() or not any((root / "native").rglob("*.so"))
