@@ -69,6 +69,12 @@ def sharded(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def say(line: str) -> None:
+    """One write per line: the ranks share stdout, and print() writes the newline apart."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=5)
@@ -92,9 +98,9 @@ def main() -> None:
             opt.step()
             opt.zero_grad()
             losses.append(loss.item())
-        print(f"rank {rank} step {step}: loss eager {losses[0]:.6f}  functrans {losses[1]:.6f}")
+        say(f"rank {rank} step {step}: loss eager {losses[0]:.6f}  functrans {losses[1]:.6f}")
     saved = sum(p.activation_bytes for b in ours.blocks for p in b.forward.partitions())
-    print(f"rank {rank}: the compiled blocks save {saved} bytes of activations ({args.partition})")
+    say(f"rank {rank}: the compiled blocks save {saved} bytes of activations ({args.partition})")
     dist.destroy_process_group()
 
 
