@@ -17,3 +17,14 @@ def output_path(requested: _Path | None, committed: _Path, quick: bool) -> _Path
     import tempfile
 
     return _Path(tempfile.mkdtemp()) / committed.name
+
+
+def write_results(requested: _Path | None, committed: _Path, quick: bool, results: object) -> _Path:
+    """Write ``results`` as JSON where :func:`output_path` says; return the path."""
+    import json
+
+    out = output_path(requested, committed, quick)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1) + "\n")
+    print("wrote", out)
+    return out

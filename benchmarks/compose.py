@@ -45,7 +45,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import functrans as ft
-from benchmarks import output_path
+from benchmarks import write_results
 
 RESULTS = Path(__file__).resolve().parent / "results" / "compose.json"
 STRATEGIES = ("default", "min_cut", "full_remat")
@@ -318,10 +318,7 @@ def main() -> None:
         print(" peak bytes", results[name]["peak_bytes"], "saved", results[name]["saved_bytes"])
     results["hvp_mlp"] = hvp_case(repeats, not a.no_compile, not a.no_jax, batch)
     print("hvp_mlp", json.dumps(results["hvp_mlp"]["time_vs_torch_func_eager"], indent=1))
-    out = output_path(a.out, RESULTS, a.quick)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=1) + "\n")
-    print("wrote", out)
+    write_results(a.out, RESULTS, a.quick, results)
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import functrans as ft
-from benchmarks import output_path
+from benchmarks import write_results
 from functrans import policies
 
 RESULTS = Path(__file__).resolve().parent / "results" / "distributed.json"
@@ -223,10 +223,7 @@ def main() -> None:
             print(
                 " ", key, json.dumps({k: round(v, 3) for k, v in results[r][key].items()}, indent=3)
             )
-    out = output_path(a.out, RESULTS, a.quick)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(out_json, indent=1) + "\n")
-    print("wrote", out)
+    write_results(a.out, RESULTS, a.quick, out_json)
 
 
 if __name__ == "__main__":

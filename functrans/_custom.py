@@ -307,14 +307,7 @@ class custom_vjp(Generic[_P, _R]):  # JAX's name
                 f"custom_vjp {fn_name(self.fun)}: differentiated before its rule was set; call "
                 f"{fn_name(self.fun)}.defvjp(fwd, bwd) first"
             )
-        leaves, spec = _flatten(args)
-        tensors, statics = _split(leaves)
-        mask = [_is_tensor(x) for x in leaves]
-        call = _Call(spec, statics, len(args))
-        with transform_frame("custom_vjp", self.fun):
-            flat = _VjpRule.apply(self, call, mask, *tensors)  # type: ignore[no-untyped-call]
-        out = _fill(call.out_statics, flat[: call.n_out])
-        result: _R = _unflatten(call.out_spec, out)
+        result: _R = _apply_rule(_VjpRule, self, "custom_vjp", args)
         return result
 
 
@@ -455,14 +448,21 @@ class custom_jvp(Generic[_P, _R]):  # JAX's name
             raise FunctransError(f"custom_jvp {fn_name(self.fun)}: no rule; call defjvp first")
         if not _needs_rule(args) and not _forward_ad_active(args):
             return self.fun(*args, **kwargs)
-        leaves, spec = _flatten(args)
-        tensors, statics = _split(leaves)
-        mask = [_is_tensor(x) for x in leaves]
-        call = _Call(spec, statics, len(args))
-        with transform_frame("custom_jvp", self.fun):
-            flat = _JvpRule.apply(self, call, mask, *tensors)  # type: ignore[no-untyped-call]
-        result: _R = _unflatten(call.out_spec, _fill(call.out_statics, flat))
+        result: _R = _apply_rule(_JvpRule, self, "custom_jvp", args)
         return result
+
+
+def _apply_rule(
+    function: type[torch.autograd.Function], rule: Any, transform: str, args: tuple[Any, ...]
+) -> Any:
+    """``function.apply`` on the tensor leaves of ``args`` (the rest travel as statics), and
+    the rule's function's outputs rebuilt (residual outputs, after them, are left out)."""
+    leaves, spec = _flatten(args)
+    tensors, statics = _split(leaves)
+    call = _Call(spec, statics, len(args))
+    with transform_frame(transform, rule.fun):
+        flat = function.apply(rule, call, [_is_tensor(x) for x in leaves], *tensors)  # type: ignore[no-untyped-call]
+    return _unflatten(call.out_spec, _fill(call.out_statics, flat[: call.n_out]))
 
 
 def _forward_ad_active(args: Any) -> bool:

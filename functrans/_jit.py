@@ -197,7 +197,9 @@ def _inner_tangent(g: torch.Tensor | None, wrapper: Wrapper | None, meta: _OutMe
     if g is None:
         return meta.zeros()
     if wrapper is not None and hasattr(g, "redistribute"):
-        placements = [p for p in getattr(g, "placements", ())]
+        from torch.distributed.tensor import Replicate
+
+        placements = list(getattr(g, "placements", ()))
         wanted = [Replicate() if p.is_partial() else p for p in _dtensor_placements(wrapper)]
         if placements != wanted:
             g = g.redistribute(getattr(g, "device_mesh"), wanted)  # noqa: B009
@@ -211,12 +213,6 @@ def _dtensor_placements(wrapper: Wrapper) -> tuple[Any, ...]:
     """A DTensor wrapper's placements (its flatten context starts with them)."""
     ctx = wrapper.ctx
     return tuple(ctx[0]) if isinstance(ctx, tuple) and ctx else ()
-
-
-def Replicate() -> Any:  # torch's class, imported when a DTensor needs it
-    from torch.distributed.tensor import Replicate as replicate
-
-    return replicate()
 
 
 # Function.apply without its Python layer, for guarded calls (functorch transforms never reach

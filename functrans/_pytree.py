@@ -19,6 +19,7 @@ from typing import Any, Generic, TypeVar
 
 import optree
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ._errors import TraceError, UnsupportedOpError
 
@@ -85,12 +86,6 @@ class Wrapper:
 
 
 _PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
-
-
-def is_traceable_wrapper_subclass(t: Any) -> bool:
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass as check
-
-    return bool(check(t))
 
 
 @dataclass(frozen=True)

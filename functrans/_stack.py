@@ -6,10 +6,12 @@ leaves the innermost of two or more frames, it is named once with the whole stac
 user's line:
 
 - a :class:`FunctransError` keeps its type; its message gets the stack in front;
-- any other exception stays the same object, now also a :class:`TransformError` (a
-  ``RuntimeError`` from a shape mismatch is still caught by ``except RuntimeError``, a user's
-  own exception keeps its arguments and attributes): torch's and Python's errors get the
-  stack, op and line in front of their message, the user's own exceptions as a note.
+- any other exception becomes also a :class:`TransformError`, still of its own type (a
+  ``RuntimeError`` from a shape mismatch is caught by ``except RuntimeError``). A user's own
+  exception class is renamed in place (same object, arguments and attributes) and gets the
+  stack, op and line as a note; a built-in one (which Python cannot rename) is re-raised as a
+  copy with the same arguments, from the original, with the stack in front of its message
+  (a ``KeyError`` keeps its key and gets a note). ``StopIteration`` passes through untouched.
 
 A single transform leaves errors as they are: its own messages already name the function.
 

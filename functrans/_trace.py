@@ -111,13 +111,20 @@ def flatten_args(
         flat = Flat(spec, tuple(False for _ in leaves), tuple(leaves))
         names = arg_names(f, flat, every_leaf=True)
         for name, leaf in zip(names, leaves, strict=True):
-            try:
-                Wrapper.of(leaf) if isinstance(leaf, torch.Tensor) else None
-            except UnsupportedOpError:
+            if isinstance(leaf, torch.Tensor) and not _takes_apart(leaf):
                 raise UnsupportedOpError(
                     f"{getattr(f, '__qualname__', f)}: input {name}: {e}"
                 ) from e
         raise
+
+
+def _takes_apart(t: torch.Tensor) -> bool:
+    """Whether :class:`Wrapper` can take ``t`` apart (plain tensors: trivially)."""
+    try:
+        Wrapper.of(t)
+    except UnsupportedOpError:
+        return False
+    return True
 
 
 def check_inputs(f: Callable[..., Any], tensors: Sequence[torch.Tensor], flat: Flat) -> None:
