@@ -70,20 +70,21 @@ def sharded_mlp_every_strategy(rank: int, world: int, batches: list[int]) -> dic
 
 
 class Block(torch.nn.Module):
-    def __init__(self, d: int) -> None:
+    def __init__(self, d: int, dropout: float = 0.0) -> None:
         super().__init__()
         self.ln = torch.nn.LayerNorm(d)
         self.fc1 = torch.nn.Linear(d, 4 * d)
         self.fc2 = torch.nn.Linear(4 * d, d)
+        self.drop = torch.nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.ln(x))))
+        return x + self.drop(self.fc2(torch.nn.functional.gelu(self.fc1(self.ln(x)))))
 
 
 class Net(torch.nn.Module):
-    def __init__(self, d: int = 16, n: int = 2) -> None:
+    def __init__(self, d: int = 16, n: int = 2, dropout: float = 0.0) -> None:
         super().__init__()
-        self.blocks = torch.nn.ModuleList(Block(d) for _ in range(n))
+        self.blocks = torch.nn.ModuleList(Block(d, dropout) for _ in range(n))
         self.head = torch.nn.Linear(d, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -93,14 +94,16 @@ class Net(torch.nn.Module):
 
 
 def fsdp2_training(rank: int, world: int) -> dict[str, Any]:
-    """3 SGD steps of a 2-block model under FSDP2: eager vs jit_blocks for several strategies
-    and a remat policy; losses and (sharded) parameters equal eager's on each rank."""
+    """3 SGD steps of a 2-block model with dropout under FSDP2, then an evaluation pass in
+    eval mode and one more training step: eager vs jit_blocks for several strategies and a
+    remat policy, under one seed per step; losses and (sharded) parameters equal eager's on
+    each rank."""
     import copy
 
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
-    base = Net()
+    base = Net(dropout=0.2)
     variants: dict[str, Any] = {
         "eager": None,
         "min_cut": {"partition": "min_cut"},
@@ -119,14 +122,26 @@ def fsdp2_training(rank: int, world: int) -> dict[str, Any]:
             ft.distributed.jit_blocks(m, **options)
         models[name], opts[name] = m, torch.optim.SGD(m.parameters(), lr=0.1)
     losses: dict[str, list[float]] = {k: [] for k in variants}
-    for step in range(3):
+
+    def train_step(step: int) -> None:
         x = torch.randn(8, 16, generator=torch.Generator().manual_seed(10 * step + rank))
         for name, m in models.items():
+            torch.manual_seed(100 + step)  # the same dropout masks for every variant
             loss = m(x)
             loss.backward()
             opts[name].step()
             opts[name].zero_grad()
             losses[name].append(loss.item())
+
+    for step in range(3):
+        train_step(step)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(99 + rank))
+    with torch.no_grad():  # evaluation: dropout off, no gradients
+        for name, m in models.items():
+            m.eval()
+            losses[name].append(m(x).item())
+            m.train()
+    train_step(3)
     for name, m in models.items():
         for (pname, a), (_, b) in zip(
             models["eager"].named_parameters(), m.named_parameters(), strict=True

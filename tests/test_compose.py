@@ -560,3 +560,36 @@ def test_jit_of_vmap_grad_is_the_per_example_joint_cut_by_the_strategy(strategy,
     (p,) = jitted.partitions()
     assert p.strategy == strategy and jitted.cache_info().misses == 1
     assert (p.recomputed == ()) == (strategy == "default")
+
+
+def test_jit_of_grad_follows_module_mode_and_rng_like_eager():
+    """The planned jit(grad) path across model.train()/eval() with dropout: gradients equal
+    torch.func's under one seed in both modes, and switching back reuses the first entry."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.3), torch.nn.Tanh())
+    x = torch.randn(4, 8)
+
+    def loss(x):
+        return model(x).pow(2).sum()
+
+    jitted = ft.jit(ft.grad(loss, partition="min_cut"))
+    for mode in ("train", "eval", "train"):
+        getattr(model, mode)()
+        torch.manual_seed(7)
+        ours = jitted(x)
+        torch.manual_seed(7)
+        assert_close(ours, tf.grad(loss)(x))
+    assert jitted.cache_info().misses == 2
+
+
+def test_vmap_of_jit_follows_module_mode():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5))
+    batched = ft.vmap(ft.jit(lambda x: model(x)), randomness="different")
+    xs = torch.ones(3, 2, 4)
+    model.eval()
+    assert_close(batched(xs), model(xs))
+    model.train()
+    assert (batched(xs) == 0).any()  # dropout is on again
+    model.eval()
+    assert_close(batched(xs), model(xs))
