@@ -30,8 +30,10 @@ from typing import Any, Generic, ParamSpec, TypeVar
 
 import torch
 
+from . import _disk_cache as disk_cache
 from ._capture import Path, Reader, captured_constants, reach, swapped
 from ._decomp import Decompositions
+from ._disk_cache import DiskKey
 from ._errors import TraceError, UnsupportedOpError
 from ._func import GRAD_SPEC, PER_EXAMPLE, GradSpec, PerExample, VmapOfGrad, plan_per_example
 from ._jit_cache import Cache, Signature, Slot, leaves_order
@@ -58,6 +60,7 @@ _P = ParamSpec("_P")
 _R = TypeVar("_R")
 _Q = ParamSpec("_Q")
 _S = TypeVar("_S")
+_G = TypeVar("_G")
 
 #: Default number of compiled entries a jitted function keeps (least recently used out).
 CACHE_SIZE = 32
@@ -519,7 +522,16 @@ class Jitted(Generic[_P, _R]):
             setattr(flat_f, _PLANNED, self._planned_grad(spec, flat, example, paths))
         elif not training and batched is not None and batched.run is self._f:
             setattr(flat_f, _PLANNED, self._planned_per_example(batched, flat, example, paths))
-        entry, gm = self._build(flat_f, example, training)
+        disk = functools.partial(
+            DiskKey,
+            fn=self._f,
+            options=self._opts,
+            state=state,
+            flat=flat,
+            tensors=tuple(tensors[i] for i in diff + other),
+            names=tuple(paths),
+        )
+        entry, gm = self._build(flat_f, example, training, disk)
         self._lift_captures(gm)
         modules = self._module_names if self._given_names is None else self._given_names()
         signature = Signature.of(flat, self._names(flat, every_leaf=True), tensors, state, modules)
@@ -671,8 +683,18 @@ class Jitted(Generic[_P, _R]):
         functools.update_wrapper(target, f, updated=())
         return target
 
+    def _traced(
+        self, disk: Callable[..., DiskKey], kind: str, decompositions: Any, make: Callable[[], _G]
+    ) -> _G:
+        """``make()`` (a trace), through the on-disk cache (:mod:`functrans._disk_cache`)."""
+        return disk_cache.traced(disk(kind=kind, decompositions=decompositions), make)
+
     def _build(
-        self, flat_f: Callable[..., Any], example: Any, training: bool
+        self,
+        flat_f: Callable[..., Any],
+        example: Any,
+        training: bool,
+        disk: Callable[..., DiskKey],
     ) -> tuple[_Entry, torch.fx.GraphModule]:
         backend = importlib.import_module("functrans.codegen").get_backend(self._opts.backend)
         decompositions = self._opts.decompositions
@@ -685,7 +707,14 @@ class Jitted(Generic[_P, _R]):
             planned = getattr(flat_f, _PLANNED, None)
             stitched = planned(decompositions) if planned is not None else None
             traced = flat_f if stitched is None else stitched
-            g = trace(traced, decompositions=decompositions, cse=stitched is None)(*example)
+            g = self._traced(
+                disk,
+                "forward",
+                decompositions,
+                lambda: trace(traced, decompositions=decompositions, cse=stitched is None)(
+                    *example
+                ),
+            )
             t1 = time.perf_counter()
             fwd = backend.compile(g, inputs)
             self._times.trace_s += t1 - t0
@@ -703,10 +732,15 @@ class Jitted(Generic[_P, _R]):
                 subclass=subclass or bool(g.out_flat.wrappers),
             )
             return entry, g.graph_module
-        jg = joint(flat_f, argnums=0, decompositions=decompositions)(*example)
+        jg = self._traced(
+            disk,
+            "joint",
+            decompositions,
+            lambda: joint(flat_f, argnums=0, decompositions=decompositions)(*example),
+        )
         if not any(jg.differentiable):  # e.g. a body under torch.no_grad(): nothing to save
             self._times.trace_s += time.perf_counter() - t0
-            entry, gm = self._build(flat_f, example, training=False)
+            entry, gm = self._build(flat_f, example, False, disk)
             # its inputs require grad: run it as the body did, with autograd off
             return dataclasses.replace(entry, forward=_without_grad(entry.forward)), gm
         t1 = time.perf_counter()
