@@ -3,7 +3,12 @@
 Run them as modules from the repository root, e.g. ``python -m benchmarks.partition_quality``.
 """
 
+import os as _os
 from pathlib import Path as _Path
+
+# Benchmarks time first calls (tracing included): the on-disk trace cache would turn repeated
+# ones into disk hits. ``benchmarks.runtime`` measures the cache itself in fresh processes.
+_os.environ.setdefault("FUNCTRANS_CACHE", "0")
 
 
 def output_path(requested: _Path | None, committed: _Path, quick: bool) -> _Path:

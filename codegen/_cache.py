@@ -1,5 +1,6 @@
 """Where code generation keeps what it builds: ``$FUNCTRANS_CACHE_DIR`` (read on every call),
-by default ``~/.cache/functrans``.
+by default ``~/.cache/functrans`` (:func:`functrans.extend.cache_root`, shared with the core's
+caches).
 
 >>> import os
 >>> os.environ["FUNCTRANS_CACHE_DIR"] = "/tmp/ft-cache"
@@ -12,13 +13,6 @@ by default ``~/.cache/functrans``.
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
+from functrans.extend import cache_root
 
 __all__ = ["cache_root"]
-
-
-def cache_root() -> Path:
-    """The root of functrans's on-disk caches."""
-    root = os.environ.get("FUNCTRANS_CACHE_DIR")
-    return Path(root).expanduser() if root else Path.home() / ".cache" / "functrans"

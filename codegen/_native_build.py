@@ -49,7 +49,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
-from functrans.extend import FunctransError
+from functrans.extend import FunctransError, untrusted
+from functrans.extend import private_dirs as _private_dirs
 
 __all__ = [
     "LOCK_TIMEOUT_S",
@@ -126,35 +127,6 @@ def cached_build(lib: Path, compile: Callable[[Path], T], load: Callable[[Path],
             return result
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _private_dirs(directory: Path) -> None:
-    """Create ``directory`` and any missing parents readable and writable by this user only
-    (``os.makedirs``' mode reaches the last one only)."""
-    missing = []
-    for d in (directory, *directory.parents):
-        if d.exists():
-            break
-        missing.append(d)
-    for d in reversed(missing):
-        with contextlib.suppress(FileExistsError):  # another process made it meanwhile
-            d.mkdir(mode=0o700)
-
-
-def untrusted(path: Path) -> str | None:
-    """Why ``path`` must not be trusted with code this process runs (another user owns it or
-    can write it), or None. On systems without POSIX owners, None."""
-    if not hasattr(os, "getuid"):
-        return None
-    try:
-        st = path.stat()
-    except FileNotFoundError:
-        return None
-    if st.st_uid != os.getuid():
-        return f"{path} is owned by another user (uid {st.st_uid})"
-    if st.st_mode & 0o022:
-        return f"{path} is writable by other users (mode {oct(st.st_mode & 0o777)})"
-    return None
 
 
 def _refuse_untrusted(lib: Path) -> None:

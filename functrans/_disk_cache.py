@@ -1,17 +1,121 @@
-"""On-disk cache of traced graphs across processes (issue 19): a stub that always traces.
+"""On-disk cache of traced graphs across processes (issue 19): a restart skips tracing.
 
-:func:`traced` is called by ``jit`` around each trace; it returns the graph ``make`` builds.
+``jit`` calls :func:`traced` around each trace (``trace`` for inference entries, ``joint`` for
+training entries); partitioning and compiling run again on whatever graph comes back (they are
+cheap next to tracing). Entries live in ``<cache root>/traces/<key>-<dependencies>.json``
+(:func:`~functrans._private_dir.cache_root`, ``$FUNCTRANS_CACHE_DIR``); ``FUNCTRANS_CACHE=0``
+turns the cache off and ``FUNCTRANS_CACHE_SIZE_MB`` bounds it (512 by default; the least
+recently used entries go first).
+
+**Soundness.** A trace is a deterministic function of (a) the code that runs, (b) the values
+that code reads, (c) the inputs' metadata and (d) torch's global state. An entry is used only
+when all four are what they were when it was traced:
+
+- The *key* (computed before tracing) hashes: the Python, torch, triton and functrans versions
+  (and functrans' own source files); torch flags a trace reads (SDPA backends, matmul precision,
+  global module hooks); the global state ``jit`` guards (grad and inference mode, autocast,
+  default dtype, deterministic algorithms, module training flags); the options that reach the
+  trace (decompositions as resolved, ``static_argnums``, and any option this module does not know
+  to be trace-free); the call's structure, static values and each tensor's type, shape, strides,
+  dtype, device, ``requires_grad``, dispatch keys and aliasing; and the function itself, deeply
+  (:class:`~functrans._fingerprint.Fingerprint`): its bytecode, defaults, closure cells and
+  everything reachable from them (module attributes such as ``n_head`` or a dropout ``p``, plain
+  objects, containers, user classes), tensors by metadata only (captured tensors are graph
+  inputs, never baked-in values: a graph holding a tensor constant other than a literal is
+  stored as a path to that tensor, read again on load).
+- The *dependencies* (recorded while tracing, checked on load): every source file whose code
+  ran, by content hash, except torch's, functrans' and the standard library's (their versions
+  are in the key); and for user code (outside site-packages), the value of every module global
+  its code names (``SCALE`` set from argparse, a helper in another file, ``cfg.n_layer`` read
+  through a module). A file modified after this process started, code from no file, or user
+  code with closure cells that are neither in the key nor made during the trace means the
+  entry is not stored.
+- Anything that cannot be hashed (C objects, tensor subclasses, a generator, symbolic shapes,
+  a graph node the JSON format cannot hold) means no disk cache for that call: never a guess.
+
+Not covered, by design: the state of installed packages beyond their files (a global of
+``transformers`` changed at run time), of C extensions other than torch, environment variables,
+files and randomness the traced code reads, builtins replaced at run time, and functions that
+rebind module globals they read while being traced. A partition strategy, its options and the
+backend are not part of the key: they do not change the traced graph, and they run again on
+every load (a different strategy on a hit partitions the same graph its own way).
+
+**Safety.** Entries are JSON (:mod:`functrans._graph_json`), never pickles; ops are looked up by
+name in ``torch.ops``, types among modules already imported. Folders are created private to the
+user (0700); a folder or entry another user owns or can write is refused, with a warning, once.
+Writes go to a temporary file renamed into place; an entry that cannot be read or rebuilt as
+stored (its values are derived again on fake tensors and compared) is ignored and rewritten.
+
+>>> import os, tempfile, torch, functrans as ft
+>>> saved = dict(os.environ)
+>>> os.environ.update(FUNCTRANS_CACHE="1", FUNCTRANS_CACHE_DIR=tempfile.mkdtemp())
+>>> os.environ["FUNCTRANS_NATIVE"] = "0"  # a fresh cache root: no native executor build
+>>> def f(x):
+...     return x.sin() * 2
+>>> _ = ft.jit(f)(torch.ones(2))  # traced, and stored
+>>> g = ft.jit(f)  # as in a new process: a new jit of the same function
+>>> _ = g(torch.ones(2)); g.cache_info().disk_hits
+1
+>>> os.environ.clear(); os.environ.update(saved)
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import hashlib
+import importlib.metadata
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
-__all__ = ["DiskKey", "traced"]
+import torch
+
+from . import _graph_json as graph_json
+from . import _tree_json as tree_json
+from ._code_deps import (
+    Recorder,
+    dependencies,
+    file_digest,
+    functrans_digest,
+    global_digest,
+    modified_since,
+    process_start,
+    source_lines,
+)
+from ._errors import FunctransError
+from ._fingerprint import Fingerprint, Unhashable
+from ._logs import log
+from ._private_dir import cache_root, private_dirs, untrusted
+
+__all__ = ["DiskCacheError", "DiskCacheWarning", "DiskKey", "enabled", "max_bytes", "traced"]
 
 _G = TypeVar("_G")
+
+FORMAT = 1
+SWITCH_ENV = "FUNCTRANS_CACHE"
+SIZE_ENV = "FUNCTRANS_CACHE_SIZE_MB"
+SIZE_MB = 512.0
+"""The default bound on the traces folder, in MiB (``$FUNCTRANS_CACHE_SIZE_MB``)."""
+FOLDER = "traces"
+# options of jit that do not reach the trace (they act on the traced graph, after it)
+_TRACE_FREE = frozenset({"partition", "partition_options", "backend", "cache_size"})
+
+
+class DiskCacheError(FunctransError):
+    """The on-disk trace cache is misconfigured (its environment variables)."""
+
+
+class DiskCacheWarning(UserWarning):
+    """The on-disk trace cache refused a folder or entry (another user can write it)."""
 
 
 @dataclass(frozen=True)
@@ -26,8 +130,370 @@ class DiskKey:
     tensors: tuple[Any, ...]  # the call's tensor inputs, in the traced function's order
     names: tuple[str, ...]  # readable names of those tensors
     decompositions: Any  # the decompositions actually used
+    dims: Any = None  # symbolic dimensions of the trace (None: static shapes)
+    planned: bool = False  # jit(grad(f, partition=...)): traced from a plan made outside
+    #: record and store on a miss (recording doubles the trace's time on CPython 3.11, so a
+    #: jitted function stores its first few entries only; later misses just look up)
+    store: bool = True
 
 
-def traced(key: DiskKey, make: Callable[[], _G]) -> _G:
-    """The graph ``make()`` returns, from disk when a sound key finds it there."""
-    return make()
+def enabled() -> bool:
+    """Whether the disk cache is on: ``$FUNCTRANS_CACHE`` (read on every call) unset or
+    ``1``/``true``/``on``/``yes``; ``0``/``false``/``off``/``no`` turn it off.
+
+    >>> enabled() == (os.environ.get("FUNCTRANS_CACHE", "1") not in ("0", "false", "off", "no"))
+    True
+    """
+    raw = os.environ.get(SWITCH_ENV)
+    if raw is None:
+        return True
+    value = raw.strip().lower()
+    if value in ("", "1", "true", "on", "yes"):
+        return True
+    if value in ("0", "false", "off", "no"):
+        return False
+    raise DiskCacheError(
+        f"{SWITCH_ENV} must be 1 or 0 (on or off), got {raw!r}; unset it for the default (on)"
+    )
+
+
+def max_bytes() -> int:
+    """The size bound of the traces folder: ``$FUNCTRANS_CACHE_SIZE_MB`` MiB (read on every
+    write), by default :data:`SIZE_MB`.
+
+    >>> max_bytes() == int(SIZE_MB * 2**20) or SIZE_ENV in os.environ
+    True
+    """
+    raw = os.environ.get(SIZE_ENV)
+    if raw is None or not raw.strip():
+        return int(SIZE_MB * 2**20)
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value >= 0:
+        raise DiskCacheError(
+            f"{SIZE_ENV} must be a size in MiB (>= 0), got {raw!r}; unset it for the default "
+            f"of {SIZE_MB:g} MiB"
+        )
+    return int(value * 2**20)
+
+
+def traced(key: DiskKey, make: Callable[[], _G]) -> tuple[_G, bool]:
+    """The graph ``make()`` returns, from disk when a sound key finds it there, and whether
+    it came from disk. A miss traces (recording what the trace ran) and stores the graph."""
+    if not enabled():
+        return make(), False
+    folder = _folder()
+    if folder is None:
+        return make(), False
+    fingerprint = Fingerprint()
+    try:
+        digest = _digest(key, fingerprint)
+    except (Unhashable, graph_json.NotStorable) as e:
+        _say(key, f"no disk cache: {e}")
+        return make(), False
+    for path in _candidates(folder, digest):
+        found = _load(path, digest, key)
+        if found is not None:
+            return found, True
+    if not key.store:
+        return make(), False
+    with Recorder() as recorder:
+        g = make()
+    if recorder.ok:
+        _store(folder, digest, key, g, recorder, fingerprint)
+    return g, False
+
+
+def _say(key: DiskKey, message: str) -> None:
+    name = getattr(key.fn, "__qualname__", type(key.fn).__name__)
+    log("disk", f"jit({name}) {key.kind}", lambda: message)
+
+
+# -- the key -----------------------------------------------------------------------------------
+
+
+def _digest(key: DiskKey, fp: Fingerprint) -> str:
+    if key.dims is not None:
+        raise Unhashable("a trace with symbolic shapes")
+    if key.planned:
+        raise Unhashable("a gradient traced from a plan (grad(f, partition=...))")
+    if key.flat.wrappers:
+        raise Unhashable("tensor subclass inputs")
+    fp.add(_environment())
+    fp.add((key.kind, key.names, key.decompositions))
+    options = key.options
+    fp.add(
+        [
+            (f.name, getattr(options, f.name))
+            for f in dataclasses.fields(options)
+            if f.name not in _TRACE_FREE
+        ]
+    )
+    state = key.state._asdict()
+    state["modules"] = tuple(training for _, training in state["modules"])
+    fp.add(sorted(state.items()))
+    fp.add(_structure(key.flat))
+    fp.add(_tensors(key.tensors))
+    fp.add(key.fn)
+    return fp.digest()
+
+
+def _structure(flat: Any) -> Any:
+    statics = [s for s, t in zip(flat.static, flat.is_tensor, strict=True) if not t]
+    spec = tree_json.spec_doc(flat.spec)
+    return (json.dumps(spec), flat.is_tensor, statics, flat.static_argnums)
+
+
+def _tensors(tensors: tuple[Any, ...]) -> list[Any]:
+    out: list[Any] = []
+    storages: dict[tuple[str, int], int] = {}
+    for i, t in enumerate(tensors):
+        if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout != torch.strided:
+            raise Unhashable(f"input {i} is a {type(t).__qualname__} ({t.layout})")
+        where = (str(t.device), t.untyped_storage().data_ptr())
+        alias = storages.setdefault(where, i) if where[1] else i
+        keys = int(torch._C._dispatch_keys(t).raw_repr())
+        meta = (tuple(t.shape), t.stride(), t.storage_offset(), str(t.dtype), str(t.device))
+        out.append((*meta, t.requires_grad, type(t).__name__, keys, alias, _device(t.device)))
+    return out
+
+
+def _device(device: torch.device) -> Any:
+    if device.type != "cuda":
+        return None
+    return (torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device))
+
+
+_ENVIRONMENT: tuple[Any, ...] | None = None
+
+
+def _environment() -> tuple[Any, ...]:
+    """Versions (computed once) and the torch flags a trace reads (read every time)."""
+    global _ENVIRONMENT
+    if _ENVIRONMENT is None:
+        _ENVIRONMENT = (
+            FORMAT,
+            sys.version,
+            platform.machine(),
+            torch.__version__,
+            torch.version.git_version,
+            torch.version.cuda,
+            torch.version.hip,
+            _version("triton"),
+            _version("functrans"),
+            functrans_digest(),
+        )
+    backends: Any = torch.backends  # untyped functions
+    flags = (
+        backends.cuda.flash_sdp_enabled(),
+        backends.cuda.mem_efficient_sdp_enabled(),
+        backends.cuda.math_sdp_enabled(),
+        backends.cuda.cudnn_sdp_enabled(),
+        backends.mkldnn.enabled,
+        backends.cudnn.enabled,
+        torch.get_float32_matmul_precision(),
+    )
+    module = torch.nn.modules.module
+    hooks = [
+        (name, list(value.values()))
+        for name, value in sorted(vars(module).items())
+        if name.startswith("_global_") and isinstance(value, dict)
+    ]
+    return (*_ENVIRONMENT, flags, hooks)
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+# -- the folder --------------------------------------------------------------------------------
+
+_warned: set[str] = set()
+
+
+def _refuse(reason: str) -> None:
+    if reason not in _warned:
+        _warned.add(reason)
+        warnings.warn(
+            f"functrans: refusing the on-disk trace cache: {reason}. Point FUNCTRANS_CACHE_DIR at "
+            "a directory only you can write (functrans creates its own folders that way), or "
+            "set FUNCTRANS_CACHE=0",
+            DiskCacheWarning,
+            stacklevel=2,
+        )
+
+
+def _folder() -> Path | None:
+    """The traces folder, created private; None where it is refused or cannot be made."""
+    root = cache_root()
+    folder = root / FOLDER
+    try:
+        private_dirs(folder)
+    except OSError as e:
+        why = f"cannot create {folder}: {e}"
+        log("disk", "no disk cache", lambda: why)
+        return None
+    for path in (root, folder):
+        reason = untrusted(path)
+        if reason is not None:
+            _refuse(reason)
+            return None
+    return folder
+
+
+# -- loading -----------------------------------------------------------------------------------
+
+#: Entries kept per key (one per set of dependencies: a global that alternates between values
+#: keeps an entry for each), the most recently used first.
+PER_KEY = 8
+
+
+def _candidates(folder: Path, digest: str) -> list[Path]:
+    """The entries stored under ``digest``, most recently used first."""
+    found = []
+    prefix = f"{digest}-"
+    for e in os.scandir(folder):
+        if e.name.startswith(prefix) and e.name.endswith(".json"):
+            with contextlib.suppress(FileNotFoundError):
+                found.append((e.stat().st_mtime, e.path))
+    return [Path(p) for _, p in sorted(found, reverse=True)]
+
+
+def _load(path: Path, digest: str, key: DiskKey) -> Any:
+    """The graph stored at ``path`` if it is there, valid and its dependencies hold."""
+    reason = untrusted(path)
+    if reason is not None:
+        _refuse(reason)
+        return None
+    try:
+        text = path.read_text()
+    except OSError as e:  # evicted meanwhile, ...
+        _say(key, f"miss: {path} cannot be read ({e})")
+        return None
+    try:
+        doc = json.loads(text)
+        if doc["format"] != FORMAT or doc["key"] != digest or doc["kind"] != key.kind:
+            raise graph_json.CorruptEntry("an entry of another format or key")
+        stale = _stale(doc["deps"])
+        if stale is not None:
+            _say(key, f"miss: {stale}")
+            return None
+        g = graph_json.load(doc["graph"], key.fn)
+    except Exception as e:  # whatever the entry holds, a bad one is a miss, then rewritten
+        _say(key, f"ignoring the invalid entry {path}: {type(e).__name__}: {e}")
+        return None
+    _touch(path)
+    _say(key, f"hit: {path.name}")
+    return g
+
+
+def _stale(deps: dict[str, Any]) -> str | None:
+    """What changed since the entry was stored, or None."""
+    since = process_start()
+    for filename, digest in deps["files"].items():
+        if modified_since(filename, since):
+            return f"{filename} changed after this process started (or is gone)"
+        if file_digest(filename) != digest:
+            return f"{filename} changed"
+    for name, digest in deps["lines"].items():
+        if source_lines(name) != digest:
+            return f"the source of {name} changed (or is not loaded)"
+    for module, name, digest in deps["globals"]:
+        m = sys.modules.get(module)
+        if m is None:
+            return f"module {module} is not imported"
+        attrs = vars(m)
+        if name not in attrs:
+            return f"{module}.{name} is not defined"
+        try:
+            now = global_digest(attrs[name])
+        except Unhashable as e:
+            return f"{module}.{name} cannot be hashed now ({e})"
+        if now != digest:
+            return f"{module}.{name} changed"
+    return None
+
+
+def _touch(path: Path) -> None:
+    with contextlib.suppress(OSError):  # evicted meanwhile
+        os.utime(path)
+
+
+# -- storing -----------------------------------------------------------------------------------
+
+
+def _store(
+    folder: Path, digest: str, key: DiskKey, g: Any, recorder: Recorder, fp: Fingerprint
+) -> None:
+    try:
+        deps = dependencies(recorder, fp.closures, process_start()).to_json()
+        which = hashlib.sha256(json.dumps(deps, sort_keys=True).encode()).hexdigest()[:16]
+        path = folder / f"{digest}-{which}.json"
+        doc = graph_json.dump(g, key.fn)
+        text = json.dumps(
+            {
+                "format": FORMAT,
+                "key": digest,
+                "kind": key.kind,
+                "created": time.time(),
+                "deps": deps,
+                "graph": doc,
+            },
+            separators=(",", ":"),
+        )
+        graph_json.check_round_trip(json.loads(text)["graph"], g)
+    except (Unhashable, graph_json.NotStorable) as e:
+        _say(key, f"not stored: {e}")
+        return
+    try:
+        _write(path, text)
+        for old in _candidates(folder, digest)[PER_KEY:]:
+            old.unlink(missing_ok=True)
+        _evict(folder, max_bytes())
+    except OSError as e:
+        _say(key, f"not stored: {e}")
+        return
+    _say(key, f"stored {path.name} ({len(text)} bytes)")
+
+
+def _write(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` atomically: a private temporary file renamed into place."""
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+_TMP_AGE_S = 3600.0  # a temporary file older than this was left by a killed process
+
+
+def _evict(folder: Path, limit: int) -> None:
+    """Remove the least recently used entries until the folder holds at most ``limit`` bytes."""
+    entries = []
+    now = time.time()
+    for e in os.scandir(folder):
+        try:
+            st = e.stat()
+        except FileNotFoundError:
+            continue
+        if e.name.startswith(".tmp-"):
+            if now - st.st_mtime > _TMP_AGE_S:
+                Path(e.path).unlink(missing_ok=True)
+            continue
+        if e.name.endswith(".json"):
+            entries.append((st.st_mtime, st.st_size, e.path))
+    total = sum(size for _, size, _ in entries)
+    for _, size, p in sorted(entries):
+        if total <= limit:
+            break
+        Path(p).unlink(missing_ok=True)
+        total -= size

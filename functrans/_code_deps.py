@@ -1,0 +1,229 @@
+"""What a trace ran, for the on-disk trace cache: source files and the globals user code read.
+
+:class:`Recorder` records which code objects run while a trace runs (``sys.setprofile``), and
+:func:`dependencies` turns them into what a stored trace depends on beyond its key: the content
+of each source file that ran (except torch, functrans and the standard library, whose versions
+key the cache) and, for user code (outside site-packages), the value of every module global its
+code names (:func:`global_digest`). The profiler doubles tracing time on CPython 3.11 (the
+interpreter's tracing mode, not the callback: a C callback costs the same); it runs only when
+the disk cache misses.
+
+>>> import math
+>>> def f():
+...     return math.pi * SCALE
+>>> SCALE = 2.0
+>>> with Recorder() as r:
+...     _ = f()
+>>> r.ok and f.__code__ in r.codes
+True
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import linecache
+import os
+import sys
+import time
+import types
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._fingerprint import Fingerprint, Unhashable, _dirs, classify
+
+__all__ = [
+    "Deps",
+    "Recorder",
+    "dependencies",
+    "file_digest",
+    "functrans_digest",
+    "global_digest",
+    "modified_since",
+    "process_start",
+    "source_lines",
+]
+
+_FILE_DIGESTS: dict[tuple[str, int, int, int], str] = {}
+
+
+def file_digest(path: str) -> str | None:
+    """sha256 of a file's content (cached per process by its stat), None if unreadable."""
+    try:
+        st = os.stat(path)
+        key = (path, st.st_mtime_ns, st.st_size, st.st_ino)
+        found = _FILE_DIGESTS.get(key)
+        if found is None:
+            with open(path, "rb") as f:
+                found = hashlib.sha256(f.read()).hexdigest()
+            _FILE_DIGESTS[key] = found
+        return found
+    except OSError:
+        return None
+
+
+@functools.cache
+def functrans_digest() -> str:
+    """sha256 over functrans' own source files (core, codegen, partitioners)."""
+    h = hashlib.sha256()
+    trusted, _ = _dirs()
+    for d in trusted[1:]:
+        for root, dirs, files in sorted(os.walk(d)):
+            dirs[:] = sorted(x for x in dirs if x != "__pycache__")
+            for name in sorted(files):
+                if name.endswith((".py", ".cpp", ".h")):
+                    p = os.path.join(root, name)
+                    h.update(f"{os.path.relpath(p, d)}:{file_digest(p)}".encode())
+    return h.hexdigest()
+
+
+class Recorder:
+    """Records the code objects that run in this thread while it is entered (with their
+    globals); :attr:`ok` is False when another profiler was active (nothing recorded)."""
+
+    def __init__(self) -> None:
+        self.codes: dict[types.CodeType, dict[str, Any]] = {}
+        self.ok = False
+
+    def __enter__(self) -> Recorder:
+        if sys.getprofile() is not None:
+            return self  # a profiler or debugger is active: do not replace it
+        codes = self.codes
+
+        def profile(frame: types.FrameType, event: str, arg: Any) -> None:
+            if event == "call":
+                code = frame.f_code
+                if code not in codes:
+                    codes[code] = frame.f_globals
+
+        sys.setprofile(profile)
+        self.ok = True
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.ok:
+            sys.setprofile(None)
+
+
+@dataclass
+class Deps:
+    """What a stored trace depends on beyond its key: file contents and global values."""
+
+    files: dict[str, str] = field(default_factory=dict)  # path -> sha256
+    lines: dict[str, str] = field(default_factory=dict)  # linecache name -> sha256
+    globals: dict[tuple[str, str], str] = field(default_factory=dict)  # (module, name) -> hash
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "files": self.files,
+            "lines": self.lines,
+            "globals": [[m, n, d] for (m, n), d in sorted(self.globals.items())],
+        }
+
+
+def dependencies(recorder: Recorder, walked: set[types.CodeType], since: float) -> Deps:
+    """The :class:`Deps` of a trace that ran the code ``recorder`` saw. Raises
+    :class:`Unhashable` where they cannot be recorded soundly: a source file that cannot be
+    read, or changed after ``since`` (the code that ran may not be what the file holds now),
+    user code with closure cells the key did not hash (``walked``) and that the trace did not
+    make, globals that cannot be hashed."""
+    deps = Deps()
+    ran = set(recorder.codes)
+    nested = {c for code in ran for c in code.co_consts if isinstance(c, types.CodeType)}
+    for code, glb in recorder.codes.items():
+        filename = code.co_filename
+        kind = classify(filename)
+        if kind == "trusted":
+            continue
+        digest = None if kind == "unknown" else file_digest(filename)
+        if digest is not None:
+            if modified_since(filename, since):
+                raise Unhashable(f"{filename} changed after this process started")
+            deps.files[filename] = digest
+        else:
+            lines = source_lines(filename)
+            if lines is not None:  # a notebook cell, code typed at the prompt
+                deps.lines[filename] = lines
+                kind = "user"
+            elif filename.startswith("<"):
+                # compiled from a string while tracing (torch.fx's generated code, dataclass
+                # and namedtuple methods, torch's module templates): what the code that
+                # compiled it (recorded in turn) made it
+                continue
+            else:
+                raise Unhashable(f"{filename} (which ran while tracing) cannot be read")
+        if kind != "user":
+            continue
+        if code.co_freevars and code not in walked and code not in nested:
+            raise Unhashable(
+                f"{code.co_qualname} ({filename}) reads closure cells of unknown origin"
+            )
+        _globals(code, glb, deps)
+    return deps
+
+
+def source_lines(name: str) -> str | None:
+    """sha256 of the source linecache holds for ``name`` (IPython registers its cells)."""
+    entry = linecache.cache.get(name)
+    if entry is None or len(entry) < 3 or not isinstance(entry[2], list):
+        return None
+    return hashlib.sha256("".join(entry[2]).encode()).hexdigest()
+
+
+def _globals(code: types.CodeType, glb: dict[str, Any], deps: Deps) -> None:
+    module = glb.get("__name__")
+    if not isinstance(module, str) or getattr(sys.modules.get(module), "__dict__", None) is not glb:
+        raise Unhashable(f"{code.co_qualname} runs with globals of no importable module")
+    names = code.co_names
+    for name in names:
+        if name in glb:
+            _global(module, name, glb[name], names, deps)
+
+
+def _global(module: str, name: str, value: Any, names: tuple[str, ...], deps: Deps) -> None:
+    if (module, name) in deps.globals:
+        return
+    deps.globals[(module, name)] = global_digest(value)
+    is_user = classify(getattr(value, "__file__", None) or "") == "user"
+    if isinstance(value, types.ModuleType) and is_user:  # `helpers.SCALE`: SCALE too
+        attrs = vars(value)
+        for attr in names:
+            if attr in attrs:
+                _global(value.__name__, attr, attrs[attr], names, deps)
+
+
+def global_digest(value: Any) -> str:
+    """The hash of a global's value as :class:`Deps` records it (a module by its name: the
+    attributes code reads from it are recorded one by one)."""
+    if isinstance(value, types.ModuleType):
+        return f"module:{value.__name__}"
+    return Fingerprint().digest(value)
+
+
+def modified_since(path: str, since: float) -> bool:
+    """Whether ``path`` was modified at or after ``since`` (or cannot be read)."""
+    try:
+        return os.stat(path).st_mtime >= since
+    except OSError:
+        return True
+
+
+def process_start() -> float:
+    """When this process started, in seconds since the epoch: from ``/proc`` (rounded down),
+    or two seconds before this module was first imported where ``/proc`` cannot say."""
+    return _START
+
+
+def _process_start() -> float:
+    now = time.time()
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+        return min(now, boot + ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return now - 2.0
+
+
+_START = _process_start()

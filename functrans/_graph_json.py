@@ -1,0 +1,352 @@
+"""Traced graphs as JSON, for the on-disk trace cache: no pickle, nothing executed on load.
+
+:func:`dump` writes a :class:`Graph` or :class:`JointGraph` as plain JSON: each node's op,
+target (an ATen op by its qualified name, or ``operator.getitem``), arguments (node references,
+numbers, strings, dtypes, devices, tuples and lists, tagged), its value's metadata and our
+namespaced meta (roles, phases, paths, source lines, remat tags: enums by name), plus the
+pytree specs of inputs and outputs (tuples, lists, dicts, None, namedtuples and torch's
+structseqs of classes already imported). Tensor constants a function creates (``torch.tensor``
+literals) are stored by value when small; captured tensors baked into a graph are stored as the
+path from the function to them (:mod:`functrans._capture`) and read again on load. Anything else
+raises :class:`NotStorable`.
+
+:func:`load` rebuilds the graph: targets are looked up in ``torch.ops`` (or the allow-list),
+types among imported modules, and every ``meta["val"]`` is derived again by running the graph
+on fake tensors made from the stored input metadata; a value whose shape, strides, dtype or
+device differs from the stored one makes the entry invalid (:class:`CorruptEntry`).
+
+>>> import torch, functrans as ft
+>>> g = ft.trace(lambda x: x.sin() * 2)(torch.ones(3))
+>>> str(load(json.loads(json.dumps(dump(g))), root_fn=None)) == str(g)
+True
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import operator
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from ._capture import Path, reach
+from ._graph import PATH, PHASE, RECOMPUTED, ROLE, SOURCE, Graph, JointGraph, Phase, Role
+from ._state import autocast_off
+from ._tags import REMAT, REMAT_OP, Policy, RematOp
+from ._tree_json import CorruptEntry, NotStorable, decode, encode, flat_doc, flat_of, torch_value
+
+__all__ = ["CorruptEntry", "NotStorable", "check_round_trip", "dump", "load"]
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_MAX_CONSTANT = 4096  # elements of a fresh tensor constant stored by value
+
+
+_FUNCTIONS: dict[str, Callable[..., Any]] = {"operator.getitem": operator.getitem}
+_FUNCTION_NAMES = {id(f): name for name, f in _FUNCTIONS.items()}
+
+
+def _target(target: Any) -> Any:
+    if isinstance(target, torch._ops.OpOverload):
+        return [target.namespace, target._opname, target._overloadname]
+    name = _FUNCTION_NAMES.get(id(target))
+    if name is None:
+        raise NotStorable(f"a call to {target!r}")
+    return name
+
+
+def _untarget(doc: Any) -> Any:
+    if isinstance(doc, str):
+        if doc not in _FUNCTIONS:
+            raise CorruptEntry(f"an unknown function {doc!r}")
+        return _FUNCTIONS[doc]
+    try:
+        ns, name, overload = doc
+        op = getattr(getattr(getattr(torch.ops, ns), name), overload)
+    except (AttributeError, RuntimeError, TypeError, ValueError) as e:
+        raise CorruptEntry(f"no op {doc!r} in torch.ops") from e
+    if not isinstance(op, torch._ops.OpOverload):
+        raise CorruptEntry(f"{doc!r} is not an op")
+    return op
+
+
+def _val(v: Any) -> Any:
+    """A node value's metadata (tensors, or tuples and lists of them)."""
+    if isinstance(v, torch.Tensor):
+        if not all(type(s) is int for s in (*v.shape, *v.stride(), v.storage_offset())):
+            raise NotStorable("a value with a symbolic shape")
+        return {
+            "tensor": [
+                list(v.shape),
+                list(v.stride()),
+                str(v.dtype).removeprefix("torch."),
+                str(v.device),
+                v.storage_offset(),
+                bool(v.requires_grad),
+            ]
+        }
+    if isinstance(v, (tuple, list)):
+        return {type(v).__name__: [_val(x) for x in v]}
+    if v is None:
+        return None
+    raise NotStorable(f"a node value of type {type(v).__qualname__}")
+
+
+# -- graphs ------------------------------------------------------------------------------------
+
+
+def _meta(node: fx.Node) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in node.meta.items():
+        if not key.startswith("functrans."):
+            continue
+        if key in (ROLE, PHASE, REMAT):
+            out[key] = value.name
+        elif (key in (SOURCE, PATH) and isinstance(value, str)) or (
+            key == RECOMPUTED and isinstance(value, bool)
+        ):
+            out[key] = value
+        elif key == REMAT_OP and isinstance(value, RematOp):
+            out[key] = [_target(value.op), bool(value.holds_output)]
+        else:
+            raise NotStorable(f"node meta {key!r} = {value!r}")
+    return out
+
+
+_PLAIN_META = (SOURCE, PATH, RECOMPUTED)
+_ENUMS: dict[str, Any] = {ROLE: Role, PHASE: Phase, REMAT: Policy}
+
+
+def _unmeta(doc: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in doc.items():
+        if key in _ENUMS:
+            out[key] = _ENUMS[key][value]
+        elif key in _PLAIN_META:
+            out[key] = value
+        elif key == REMAT_OP:
+            out[key] = RematOp(_untarget(value[0]), bool(value[1]))
+        else:
+            raise CorruptEntry(f"node meta {key!r}")
+    return out
+
+
+def dump(g: Graph, root: Any = None) -> dict[str, Any]:
+    """``g`` as JSON-ready data (see the module docstring); raises :class:`NotStorable`.
+    ``root``: the function whose captured tensors a graph may hold (found by path)."""
+    nodes = []
+    gm = g.graph_module
+    for n in g.fx_graph.nodes:
+        doc: dict[str, Any] = {"name": n.name, "op": n.op}
+        if n.op == "call_function":
+            doc["target"] = _target(n.target)
+            doc["args"] = encode(tuple(n.args))
+            doc["kwargs"] = {k: encode(v) for k, v in n.kwargs.items()}
+        elif n.op == "output":
+            doc["args"] = encode(tuple(n.args))
+        elif n.op == "get_attr":
+            if not str(n.target).isidentifier():
+                raise NotStorable(f"a constant at {n.target!r}")
+            doc["target"] = str(n.target)
+            doc["constant"] = _constant(n, getattr(gm, str(n.target), None), root)
+        elif n.op != "placeholder":
+            raise NotStorable(f"a {n.op} node")
+        if n.op != "output":
+            doc["val"] = _val(n.meta.get("val"))
+        doc["meta"] = _meta(n)
+        nodes.append(doc)
+    out: dict[str, Any] = {
+        "nodes": nodes,
+        "in_flat": flat_doc(g.in_flat),
+        "out_flat": flat_doc(g.out_flat),
+    }
+    if isinstance(g, JointGraph):
+        out["joint"] = {
+            "fn_in": flat_doc(g.fn_in),
+            "fn_out": flat_doc(g.fn_out),
+            "grads_flat": flat_doc(g.grads_flat),
+            "num_outputs": g.num_outputs,
+            "argnums": list(g.argnums),
+            "differentiable": list(g.differentiable),
+        }
+    return out
+
+
+def _constant(node: fx.Node, value: Any, root: Any) -> Any:
+    """A tensor constant: by value if the function made it (``torch.tensor(...)``, which
+    tracing copies through ``lift_fresh_copy``), else by its path from ``root``."""
+    if type(value) not in _PLAIN or value.layout != torch.strided:
+        raise NotStorable("a constant that is not a plain tensor")
+    fresh = node.users and all(
+        u.target is torch.ops.aten.lift_fresh_copy.default for u in node.users
+    )
+    if fresh:
+        if value.numel() > _MAX_CONSTANT or value.is_complex() or value.device.type != "cpu":
+            raise NotStorable("a large, complex or non-CPU tensor literal")
+        data = [x if math.isfinite(x) else repr(x) for x in value.flatten().tolist()]
+        return {"value": [list(value.shape), str(value.dtype).removeprefix("torch."), data]}
+    if root is None:
+        raise NotStorable("a captured tensor constant")
+    for p in reach(root).tensors.get(id(value), []):
+        steps = [[kind, key] for kind, key in p.steps]
+        if all(type(k) in (str, int) for _, k in steps):
+            return {"path": [steps, p.name, p.writable]}
+    raise NotStorable("a captured tensor constant without a path functrans can follow")
+
+
+def _unconstant(doc: Any, root: Any) -> torch.Tensor:
+    if "value" in doc:
+        shape, dtype, data = doc["value"]
+        values = [float(x) if isinstance(x, str) else x for x in data]
+        return torch.tensor(values, dtype=torch_value(dtype, torch.dtype)).reshape(shape)
+    steps, name, writable = doc["path"]
+    path = Path(tuple((str(k), key) for k, key in steps), str(name), bool(writable))
+    try:
+        value = path.read(root)
+    except (LookupError, AttributeError, ValueError, TypeError) as e:
+        raise CorruptEntry(f"captured tensor {name} is gone") from e
+    if type(value) not in _PLAIN:
+        raise CorruptEntry(f"captured {name} is not a plain tensor")
+    tensor: torch.Tensor = value
+    return tensor
+
+
+def load(doc: dict[str, Any], root_fn: Any) -> Graph:
+    """The graph :func:`dump` described, ``meta["val"]`` derived again on fake tensors;
+    raises :class:`CorruptEntry` where it cannot be rebuilt as stored. ``root_fn``: the
+    function captured tensors are read from."""
+    graph, root, vals = _rebuild(doc, root_fn)
+    _propagate(graph, root, vals)
+    return _wrap(doc, fx.GraphModule(root, graph))
+
+
+def check_round_trip(doc: dict[str, Any], g: Graph) -> None:
+    """Raise :class:`NotStorable` unless ``doc`` (:func:`dump` of ``g``, through JSON text)
+    rebuilds a graph that prints as ``g`` does, with the same calling convention."""
+    try:
+        graph, root, vals = _rebuild(doc, None, keep_captured=True)
+        old = {n.name: n for n in g.fx_graph.nodes}
+        for n, _ in vals:
+            n.meta["val"] = old[n.name].meta.get("val")
+        back = _wrap(doc, fx.GraphModule(root, graph))
+    except (CorruptEntry, KeyError) as e:
+        raise NotStorable(f"the graph does not round-trip: {e}") from e
+    flats = [(back.in_flat, g.in_flat), (back.out_flat, g.out_flat)]
+    if isinstance(g, JointGraph):
+        assert isinstance(back, JointGraph)
+        flats += [(back.fn_in, g.fn_in), (back.fn_out, g.fn_out)]
+        flats += [(back.grads_flat, g.grads_flat)]
+    same = str(back) == str(g) and all(
+        a.spec == b.spec and a.is_tensor == b.is_tensor and flat_doc(a) == flat_doc(b)
+        for a, b in flats
+    )
+    if not same:
+        raise NotStorable("the graph does not round-trip")
+
+
+def _wrap(doc: dict[str, Any], gm: fx.GraphModule) -> Graph:
+    in_flat, out_flat = flat_of(doc["in_flat"]), flat_of(doc["out_flat"])
+    joint = doc.get("joint")
+    if joint is None:
+        return Graph(gm, in_flat, out_flat)
+    return JointGraph(
+        gm,
+        in_flat,
+        out_flat,
+        fn_in=flat_of(joint["fn_in"]),
+        fn_out=flat_of(joint["fn_out"]),
+        grads_flat=flat_of(joint["grads_flat"]),
+        num_outputs=int(joint["num_outputs"]),
+        argnums=tuple(int(i) for i in joint["argnums"]),
+        differentiable=tuple(bool(d) for d in joint["differentiable"]),
+    )
+
+
+def _rebuild(
+    doc: dict[str, Any], root_fn: Any, *, keep_captured: bool = False
+) -> tuple[fx.Graph, torch.nn.Module, list[tuple[fx.Node, Any]]]:
+    graph = fx.Graph()
+    root = torch.nn.Module()
+    nodes: dict[str, fx.Node] = {}
+    vals: list[tuple[fx.Node, Any]] = []
+    constants: dict[str, Any] = {}
+    for nd in doc["nodes"]:
+        op, name = nd["op"], nd["name"]
+        if op == "placeholder":
+            n = graph.placeholder(name)
+        elif op == "call_function":
+            args = decode(nd["args"], nodes)
+            kwargs = {k: decode(v, nodes) for k, v in nd["kwargs"].items()}
+            n = graph.create_node(op, _untarget(nd["target"]), args, kwargs, name=name)
+        elif op == "get_attr":
+            attr = str(nd["target"])
+            if not attr.isidentifier() or (attr in constants and constants[attr] != nd["constant"]):
+                raise CorruptEntry(f"a constant at {attr!r}")
+            if attr not in constants:  # several nodes may read one constant
+                captured = keep_captured and "path" in nd["constant"]
+                value = torch.empty(0) if captured else _unconstant(nd["constant"], root_fn)
+                setattr(root, attr, value)
+                constants[attr] = nd["constant"]
+            n = graph.create_node(op, attr, name=name)
+        elif op == "output":
+            n = graph.output(decode(nd["args"], nodes)[0])
+        else:
+            raise CorruptEntry(f"a {op!r} node")
+        if n.name != name:
+            raise CorruptEntry(f"node {name!r} came back as {n.name!r}")
+        n.meta.update(_unmeta(nd["meta"]))
+        nodes[name] = n
+        if op != "output":
+            vals.append((n, nd["val"]))
+    return graph, root, vals
+
+
+def _fake_input(mode: FakeTensorMode, doc: Any) -> torch.Tensor:
+    if type(doc) is not dict or "tensor" not in doc:
+        raise CorruptEntry(f"a placeholder value {doc!r}")
+    shape, stride, dtype, device, offset, requires_grad = doc["tensor"]
+    kind = torch_value(dtype, torch.dtype)
+    with mode:
+        if offset == 0:
+            t = torch.empty_strided(shape, stride, dtype=kind, device=device)
+        else:
+            extent = 1 + offset + sum((s - 1) * st for s, st in zip(shape, stride, strict=True))
+            t = torch.empty(extent, dtype=kind, device=device).as_strided(shape, stride, offset)
+    return t.requires_grad_(True) if requires_grad else t
+
+
+def _fake_value(mode: FakeTensorMode, doc: Any) -> Any:
+    """A fake value made from stored metadata (tensors, tuples and lists of them)."""
+    if isinstance(doc, dict) and ("tuple" in doc or "list" in doc):
+        parts: list[Any] = doc["tuple"] if "tuple" in doc else doc["list"]
+        items = [_fake_value(mode, d) for d in parts]
+        return tuple(items) if "tuple" in doc else items
+    return None if doc is None else _fake_input(mode, doc)
+
+
+def _propagate(graph: fx.Graph, root: torch.nn.Module, vals: list[tuple[fx.Node, Any]]) -> None:
+    """Set every node's ``meta["val"]`` by running the graph on fake tensors; check each
+    against the stored metadata."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    env: dict[fx.Node, Any] = {}
+    with autocast_off(), torch.no_grad():
+        for n, stored in vals:
+            if n.op == "placeholder":
+                value = _fake_input(mode, stored)
+            elif n.op == "get_attr":
+                value = mode.from_tensor(getattr(root, str(n.target)).detach())
+            else:
+                args, kwargs = fx.node.map_arg((n.args, n.kwargs), env.__getitem__)
+                try:
+                    with mode:
+                        value = n.target(*args, **kwargs)  # type: ignore[operator]
+                except Exception:  # an op fake tensors cannot run (as traced: bernoulli.p)
+                    value = _fake_value(mode, stored)
+            got = _val(value)
+            if json.dumps(got) != json.dumps(stored):
+                raise CorruptEntry(f"node {n.name} now gives {got}, stored as {stored}")
+            n.meta["val"] = value
+            env[n] = value
