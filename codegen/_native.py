@@ -177,6 +177,8 @@ class _Builder:
                 self._getitem(n)
             elif n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
                 self._call(n)
+            elif n.op == "call_function" and n.target in _ARITH:
+                self._arith(n)
             elif n.op == "output":
                 outs = n.args[0]
                 outputs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
@@ -241,6 +243,20 @@ class _Builder:
         call = (schema.name, schema.overload_name, n.name, specs, outs)
         self.steps.append(("call", call, reads, outs))
 
+    def _arith(self, n: fx.Node) -> None:
+        """Integer arithmetic on sizes (a graph with symbolic shapes)."""
+        code = _ARITH[n.target]
+        args = list(n.args) + [0] * (2 - len(n.args))
+        if n.kwargs or len(n.args) != (1 if code == "n" else 2):
+            raise _Unsupported(f"{n.name}: {n.target} with these arguments")
+        a, b = (self._value(x) for x in args)
+        if any(s[0] == "c" and type(s[1]) is not int for s in (a, b)):
+            raise _Unsupported(f"{n.name}: {n.target} of a non-integer")
+        self.reg[n] = out = self.new()
+        self.steps.append(
+            ("arith", (code, a, b, out, n.name), _registers(a) + _registers(b), [out])
+        )
+
     def _value(self, v: Any) -> tuple[Any, ...]:
         if isinstance(v, fx.Node):
             if v not in self.reg:
@@ -263,6 +279,19 @@ class _Builder:
             unread = {r for r in written if r >= 0 and r not in last}
             frees = sorted((dies.get(i, set()) | unread) - kept)
             getattr(self.program, method)(*args, frees)
+
+
+#: Python-level size arithmetic a symbolic graph holds, by the native executor's code for it
+_ARITH: dict[Any, str] = {
+    operator.add: "+",
+    operator.sub: "-",
+    operator.mul: "*",
+    operator.floordiv: "/",
+    operator.mod: "%",
+    operator.neg: "n",
+    torch.sym_min: "<",
+    torch.sym_max: ">",
+}
 
 
 def _registers(spec: tuple[Any, ...]) -> list[int]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -43,6 +43,10 @@ class AtenBackend:
     >>> AtenBackend().compile(g, [torch.ones(2)])(torch.ones(2))
     [tensor([2., 2.])]
     """
+
+    #: compiles graphs with symbolic sizes (``jit(dynamic=...)``): the executors read sizes
+    #: from the inputs at run time
+    dynamic: ClassVar[bool] = True
 
     executor: str = "native"
     #: ``jit(decompositions="auto")`` traces with this table: ATen's fused composite kernels

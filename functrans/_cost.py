@@ -25,6 +25,7 @@ import torch
 import torch.fx as fx
 from torch.utils.flop_counter import flop_registry
 
+from ._dynamic import hint
 from ._graph import ROLE, Role
 
 __all__ = [
@@ -39,11 +40,13 @@ __all__ = [
     "is_input_alias",
     "is_random",
     "nbytes",
+    "nbytes_expr",
     "op_class",
     "read_bytes",
     "saved_activation_bytes",
     "storage_nbytes",
     "storage_of",
+    "storage_value",
 ]
 
 aten = torch.ops.aten
@@ -132,6 +135,7 @@ class OpClass(enum.Enum):
     RANDOM = "random"  # draws from the RNG: recomputing changes the value
     EFFECTFUL = "effectful"  # mutates or has side effects
     COLLECTIVE = "collective"  # talks to other ranks: every rank must issue the same sequence
+    SIZE = "size"  # an int computed from symbolic sizes (``sym_size``, ``s0 * 4``)
     OTHER = "other"  # everything else (copies, scatter, indexing, ...)
 
 
@@ -143,7 +147,7 @@ def read_bytes(val: Any) -> int:
     """
     if not isinstance(val, torch.Tensor):
         return 0
-    distinct = math.prod(int(n) for n, st in zip(val.shape, val.stride(), strict=True) if st)
+    distinct = math.prod(hint(n) for n, st in zip(val.shape, val.stride(), strict=True) if st)
     return distinct * val.element_size()
 
 
@@ -152,12 +156,18 @@ def nbytes(val: Any) -> int:
 
     >>> nbytes(torch.empty(64, 64))
     16384
+
+    Symbolic sizes (a ``dynamic`` trace) count at the trace's example sizes, without adding a
+    guard (see :func:`nbytes_expr` for the formula).
     """
     if isinstance(val, torch.Tensor):
-        return int(val.numel()) * val.element_size()
+        return hint(val.numel()) * val.element_size()
     if isinstance(val, (tuple, list)):
         return sum(nbytes(v) for v in val)
     return 0
+
+
+_SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
 
 
 def _overload(node: fx.Node) -> torch._ops.OpOverload | None:
@@ -176,6 +186,8 @@ def op_class(node: fx.Node) -> OpClass:
     """
     if node.op == "placeholder":
         return OpClass.INPUT
+    if isinstance(node.meta.get("val"), _SYMBOLIC):
+        return OpClass.SIZE
     op = _overload(node)
     if op is None:
         return OpClass.VIEW if node.op == "call_function" and _is_getitem(node) else OpClass.OTHER
@@ -278,6 +290,28 @@ def storage_of(node: fx.Node) -> Storage:
         node = src
 
 
+def nbytes_expr(val: Any) -> str | None:
+    """The bytes of a tensor with symbolic sizes as a formula in the size symbols
+    (``'8*s0*s1'``); None where the sizes are static.
+
+    >>> nbytes_expr(torch.empty(4, 4)) is None
+    True
+    """
+    if isinstance(val, torch.Tensor):
+        n = val.numel() * val.element_size()
+        return str(n) if isinstance(n, torch.SymInt) else None
+    return None
+
+
+def storage_value(node: fx.Node) -> Any:
+    """The value of the storage ``node`` lives in (see :func:`storage_of`)."""
+    root, index = storage_of(node)
+    val = root.meta.get("val")
+    if index is not None and isinstance(val, (tuple, list)):
+        val = val[index]
+    return val
+
+
 def storage_nbytes(node: fx.Node) -> int:
     """Bytes of the storage ``node``'s value lives in (a view keeps all of its base alive).
 
@@ -286,11 +320,7 @@ def storage_nbytes(node: fx.Node) -> int:
     >>> [(n.name, nbytes(n.meta["val"]), storage_nbytes(n)) for n in g.ops()]
     [('exp', 64, 64), ('select', 16, 64)]
     """
-    root, index = storage_of(node)
-    val = root.meta.get("val")
-    if index is not None and isinstance(val, (tuple, list)):
-        val = val[index]
-    return nbytes(val)
+    return nbytes(storage_value(node))
 
 
 def is_input_alias(node: fx.Node) -> bool:
@@ -353,7 +383,7 @@ def flops(node: fx.Node) -> int:
     out = node.meta.get("val")
     if formula is not None:  # registered formulas take values and read their shapes
         args, kwargs = vals
-        return int(formula(*args, out_val=out, **kwargs))
+        return hint(formula(*args, out_val=out, **kwargs))
     cls = op_class(node)
     if cls in (OpClass.VIEW, OpClass.INPUT):
         return 0
@@ -365,7 +395,7 @@ def flops(node: fx.Node) -> int:
 
 def _numel(val: Any) -> int:
     if isinstance(val, torch.Tensor):
-        return int(val.numel())
+        return hint(val.numel())
     if isinstance(val, (tuple, list)):
         return sum(_numel(v) for v in val)
     return 0

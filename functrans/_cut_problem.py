@@ -61,6 +61,7 @@ import torch
 import torch.fx as fx
 
 from ._cost import OpClass, Storage, activation_bytes, flops, op_class, storage_of
+from ._dynamic import planned_sizes
 from ._errors import InvalidPartitionError
 from ._graph import PHASE, JointGraph, Phase, Role, ancestors
 from ._graph import ROLE as _ROLE
@@ -117,6 +118,13 @@ OP_RULES: Mapping[OpClass, OpRule] = MappingProxyType(
                 "hang); tag it MUST_RECOMPUTE (policies.reshard_after_forward) to re-gather"
             ),
             recompute_when_tagged=True,
+        ),
+        OpClass.SIZE: OpRule(
+            recompute=False,
+            why_not_recompute=(
+                "it is a size: handing backward the int costs nothing, and recomputing it "
+                "would keep the tensor it is read from alive for backward"
+            ),
         ),
         OpClass.OTHER: OpRule(),
     }
@@ -325,7 +333,7 @@ def _value(
     overridden = tag is Policy.MUST_RECOMPUTE and not reruns
     save = (
         rule.save
-        and isinstance(node.meta.get("val"), torch.Tensor)
+        and (isinstance(node.meta.get("val"), torch.Tensor) or cls is OpClass.SIZE)
         and (tag is not Policy.MUST_RECOMPUTE or overridden)
     )
     return ForwardValue(
@@ -417,7 +425,7 @@ def cut_problem(joint: JointGraph) -> CutProblem:
     >>> cut_problem(jg) is cut_problem(jg)
     True
     """
-    stamp = tuple(policy_of(n) for n in joint.fx_graph.nodes)
+    stamp = (planned_sizes(), *(policy_of(n) for n in joint.fx_graph.nodes))
     found = _CACHE.get(joint)
     if found is not None and found[0] == stamp:
         return found[1]

@@ -2,6 +2,8 @@
 
 Dynamo captures each graph (code with graph breaks gets several) and hands it to the backend;
 every captured graph then goes through ``jit``: trace to core ATen, joint, partition, compile.
+A graph dynamo captured with symbolic sizes (``torch.compile(dynamic=True)``, or after its
+automatic dynamic kicks in) is compiled once by ``jit`` with the same dimensions symbolic.
 """
 
 from __future__ import annotations
@@ -32,17 +34,86 @@ def dynamo_backend(
     def compile_graph(
         gm: torch.fx.GraphModule, example_inputs: Sequence[Any]
     ) -> Callable[..., Any]:
-        if not all(isinstance(a, torch.Tensor) for a in example_inputs):
+        if all(isinstance(a, torch.Tensor) for a in example_inputs):
+            compiled: Callable[..., Any] = jit(
+                lambda *args: gm(*args), partition=partition, backend=backend, **partition_options
+            )
+            return compiled
+        sizes = _size_sources(gm, example_inputs)
+        if sizes is None:
             warnings.warn(
-                "functrans.dynamo_backend: this graph has symbolic (dynamic) sizes, which "
-                "functrans graphs do not support yet; running it as captured. Pass "
-                "dynamic=False to torch.compile to specialize shapes.",
+                "functrans.dynamo_backend: this graph takes inputs that are neither tensors "
+                "nor sizes of its tensor inputs; running it as captured. Pass dynamic=False "
+                "to torch.compile to specialize them.",
                 stacklevel=2,
             )
             return gm.forward
-        compiled: Callable[..., Any] = jit(
-            lambda *args: gm(*args), partition=partition, backend=backend, **partition_options
-        )
-        return compiled
+        return _dynamic_graph(gm, example_inputs, sizes, partition, backend, partition_options)
 
     return compile_graph
+
+
+def _size_sources(
+    gm: torch.fx.GraphModule, example_inputs: Sequence[Any]
+) -> dict[int, tuple[int, int]] | None:
+    """For a graph dynamo captured with symbolic sizes: each SymInt input -> (the index of a
+    tensor input, its dimension) of that size; None where some input is neither."""
+    vals = [n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"]
+    found: dict[int, tuple[int, int]] = {}
+    for i, a in enumerate(example_inputs):
+        if isinstance(a, torch.Tensor):
+            continue
+        if not isinstance(a, torch.SymInt):
+            return None
+        expr = a.node.expr
+        where = [
+            (j, d)
+            for j, v in enumerate(vals)
+            if isinstance(v, torch.Tensor)
+            for d, size in enumerate(v.shape)
+            if isinstance(size, torch.SymInt) and size.node.expr == expr
+        ]
+        if not where:
+            return None
+        found[i] = where[0]
+    return found
+
+
+def _dynamic_graph(
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[Any],
+    sizes: dict[int, tuple[int, int]],
+    partition: str | Strategy,
+    backend: str,
+    options: dict[str, Any],
+) -> Callable[..., Any]:
+    """A graph with symbolic sizes, compiled by ``jit(dynamic=...)``: its size inputs are read
+    from its tensor inputs inside the traced function (so they are symbols of the trace, not
+    static values), and the tensor dimensions dynamo left symbolic are symbolic in ours."""
+    vals = [n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"]
+    tensors_at = [i for i, a in enumerate(example_inputs) if isinstance(a, torch.Tensor)]
+    slot = {j: k for k, j in enumerate(tensors_at)}
+    dims: dict[str, tuple[int, ...]] = {}
+    for k, j in enumerate(tensors_at):
+        v = vals[j]
+        symbolic = tuple(
+            d for d, s in enumerate(getattr(v, "shape", ())) if isinstance(s, torch.SymInt)
+        )
+        if symbolic:
+            dims[f"tensors[{k}]"] = symbolic
+
+    def graph(*tensors: torch.Tensor) -> Any:
+        args: list[Any] = [None] * len(example_inputs)
+        for j, k in slot.items():
+            args[j] = tensors[k]
+        for i, (j, d) in sizes.items():
+            args[i] = tensors[slot[j]].shape[d]
+        return gm(*args)
+
+    compiled = jit(graph, partition=partition, backend=backend, dynamic=dims, **options)
+
+    def run(*args: Any) -> Any:
+        return compiled(*[args[j] for j in tensors_at])
+
+    run.__functrans_jit__ = compiled  # type: ignore[attr-defined]  # for cache_info()
+    return run

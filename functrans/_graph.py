@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from ._dynamic import ShapeGuard, shape_env_of
 from ._errors import FunctransError
 from ._format import format_graph
 from ._pytree import Flat, check_matches, unflatten
@@ -233,6 +234,10 @@ class JointGraph(Graph):
 def _check_tensors(placeholders: list[fx.Node], tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Check shapes and dtypes; hand over inputs in the memory layout they were traced with
     (views in the graph may depend on it)."""
+    vals = [n.meta.get("val") for n in placeholders]
+    env = shape_env_of(vals)
+    if env is not None:
+        return _check_symbolic(placeholders, vals, tensors, env)
     out = []
     for node, t in zip(placeholders, tensors, strict=True):
         val = node.meta.get("val")
@@ -243,6 +248,37 @@ def _check_tensors(placeholders: list[fx.Node], tensors: list[torch.Tensor]) -> 
                 "specialized to shapes and dtypes: trace again for new ones."
             )
         out.append(restride(t, val) if isinstance(val, torch.Tensor) else t)
+    return out
+
+
+def _check_symbolic(
+    placeholders: list[fx.Node], vals: list[Any], tensors: list[torch.Tensor], env: Any
+) -> list[torch.Tensor]:
+    """:func:`_check_tensors` for a graph with symbolic sizes: dtypes, then the guards its
+    trace recorded (static sizes and strides, relations between the symbolic ones)."""
+    out = []
+    for node, val, t in zip(placeholders, vals, tensors, strict=True):
+        if isinstance(val, torch.Tensor):
+            if val.dtype != t.dtype or val.dim() != t.dim():
+                where = node.meta.get(PATH, node.name)
+                raise FunctransError(
+                    f"input {where} was traced as {val.dtype} with {val.dim()} dimensions but "
+                    f"got {_short(t)}"
+                )
+            if val.is_contiguous() and not t.is_contiguous():
+                t = t.contiguous()
+        out.append(t)
+    guard = ShapeGuard.of(vals, env)
+    if not guard.matches(out):
+        shapes = ", ".join(
+            f"{n.meta.get(PATH, n.name)}: {list(t.shape)}"
+            for n, t in zip(placeholders, out, strict=True)
+            if isinstance(t, torch.Tensor)
+        )
+        raise FunctransError(
+            f"these inputs ({shapes}) break the conditions the graph was traced under: "
+            f"{guard.expression}; trace again for them."
+        )
     return out
 
 

@@ -34,9 +34,10 @@ from . import _disk_cache as disk_cache
 from ._capture import Path, Reader, captured_constants, reach, swapped
 from ._decomp import Decompositions
 from ._disk_cache import DiskKey
+from ._dynamic import Dims, JitDynamic, ShapeGuard, resolve, shape_env_of
 from ._errors import TraceError, UnsupportedOpError
 from ._func import GRAD_SPEC, PER_EXAMPLE, GradSpec, PerExample, VmapOfGrad, plan_per_example
-from ._jit_cache import Cache, Signature, Slot, leaves_order
+from ._jit_cache import Cache, Signature, Slot, changed_dims, leaves_order, rank_key
 from ._joint import joint
 from ._logs import log
 from ._partition import Partition, Strategy, partition
@@ -64,6 +65,9 @@ _G = TypeVar("_G")
 
 #: Default number of compiled entries a jitted function keeps (least recently used out).
 CACHE_SIZE = 32
+#: Traces a jitted function stores in the on-disk cache (each costs a recorded trace, about
+#: twice a plain one on CPython 3.11): the first calls, which every restart pays again.
+DISK_STORES = 4
 
 # the keyword under which captured tensors travel with the arguments
 _CAPTURED = "__functrans_captured__"
@@ -77,6 +81,8 @@ class CacheInfo:
     misses: int = 0
     entries: int = 0
     evictions: int = 0
+    #: traces read from the on-disk cache instead of traced (:mod:`functrans._disk_cache`)
+    disk_hits: int = 0
     trace_s: float = 0.0
     partition_s: float = 0.0
     compile_s: float = 0.0
@@ -97,9 +103,11 @@ class _OutMeta:
     def of(cls, val: torch.Tensor, takes_tangent: bool, differentiable: bool) -> _OutMeta:
         return cls(val.shape, val.dtype, val.device, takes_tangent, differentiable)
 
-    def zeros(self) -> torch.Tensor:
-        """The tangent autograd passes as None: zeros of this output's type."""
-        return torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+    def zeros(self, shape: torch.Size | None = None) -> torch.Tensor:
+        """The tangent autograd passes as None: zeros of this output's type (of ``shape``
+        where the output's sizes are symbolic)."""
+        size = self.shape if shape is None else shape
+        return torch.zeros(size, dtype=self.dtype, device=self.device)
 
 
 @dataclass(frozen=True)
@@ -116,6 +124,10 @@ class _Entry:
     copies: dict[int, int]  # flat output -> flat input it is an unmodified copy of
     #: inputs or outputs are tensor subclasses (DTensor): taken apart around the graphs
     subclass: bool = False
+    #: a dynamic entry's guards (None: static shapes)
+    shape: ShapeGuard | None = None
+    #: which saved values are tensors (None: all; a dynamic forward also saves sizes)
+    saved_tensors: tuple[bool, ...] | None = None
 
     @functools.cached_property
     def frozen(self) -> tuple[int, ...]:
@@ -132,7 +144,14 @@ class _Apply(torch.autograd.Function):
         n = len(entry.out_meta)
         flat = entry.forward(*tensors)
         ctx.entry = entry
-        ctx.save_for_backward(*flat[n:])
+        if entry.saved_tensors is None:
+            ctx.save_for_backward(*flat[n:])
+        else:  # sizes of a dynamic entry travel beside the tensors
+            mask = entry.saved_tensors
+            ctx.save_for_backward(*[v for v, t in zip(flat[n:], mask, strict=True) if t])
+            ctx.sizes = [v for v, t in zip(flat[n:], mask, strict=True) if not t]
+        if entry.shape is not None:
+            ctx.shapes = [o.shape for o in flat[:n]]
         if entry.frozen:
             ctx.mark_non_differentiable(*[flat[i] for i in entry.frozen])
         return tuple(flat[:n])
@@ -141,13 +160,24 @@ class _Apply(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
         entry: _Entry = ctx.entry
         assert entry.backward is not None
-        tangents = [
-            g.contiguous() if g is not None else m.zeros()
-            for g, m in zip(grads, entry.out_meta, strict=True)
-            if m.takes_tangent
-        ]
+        if entry.shape is None:
+            tangents = [
+                g.contiguous() if g is not None else m.zeros()
+                for g, m in zip(grads, entry.out_meta, strict=True)
+                if m.takes_tangent
+            ]
+        else:  # zeros of the output's size at this call
+            tangents = [
+                g.contiguous() if g is not None else m.zeros(shape)
+                for g, m, shape in zip(grads, entry.out_meta, ctx.shapes, strict=True)
+                if m.takes_tangent
+            ]
+        saved = ctx.saved_tensors
+        if entry.saved_tensors is not None:
+            tensors, sizes = iter(saved), iter(ctx.sizes)
+            saved = [next(tensors) if t else next(sizes) for t in entry.saved_tensors]
         with autocast_off():  # the backward graph holds its own casts
-            flat_grads = entry.backward(*ctx.saved_tensors, *tangents)
+            flat_grads = entry.backward(*saved, *tangents)
         return (None, *flat_grads, *([None] * (entry.num_inputs - entry.num_diff)))
 
 
@@ -233,6 +263,7 @@ class _Options:
     decompositions: Decompositions
     partition_options: dict[str, Any]
     cache_size: int = CACHE_SIZE
+    dynamic: JitDynamic = "auto"
 
 
 def _grad_name(spec: GradSpec) -> str:
@@ -295,6 +326,7 @@ class Jitted(Generic[_P, _R]):
         self._module_names: tuple[str, ...] = ()
         self._given_names = module_names
         self._warned: set[str] = set()
+        self._disk_misses = 0  # traces the on-disk cache did not have
         functools.update_wrapper(self, f)
 
     @property
@@ -428,7 +460,7 @@ class Jitted(Generic[_P, _R]):
                 f"{self._owner}: {e} in an input's metadata; this call runs as written",
             )
             raise _AsWritten from e
-        slot = self._cache.by_key.get(key)
+        slot = self._cache.by_key.get(key) or self._cache.find_dynamic(rank_key(key), tensors)
         if slot is None:
             with self._lock:  # one thread compiles; the others wait and then hit
                 slot = self._cache.by_key.get(key)
@@ -522,6 +554,7 @@ class Jitted(Generic[_P, _R]):
             setattr(flat_f, _PLANNED, self._planned_grad(spec, flat, example, paths))
         elif not training and batched is not None and batched.run is self._f:
             setattr(flat_f, _PLANNED, self._planned_per_example(batched, flat, example, paths))
+        dims = self._dims(flat, tensors, key, paths, diff + other)
         disk = functools.partial(
             DiskKey,
             fn=self._f,
@@ -530,12 +563,68 @@ class Jitted(Generic[_P, _R]):
             flat=flat,
             tensors=tuple(tensors[i] for i in diff + other),
             names=tuple(paths),
+            dims=dims,
+            planned=getattr(flat_f, _PLANNED, None) is not None,
+            store=self._disk_misses < DISK_STORES,
         )
-        entry, gm = self._build(flat_f, example, training, disk)
+        entry, gm = self._build_dynamic(flat_f, example, training, disk, dims)
         self._lift_captures(gm)
         modules = self._module_names if self._given_names is None else self._given_names()
         signature = Signature.of(flat, self._names(flat, every_leaf=True), tensors, state, modules)
-        return Slot(entry, diff + other, signature, key)
+        return Slot(entry, diff + other, signature, key, shape=entry.shape, rank=rank_key(key))
+
+    def _dims(
+        self, flat: Flat, tensors: list[torch.Tensor], key: Any, paths: list[str], order: list[int]
+    ) -> Dims | None:
+        """The symbolic dimensions of this compile (None: static), over the traced function's
+        inputs (``order``: their flat positions): as ``dynamic=`` asks, or with ``"auto"``,
+        the dimensions whose size changed since the last entry for inputs like these."""
+        dynamic = self._opts.dynamic
+        if dynamic is False:
+            return None
+        ordered = [tensors[i] for i in order]
+        if dynamic != "auto":
+            return resolve(dynamic, paths, ordered)
+        last = self._cache.last_like(rank_key(key))
+        if last is None:
+            return None
+        changed = changed_dims(last.signature, tensors)
+        before = last.shape.symbolic if last.shape is not None else [set()] * len(order)
+        # last.shape.symbolic is in that entry's order, which is ours (same structure)
+        dims = tuple(
+            dict.fromkeys(sorted(changed[i] | set(before[k]))) for k, i in enumerate(order)
+        )
+        return dims if any(dims) else None
+
+    def _build_dynamic(
+        self,
+        flat_f: Callable[..., Any],
+        example: Any,
+        training: bool,
+        disk: Callable[..., DiskKey],
+        dims: Dims | None,
+    ) -> tuple[_Entry, torch.fx.GraphModule]:
+        """:meth:`_build` with ``dims`` symbolic; where the backend compiles static shapes
+        only, or the symbolic trace fails, a static entry (and a ``dynamic`` log line)."""
+        if dims is None:
+            return self._build(flat_f, example, training, disk)
+        backend = importlib.import_module("functrans.codegen").get_backend(self._opts.backend)
+        why = None
+        if not getattr(backend, "dynamic", False):
+            why = f"backend {self._opts.backend!r} compiles static shapes only"
+        elif getattr(flat_f, _PLANNED, None) is not None:
+            why = "a planned gradient (grad(f, partition=...)) is traced at static shapes"
+        elif any(type(t) not in _PLAIN_TYPES for t in [*example[0], *example[1]]):
+            why = "tensor subclass inputs are traced at static shapes"
+        if why is None:
+            try:
+                return self._build(flat_f, example, training, disk, dims)
+            except _Retry:
+                raise
+            except Exception as e:  # the static trace reports real errors
+                why = f"the symbolic trace failed ({type(e).__name__}: {e})"
+        log("dynamic", f"{self._owner}: one entry per shape", lambda: why or "")
+        return self._build(flat_f, example, training, disk)
 
     def _lift_captures(self, gm: torch.fx.GraphModule) -> None:
         """Lift the captured tensors the trace baked in as constants (raises :class:`_Retry`
@@ -687,7 +776,10 @@ class Jitted(Generic[_P, _R]):
         self, disk: Callable[..., DiskKey], kind: str, decompositions: Any, make: Callable[[], _G]
     ) -> _G:
         """``make()`` (a trace), through the on-disk cache (:mod:`functrans._disk_cache`)."""
-        return disk_cache.traced(disk(kind=kind, decompositions=decompositions), make)
+        g, hit = disk_cache.traced(disk(kind=kind, decompositions=decompositions), make)
+        self._times.disk_hits += hit
+        self._disk_misses += not hit
+        return g
 
     def _build(
         self,
@@ -695,6 +787,7 @@ class Jitted(Generic[_P, _R]):
         example: Any,
         training: bool,
         disk: Callable[..., DiskKey],
+        dims: Dims | None = None,
     ) -> tuple[_Entry, torch.fx.GraphModule]:
         backend = importlib.import_module("functrans.codegen").get_backend(self._opts.backend)
         decompositions = self._opts.decompositions
@@ -711,9 +804,9 @@ class Jitted(Generic[_P, _R]):
                 disk,
                 "forward",
                 decompositions,
-                lambda: trace(traced, decompositions=decompositions, cse=stitched is None)(
-                    *example
-                ),
+                lambda: trace(
+                    traced, decompositions=decompositions, cse=stitched is None, dynamic=dims
+                )(*example),
             )
             t1 = time.perf_counter()
             fwd = backend.compile(g, inputs)
@@ -730,17 +823,18 @@ class Jitted(Generic[_P, _R]):
                 partition=getattr(traced, "__functrans_partition__", None),
                 copies=_copies(g.placeholders(), vals),
                 subclass=subclass or bool(g.out_flat.wrappers),
+                shape=_shape_guard(g.placeholders()) if dims is not None else None,
             )
             return entry, g.graph_module
         jg = self._traced(
             disk,
             "joint",
             decompositions,
-            lambda: joint(flat_f, argnums=0, decompositions=decompositions)(*example),
+            lambda: joint(flat_f, argnums=0, decompositions=decompositions, dynamic=dims)(*example),
         )
         if not any(jg.differentiable):  # e.g. a body under torch.no_grad(): nothing to save
             self._times.trace_s += time.perf_counter() - t0
-            entry, gm = self._build(flat_f, example, False, disk)
+            entry, gm = self._build(flat_f, example, False, disk, dims)
             # its inputs require grad: run it as the body did, with autograd off
             return dataclasses.replace(entry, forward=_without_grad(entry.forward)), gm
         t1 = time.perf_counter()
@@ -772,8 +866,23 @@ class Jitted(Generic[_P, _R]):
             partition=p,
             copies=_copies(primals, jg.forward_outputs()),
             subclass=subclass or bool(jg.fn_out.wrappers),
+            shape=_shape_guard(primals) if dims is not None else None,
+            saved_tensors=_saved_tensors(p),
         )
         return entry, jg.graph_module
+
+
+def _shape_guard(placeholders: Sequence[torch.fx.Node]) -> ShapeGuard | None:
+    """The guards of a symbolic trace over its inputs (None where it came out static)."""
+    vals = [n.meta["val"] for n in placeholders]
+    env = shape_env_of(vals)
+    return None if env is None else ShapeGuard.of(vals, env)
+
+
+def _saved_tensors(p: Partition) -> tuple[bool, ...] | None:
+    """Which saved values are tensors, None where all are (a dynamic forward saves sizes)."""
+    mask = tuple(isinstance(s.node.meta.get("val"), torch.Tensor) for s in p.saved)
+    return None if all(mask) else mask
 
 
 def _without_grad(forward: Callable[..., list[Any]]) -> Callable[..., list[Any]]:

@@ -13,6 +13,7 @@ from typing import Any, ParamSpec, Protocol, TypeVar, cast, overload
 import torch
 
 from ._decomp import Decompositions
+from ._dynamic import JitDynamic, check_dynamic
 from ._errors import FunctransError, UnsupportedOpError
 from ._jit import CACHE_SIZE, Jitted, _Options
 from ._jit_module import JitModule
@@ -46,6 +47,7 @@ def jit(
     static_argnums: Sequence[int] = ...,
     decompositions: Decompositions = ...,
     cache_size: int = ...,
+    dynamic: JitDynamic = ...,
     **partition_options: Any,
 ) -> JitModule: ...
 @overload
@@ -57,6 +59,7 @@ def jit(
     static_argnums: Sequence[int] = ...,
     decompositions: Decompositions = ...,
     cache_size: int = ...,
+    dynamic: JitDynamic = ...,
     **partition_options: Any,
 ) -> Jitted[_P, _R]: ...
 @overload
@@ -68,6 +71,7 @@ def jit(
     static_argnums: Sequence[int] = ...,
     decompositions: Decompositions = ...,
     cache_size: int = ...,
+    dynamic: JitDynamic = ...,
     **partition_options: Any,
 ) -> JitDecorator: ...
 def jit(
@@ -78,6 +82,7 @@ def jit(
     static_argnums: Sequence[int] = (),
     decompositions: Decompositions = "auto",
     cache_size: int = CACHE_SIZE,
+    dynamic: JitDynamic = "auto",
     **partition_options: Any,
 ) -> JitModule | Jitted[..., Any] | JitDecorator:
     """Compile ``f``: trace on first call per input signature, partition with ``partition``,
@@ -118,6 +123,7 @@ def jit(
             static_argnums=static_argnums,
             decompositions=decompositions,
             cache_size=cache_size,
+            dynamic=dynamic,
             **partition_options,
         )
         return cast(JitDecorator, decorate)
@@ -130,6 +136,7 @@ def jit(
         decompositions=decompositions,
         partition_options=partition_options,
         cache_size=cache_size,
+        dynamic=check_dynamic(dynamic),
     )
     if isinstance(f, torch.nn.Module):
         _refuse_fsdp(f)

@@ -22,7 +22,16 @@ from ._logs import log
 from ._pytree import Flat, Guards
 from ._state import State, describe
 
-__all__ = ["RECOMPILE_WARNING", "Cache", "RecompileWarning", "Signature", "Slot", "TensorMeta"]
+__all__ = [
+    "RECOMPILE_WARNING",
+    "Cache",
+    "RecompileWarning",
+    "Signature",
+    "Slot",
+    "TensorMeta",
+    "changed_dims",
+    "rank_key",
+]
 
 #: Misses after which a jitted function warns that it keeps recompiling (torch's limit is 8).
 RECOMPILE_WARNING = 8
@@ -135,6 +144,10 @@ class Slot(Generic[_E]):
     signature: Signature
     key: Any
     used: int = 0
+    #: a dynamic entry's guards (:class:`~functrans._dynamic.ShapeGuard`) and the key it is
+    #: found under by inputs of any size (:func:`rank_key`); None for a static entry
+    shape: Any = None
+    rank: Any = None
 
 
 class Cache(Generic[_E]):
@@ -145,6 +158,8 @@ class Cache(Generic[_E]):
         self.owner, self.size = owner, size
         self.by_key: dict[Any, Slot[_E]] = {}
         self.guards: Guards[Slot[_E]] = Guards()
+        #: dynamic entries by :func:`rank_key` (most recent last)
+        self.dynamic: dict[Any, list[Slot[_E]]] = {}
         self.hits = self.misses = self.evictions = 0
         self._ticks = itertools.count(1)
         self._last: Slot[_E] | None = None
@@ -165,16 +180,34 @@ class Cache(Generic[_E]):
         self.misses += 1
         slot.used = next(self._ticks)
         self.by_key[slot.key] = slot
-        self.guards.add(tree, leaves, positions, slot.signature.state, slot)
+        self.guards.add(tree, leaves, positions, slot.signature.state, slot, slot.shape)
+        if slot.shape is not None:
+            self.dynamic.setdefault(slot.rank, []).append(slot)
         self._last = slot
         while len(self.by_key) > self.size:
             victim = min(self.by_key.values(), key=lambda s: s.used)
             del self.by_key[victim.key]
             self.guards.remove(victim)
+            if victim.shape is not None:
+                self.dynamic[victim.rank].remove(victim)
             self.evictions += 1
+
+    def find_dynamic(self, rank: Any, tensors: Sequence[torch.Tensor]) -> Slot[_E] | None:
+        """The most recent dynamic entry for inputs like these (same :func:`rank_key`) whose
+        shape guards ``tensors`` (the call's tensors, in flat order) pass."""
+        for slot in reversed(self.dynamic.get(rank, ())):
+            if slot.shape.matches([tensors[i] for i in slot.order]):
+                return slot
+        return None
+
+    def last_like(self, rank: Any) -> Slot[_E] | None:
+        """The most recently used entry whose inputs differ from ``rank``'s only in sizes."""
+        found = [s for s in self.by_key.values() if s.rank == rank]
+        return max(found, key=lambda s: s.used) if found else None
 
     def clear(self) -> None:
         self.by_key.clear()
+        self.dynamic.clear()
         self.guards = Guards()
         self._last = None
 
@@ -222,6 +255,25 @@ def _changed_floats(old: Signature, new: Signature) -> list[str]:
             new.names, old.flat.static, new.flat.static, new.flat.is_tensor, strict=True
         )
         if not is_t and type(a) is float and type(b) is float and not _same(a, b)
+    ]
+
+
+def rank_key(exact: Any) -> Any:
+    """An exact key (:func:`~functrans._pytree.exact_key`, state) with every size of 2 or
+    more (and every stride) forgotten: what a dynamic entry is filed under, and what ``"auto"``
+    compares. Sizes 0 and 1 stay: torch specialises them (broadcasting, squeezing), so calls
+    with a size-1 batch form their own group: a static entry first, a dynamic one when a second
+    shape of that group comes."""
+    (spec, statics, meta, wrappers), state = exact
+    ranks = tuple((m[0], tuple(min(s, 2) for s in m[1]), *m[3:]) for m in meta)
+    return (spec, statics, ranks, wrappers), state
+
+
+def changed_dims(old: Signature, tensors: Sequence[torch.Tensor]) -> list[set[int]]:
+    """Per tensor (in flat order), the dimensions whose size differs from ``old``'s."""
+    return [
+        {d for d, (a, b) in enumerate(zip(m.shape, t.shape, strict=True)) if a != b}
+        for m, t in zip(old.tensors, tensors, strict=True)
     ]
 
 

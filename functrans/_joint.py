@@ -15,6 +15,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ._decomp import Decompositions, decomposition_table
+from ._dynamic import Dynamic, resolve, symbolic_fakes
 from ._errors import TraceError, UnsupportedOpError
 from ._graph import JointGraph, Role, assign_phases
 from ._logs import log
@@ -77,13 +78,15 @@ def joint(
     argnums: int | Sequence[int] | None = None,
     has_aux: bool = False,
     decompositions: Decompositions = "core",
+    dynamic: Dynamic = False,
 ) -> Callable[_P, JointGraph]:
     """Trace ``f`` forward+backward into one :class:`JointGraph`.
 
     The result computes ``(outputs, grads)`` from ``(primals, tangents)``: ``primals`` are the
     positional arguments, ``tangents`` one cotangent per floating-point output leaf. With
     ``has_aux``, ``f`` returns ``(output, aux)`` and ``aux`` gets no tangent. ``joint(f)``
-    takes ``f``'s parameters.
+    takes ``f``'s parameters. ``dynamic`` keeps input dimensions symbolic, as in
+    :func:`~functrans.trace`.
 
     >>> import torch, functrans as ft
     >>> jg = ft.joint(lambda x: (x * x).sum())(torch.ones(3))
@@ -110,8 +113,15 @@ def joint(
         check_inputs(f, tensors, fn_in)
         wrt = _diff_leaves(args, nums)
         mask = [i in wrt for i in range(len(tensors))]
-        mode = FakeTensorMode(allow_non_fake_inputs=True)
-        fakes = [mode.from_tensor(t.detach()) for t in tensors]
+        paths = arg_names(f, fn_in)
+        dims = resolve(dynamic, paths, tensors)
+        fakes: list[torch.Tensor]
+        if dims is None:
+            mode = FakeTensorMode(allow_non_fake_inputs=True)
+            fakes = [mode.from_tensor(t.detach()) for t in tensors]
+        else:
+            fakes = symbolic_fakes(tensors, dims, paths)
+            mode = getattr(fakes[0], "fake_mode")  # noqa: B009
         out_tree, differentiable = _eval_shape(f, fn_in, fakes, mask, mode)
         out_vals, fn_out = flatten(out_tree)
         wants_tangent = _tangent_mask(f, out_tree, out_vals, has_aux)
@@ -122,7 +132,6 @@ def joint(
                 if w
             ]
         joint_fn = _joint_function(f, fn_in, wrt, wants_tangent)
-        paths = arg_names(f, fn_in)
         inputs = [t.requires_grad_(m) for t, m in zip(fakes, mask, strict=True)] + tangents
         gm = trace_module(joint_fn, inputs, user_fn=f, table=table, input_paths=paths)
         tangent_paths = [p for p, w in zip(fn_out.tensor_paths(), wants_tangent, strict=True) if w]

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable
 
 __all__ = ["STAGES", "log", "set_logs"]
 
-STAGES = ("trace", "joint", "partition", "codegen", "recompiles")
+STAGES = ("trace", "joint", "partition", "codegen", "recompiles", "disk", "dynamic")
 _enabled: set[str] = set()
 
 

@@ -15,8 +15,17 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ._cost import flops, is_input_alias, nbytes, storage_nbytes, storage_of
+from ._cost import (
+    flops,
+    is_input_alias,
+    nbytes,
+    nbytes_expr,
+    storage_nbytes,
+    storage_of,
+    storage_value,
+)
 from ._cut_problem import cut_problem
+from ._dynamic import hint, is_symbolic
 from ._errors import InvalidArgumentError, InvalidPartitionError
 from ._format import format_value_type, op_name
 from ._graph import SOURCE, Graph, JointGraph
@@ -51,6 +60,11 @@ class SavedValue:
     source: str | None  # the user's source line, where known
     storage: str
     storage_bytes: int
+    #: where the sizes are symbolic (a ``dynamic`` trace): the shape and the storage's bytes as
+    #: formulas in the size symbols (``shape`` and ``storage_bytes`` hold their values at the
+    #: trace's example sizes)
+    shape_expr: tuple[str, ...] | None = None
+    bytes_expr: str | None = None
 
     @property
     def name(self) -> str:
@@ -70,13 +84,17 @@ class SavedValue:
         return cls(
             node=node,
             op="input" if node.op == "placeholder" else op_name(node.target),
-            shape=tuple(int(s) for s in tensor.shape) if tensor is not None else (),
+            shape=tuple(hint(s) for s in tensor.shape) if tensor is not None else (),
             dtype=tensor.dtype if tensor is not None else None,
             nbytes=nbytes(val),
             is_input=is_input_alias(node),
             source=node.meta.get(SOURCE),
             storage=root.name if index is None else f"{root.name}[{index}]",
             storage_bytes=storage_nbytes(node),
+            shape_expr=tuple(map(str, tensor.shape))
+            if tensor is not None and is_symbolic(tensor)
+            else None,
+            bytes_expr=nbytes_expr(storage_value(node)),
         )
 
 
@@ -105,6 +123,20 @@ class Partition:
         """Saved bytes that are not primal inputs or views of them, each storage counted once
         (a value and views of it saved together keep one buffer alive)."""
         return sum(s.storage_bytes for s in self._counted() if not s.is_input)
+
+    @property
+    def activation_bytes_expr(self) -> str | None:
+        """:attr:`activation_bytes` as a formula in the size symbols of a ``dynamic`` trace
+        (``'8*s0*s1 + 1024'``), None where every saved size is static."""
+        exprs = [s.bytes_expr for s in self._counted() if not s.is_input]
+        if all(e is None for e in exprs):
+            return None
+        total: Any = 0
+        for s in self._counted():
+            val = storage_value(s.node)
+            if not s.is_input and isinstance(val, torch.Tensor):
+                total = total + val.numel() * val.element_size()
+        return str(total)
 
     @property
     def memory(self) -> MemoryProfile:
@@ -154,36 +186,57 @@ class Partition:
         """
         shared = self.shared_storage()
         head = ("saved", "op", "shape", "dtype", "bytes", "input", "source")
+        sizes = [s for s in self.saved if s.dtype is None]
         rows = [
             (
                 s.name,
                 s.op,
-                format_value_type(torch.empty(s.shape, dtype=s.dtype, device="meta"))
-                if s.dtype is not None
-                else "-",
+                _type(s),
                 str(s.dtype).replace("torch.", ""),
-                f"shared with {shared[s.node].name}" if s.node in shared else str(s.storage_bytes),
+                f"shared with {shared[s.node].name}" if s.node in shared else _bytes(s),
                 "yes" if s.is_input else "no",
                 _short_source(s.source),
             )
             for s in self.saved
+            if s.dtype is not None
         ]
         widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
         lines = [
-            f"partition {self.strategy!r}: {len(self.saved)} saved values, "
+            f"partition {self.strategy!r}: {len(self.saved) - len(sizes)} saved values, "
             f"{format_bytes(self.activation_bytes)} of activations, "
             f"{len(self.recomputed)} ops recomputed ({self.recompute_flops} FLOPs)"
         ]
         for r in [head, *rows]:
             lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)))
-        lines.append(f"  activation bytes: {self.activation_bytes}")
+        formula = self.activation_bytes_expr
+        at_hint = f"{formula} = " if formula is not None else ""
+        lines.append(f"  activation bytes: {at_hint}{self.activation_bytes}")
         lines.append(f"  peak bytes (forward then backward): {self.peak_bytes}")
+        if sizes:
+            names = ", ".join(s.name for s in sizes)
+            lines.append(f"  sizes handed to backward (ints of the symbolic shapes): {names}")
         redone = ", ".join(n.name for n in self.recomputed)
         lines.append(f"  recomputed in backward: {redone or '-'}")
         return "\n".join(line.rstrip() for line in lines)
 
     def __str__(self) -> str:
         return self.report()
+
+
+def _type(s: SavedValue) -> str:
+    if s.dtype is None:
+        return "-"
+    if s.shape_expr is not None:
+        return format_value_type(torch.empty(0, dtype=s.dtype, device="meta")).split("[")[0] + (
+            f"[{', '.join(s.shape_expr)}]"
+        )
+    return format_value_type(torch.empty(s.shape, dtype=s.dtype, device="meta"))
+
+
+def _bytes(s: SavedValue) -> str:
+    """A saved value's storage bytes; with symbolic sizes, the formula and its value at the
+    example sizes (``8*s0*s1 = 960``)."""
+    return str(s.storage_bytes) if s.bytes_expr is None else f"{s.bytes_expr} = {s.storage_bytes}"
 
 
 def _short_source(src: str | None) -> str:

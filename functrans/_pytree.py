@@ -147,8 +147,15 @@ def flatten_leaves(
     >>> len(tensors), flat.is_tensor, flat.static
     (1, (True, False), (None, 3))
     """
-    is_tensor = tuple([isinstance(x, torch.Tensor) for x in leaves])
-    static = tuple([None if t else x for x, t in zip(leaves, is_tensor, strict=True)])
+    is_tensor = tuple([isinstance(x, _GRAPH_VALUES) for x in leaves])
+    # a symbolic size is a graph value too (a plain int when the graph runs): its slot keeps
+    # the SymInt, which tells check_matches to take an int there
+    static = tuple(
+        [
+            (x if type(x) is torch.SymInt else None) if t else x
+            for x, t in zip(leaves, is_tensor, strict=True)
+        ]
+    )
     tensors = list(itertools.compress(leaves, is_tensor))
     wrappers: tuple[Wrapper | None, ...] = ()
     if not all(type(t) in _PLAIN for t in tensors):
@@ -211,6 +218,8 @@ def _dispatch_keys(t: torch.Tensor) -> int:
 
 def check_matches(flat: Flat, tree: Any, what: str) -> list[torch.Tensor]:
     """Flatten ``tree``; check its structure and static values are those ``flat`` recorded."""
+    if any(type(x) is torch.SymInt for x in flat.static):
+        return _check_with_sizes(flat, tree, what)
     tensors, got = flatten(tree, static_argnums=flat.static_argnums)
     if got.spec != flat.spec:
         raise TraceError(
@@ -230,6 +239,31 @@ def check_matches(flat: Flat, tree: Any, what: str) -> list[torch.Tensor]:
                 "values are baked into the graph, so trace again for the new value."
             )
     return tensors
+
+
+_GRAPH_VALUES = (torch.Tensor, torch.SymInt)
+
+
+def _check_with_sizes(flat: Flat, tree: Any, what: str) -> list[Any]:
+    """:func:`check_matches` for a graph that also takes sizes (ints where it traced
+    SymInts: the sizes a dynamic forward hands its backward)."""
+    leaves, spec = leaves_of(wrap_tree(tree, flat.static_argnums))
+    if spec != flat.spec:
+        raise TraceError(f"{what}: the argument structure changed since tracing: {spec}")
+    values = []
+    for path, t0, s0, leaf in zip(flat.paths, flat.is_tensor, flat.static, leaves, strict=True):
+        size = type(s0) is torch.SymInt
+        ok = type(leaf) is int if size else isinstance(leaf, torch.Tensor) == t0
+        if not ok:
+            kind = "a size (an int)" if size else "a tensor" if t0 else repr(s0)
+            raise TraceError(f"{what}: argument {path} was {kind} when traced; got {leaf!r}.")
+        if t0:
+            values.append(leaf)
+        elif not _same_static(s0, leaf):
+            raise TraceError(
+                f"{what}: static argument {path} was {s0!r} when traced and is {leaf!r} now"
+            )
+    return values
 
 
 def _same_static(a: Any, b: Any) -> bool:
@@ -320,11 +354,19 @@ class Guards(Generic[_V]):
                         return value, tensors
         return None
 
-    def add(self, tree: Any, leaves: list[Any], order: Sequence[int], extra: Any, v: _V) -> None:
+    def add(
+        self,
+        tree: Any,
+        leaves: list[Any],
+        order: Sequence[int],
+        extra: Any,
+        v: _V,
+        shape: Any = None,
+    ) -> None:
         """Store ``v`` for trees like ``tree`` (``leaves``: its :func:`leaves_of`; ``order``:
         the tensor leaves' positions, in the order :meth:`find` returns them). Does nothing
         where the checks cannot describe ``tree``; call it with the writers' lock held."""
-        layout, guard = _layout(tree, leaves), _Guard.make(leaves, order)
+        layout, guard = _layout(tree, leaves), _Guard.make(leaves, order, shape)
         if layout is None or guard is None:
             return
         old = next((g for lay, g in self._by_layout if lay == layout), None)
@@ -348,7 +390,9 @@ class _Guard:
         self._checker = checker
 
     @classmethod
-    def make(cls, leaves: Sequence[Any], order: Sequence[int]) -> _Guard | None:
+    def make(cls, leaves: Sequence[Any], order: Sequence[int], shape: Any = None) -> _Guard | None:
+        """``shape``: a dynamic entry's :class:`~functrans._dynamic.ShapeGuard` (symbolic
+        sizes and strides are not compared; its expression is checked instead)."""
         if _TENSOR_GUARDS is None:
             return None
         tensors = [leaves[i] for i in order]
@@ -358,10 +402,16 @@ class _Guard:
             return None  # torch unwraps dead functorch wrappers on every call
         if not all(_by_identity(x) for x in leaves if not isinstance(x, torch.Tensor)):
             return None  # a mutable static (a set, ...): compared by value every call
+        sizes = None if shape is None else [list(s) for s in shape.sizes]
+        strides = None if shape is None else [list(s) for s in shape.strides]
         try:  # the keyword arguments are required: without them, its constructor crashes
-            checker = _TENSOR_GUARDS(*tensors, dynamic_dims_sizes=None, dynamic_dims_strides=None)
+            checker = _TENSOR_GUARDS(
+                *tensors, dynamic_dims_sizes=sizes, dynamic_dims_strides=strides
+            )
         except Exception:
             return None
+        if shape is not None:
+            checker = _WithExpression(checker, shape.check_expr)
         return cls(leaves, order, checker) if checker.check(*tensors) else None
 
     def check(self, leaves: Sequence[Any]) -> tuple[torch.Tensor, ...] | None:
@@ -369,6 +419,16 @@ class _Guard:
             return None
         tensors = self._tensors_at(leaves)
         return tensors if self._checker.check(*tensors) else None
+
+
+class _WithExpression:
+    """TensorGuards of a dynamic entry plus its symbolic-size guard expression."""
+
+    def __init__(self, tensor_guards: Any, expression: Callable[[Sequence[Any]], bool]) -> None:
+        self._tensors, self._expression = tensor_guards, expression
+
+    def check(self, *tensors: torch.Tensor) -> bool:
+        return bool(self._tensors.check(*tensors)) and self._expression(tensors)
 
 
 def _tensor_guards() -> Any:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from ._cost import is_input_alias, storage_of
+from ._dynamic import Dynamic
 from ._format import format_value_type, op_name
 from ._graph import PATH, SOURCE
 from ._joint import joint
@@ -36,11 +37,17 @@ class Residual:
     origin: str
     consumers: tuple[str, ...]
     shares: str | None = None
+    #: with symbolic sizes (``dynamic=``): ``nbytes`` as a formula (``nbytes`` is its value at
+    #: the example sizes)
+    bytes_expr: str | None = None
 
     def __str__(self) -> str:
         used = f" -> used by {', '.join(self.consumers)} in backward" if self.consumers else ""
         shared = f" (shares the storage of the {self.shares})" if self.shares else ""
-        return f"{self.type} {format_bytes(self.nbytes)}{shared} {self.origin}{used}"
+        size = format_bytes(self.nbytes)
+        if self.bytes_expr is not None and self.nbytes:
+            size = f"{self.bytes_expr} B = {size}"
+        return f"{self.type} {size}{shared} {self.origin}{used}"
 
 
 def _functional(
@@ -76,9 +83,12 @@ def saved_residuals(
     f: Callable[..., Any] | torch.nn.Module,
     *args: Any,
     partition: str | Strategy = "default",
+    dynamic: Dynamic = False,
     **options: Any,
 ) -> list[Residual]:
     """The values ``f`` saves for backward under ``partition`` (functions or modules).
+    ``dynamic`` traces with symbolic sizes (see :func:`functrans.trace`): bytes then show as
+    formulas with their value at the example (``64*s0 B = 384 B``).
 
     >>> import torch, functrans as ft
     >>> for r in ft.saved_residuals(lambda x, w: torch.tanh(x @ w).sum(), torch.ones(4, 4),
@@ -89,13 +99,15 @@ def saved_residuals(
     f32[4, 4] 64 B output of aten.tanh.default from ... -> used by mul in backward
     """
     fn, call_args = _functional(f, args)
-    jg = joint(fn)(*call_args)
+    jg = joint(fn, dynamic=dynamic)(*call_args)
     p = _partition_of(jg, partition, options)
     shared = p.shared_storage()
     out = []
     # backward's placeholders are the saved values, in order, then the tangents
     for s, placeholder in zip(p.saved, p.backward.placeholders(), strict=False):
         node = s.node
+        if s.dtype is None:  # a size handed to backward (symbolic shapes): no memory
+            continue
         users = placeholder.users
         owner = shared.get(node) if not s.is_input else None
         out.append(
@@ -107,6 +119,7 @@ def saved_residuals(
                 shares=None
                 if owner is None
                 else f"{format_value_type(owner.meta.get('val'))} {_origin(owner, where=False)}",
+                bytes_expr=s.bytes_expr if node not in shared and not s.is_input else None,
             )
         )
     return out
@@ -120,6 +133,7 @@ def print_saved_residuals(
     f: Callable[..., Any] | torch.nn.Module,
     *args: Any,
     partition: str | Strategy = "default",
+    dynamic: Dynamic = False,
     **options: Any,
 ) -> None:
     """Print :func:`saved_residuals`, one line per saved value, then the total.
@@ -136,8 +150,14 @@ def print_saved_residuals(
     f32[4, 4] 0 B (shares the storage of the f32[4, 4] output of aten.exp.default)
         output of aten.permute.default from ... -> used by mul_2 in backward
     total: 64 B saved for backward
+
+    With a symbolic batch, bytes are formulas in the size symbols:
+
+    >>> ft.print_saved_residuals(lambda x: x.exp().sum(), torch.ones(6, 4), dynamic={"x": (0,)})
+    f32[s0, 4] 16*s0 B = 96 B output of aten.exp.default from ... -> used by mul in backward
+    total: 96 B saved for backward
     """
-    residuals = saved_residuals(f, *args, partition=partition, **options)
+    residuals = saved_residuals(f, *args, partition=partition, dynamic=dynamic, **options)
     for r in residuals:
         print(r)
     print(f"total: {format_bytes(sum(r.nbytes for r in residuals))} saved for backward")

@@ -30,11 +30,12 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from ._cost import is_random
 from ._decomp import Decompositions, decomposition_table
+from ._dynamic import Dynamic, has_unbacked, resolve, symbolic_fakes
 from ._errors import TraceError, UnsupportedOpError
 from ._format import op_name
 from ._graph import SOURCE, Graph, Role
 from ._logs import log
-from ._passes import InputSpec, canonicalize, identifier
+from ._passes import InputSpec, canonicalize, identifier, out_of_place
 from ._pytree import NAMESPACE, Flat, Wrapper, flatten, unflatten
 from ._rng import seeded_then_drew, tracing_guard
 from ._state import autocast_off
@@ -266,10 +267,11 @@ def check_no_input_mutation(gm: fx.GraphModule, paths: Sequence[str]) -> None:
 
 
 def check_static_shapes(gm: fx.GraphModule) -> None:
-    """Raise TraceError if an op produced a shape that depends on tensor values."""
+    """Raise TraceError if an op produced a shape that depends on tensor values (symbolic
+    input sizes, see :mod:`functrans._dynamic`, are fine)."""
     for node in gm.graph.nodes:
         val = node.meta.get("val")
-        if isinstance(val, torch.Tensor) and not all(isinstance(s, int) for s in val.shape):
+        if isinstance(val, torch.Tensor) and has_unbacked(val):
             src = node.meta.get(SOURCE) or _src(node)
             raise TraceError(
                 f"`{op_name(node.target)}` returns a tensor whose shape depends on tensor values"
@@ -312,6 +314,9 @@ def functionalize(gm: fx.GraphModule, table: Mapping[Any, Callable[..., Any]]) -
     """
     if not _has_mutation(gm):
         return gm
+    rewritten = out_of_place(gm)
+    if rewritten is not None:
+        return rewritten
     return retrace(gm, table, functional=True)
 
 
@@ -400,13 +405,23 @@ def trace(
     decompositions: Decompositions = "core",
     static_argnums: Sequence[int] = (),
     cse: bool = True,
+    dynamic: Dynamic = False,
 ) -> Callable[..., Graph]:
     """Trace ``f`` on example arguments to a functional ATen :class:`Graph`.
 
     Tensor leaves of the arguments (any optree pytree) become graph inputs; all other leaves,
     and the arguments listed in ``static_argnums``, are static: baked into the graph and
     checked when the graph is called. ``cse=False`` keeps repeated computations apart (a
-    function that recomputes on purpose, as a partitioned backward does).
+    function that recomputes on purpose, as a partitioned backward does). ``dynamic`` keeps
+    input dimensions symbolic (``True``: all; ``{"x": {0: "batch"}}``: those named; see
+    :mod:`functrans._dynamic`): the graph then runs at other sizes too.
+
+    >>> import torch, functrans as ft
+    >>> print(ft.trace(lambda x: x.sum(0) * 2, dynamic=True)(torch.ones(4, 3)))
+    def forward(x: "f32[s0, s1]"):
+        sum_1: "f32[s1]" = aten.sum.dim_IntList(x, [0])
+        mul: "f32[s1]" = aten.mul.Tensor(sum_1, 2)
+        return (mul,)
 
     >>> import torch, functrans as ft
     >>> def f(x, cfg):
@@ -434,9 +449,11 @@ def trace(
             out_box.append(out_flat)
             return out_leaves
 
-        gm = trace_module(
-            flat_fn, [t.detach() for t in tensors], user_fn=f, table=table, input_paths=names
+        dims = resolve(dynamic, names, tensors)
+        inputs = (
+            [t.detach() for t in tensors] if dims is None else symbolic_fakes(tensors, dims, names)
         )
+        gm = trace_module(flat_fn, inputs, user_fn=f, table=table, input_paths=names)
         specs = [InputSpec(identifier(n), Role.PRIMAL, n) for n in names]
         graph = Graph(canonicalize(gm, specs, cse=cse), in_flat, out_box[-1])
         log("trace", f"graph of {getattr(f, '__qualname__', f)}", lambda: str(graph))

@@ -70,6 +70,9 @@ from ._cut_problem import ForwardValue as ForwardValue
 from ._cut_problem import OpRule as OpRule
 from ._cut_problem import cut_problem as cut_problem
 from ._decomp import decomposition_table_all as decomposition_table_all
+from ._dynamic import dimension_names as dimension_names
+from ._dynamic import hint as hint
+from ._dynamic import sizes_at as sizes_at
 from ._errors import FunctransError as FunctransError
 from ._errors import InvalidArgumentError as InvalidArgumentError
 from ._errors import InvalidPartitionError as InvalidPartitionError
@@ -87,6 +90,9 @@ from ._partition import Strategy as Strategy
 from ._plugins import PluginError as PluginError
 from ._plugins import PluginRegistry as PluginRegistry
 from ._plugins import PluginWarning as PluginWarning
+from ._private_dir import cache_root as cache_root
+from ._private_dir import private_dirs as private_dirs
+from ._private_dir import untrusted as untrusted
 from ._pytree import tensor_leaves as tensor_leaves
 from ._registry import Registry as Registry
 from ._split import ancestors as ancestors

@@ -10,6 +10,13 @@ bytes instead (an int >= 0). ``solver="ilp"`` solves the exact 0/1 program with 
 cost (fast on huge graphs, no optimality guarantee). ``cost`` is ``"flops"`` or a callable
 ``node -> cost`` (e.g. a measured runtime model).
 
+With symbolic sizes (``jit(f, dynamic=...)``, ``joint(f, dynamic=...)``) bytes are taken at
+the trace's example sizes, and a budget met there can be exceeded far from them (a budget met
+at seq 32 is 128x over at seq 4096). ``at={"batch": 64, "seq": 4096}`` plans at those sizes
+instead: the names ``dynamic=`` gave the dimensions (or ``x.shape[1]`` for an unnamed one), so
+``max_bytes`` (or the fraction) holds at the largest size you declare, and below it too, since
+every saved value's bytes grow with the sizes.
+
 ``"optimal"`` is ``memory_budget`` with the ILP and a required ``budget``: the name to use when
 you want the exact answer and want to say so.
 
@@ -37,6 +44,7 @@ from functrans.extend import (
     check_option,
     cut_problem,
     parse_options,
+    sizes_at,
     split,
 )
 
@@ -64,9 +72,13 @@ class MemoryBudget:
     solver: str = "ilp"
     cost: str | Callable[[fx.Node], float] = "flops"
     time_limit: float = 20.0
+    #: the sizes to plan at, by dimension name (symbolic traces only); kept as sorted pairs
+    at: Mapping[str, int] | tuple[tuple[str, int], ...] | None = None
 
     def __post_init__(self) -> None:
         _check_values("memory_budget", {f.name: getattr(self, f.name) for f in fields(self)})
+        if isinstance(self.at, Mapping):
+            object.__setattr__(self, "at", tuple(sorted(self.at.items())))
 
     @property
     def __name__(self) -> str:  # shown as the partition's strategy name
@@ -82,6 +94,11 @@ class MemoryBudget:
         return int(low + self.budget * (high - low)), low
 
     def __call__(self, joint: JointGraph) -> list[fx.Node]:
+        primals = [n.meta.get("val") for n in joint.primals()]
+        with sizes_at(primals, dict(self.at or ())):
+            return self._solve(joint)
+
+    def _solve(self, joint: JointGraph) -> list[fx.Node]:
         max_bytes, low = self.limit(joint)
         if max_bytes < low:
             raise InvalidPartitionError(
@@ -128,6 +145,15 @@ def _check_values(where: str, options: Mapping[str, Any]) -> None:
     check_option(where, "cost", cost, ok, "'flops' or a callable node -> cost")
     time_limit = options.get("time_limit", 20.0)
     check_number(where, "time_limit", time_limit, above=0, allow_inf=True, meaning="seconds")
+    at = options.get("at")
+    ok = at is None or (
+        isinstance(at, Mapping | tuple)
+        and all(
+            isinstance(k, str) and type(v) is int and v >= 0
+            for k, v in (at.items() if isinstance(at, Mapping) else at)
+        )
+    )
+    check_option(where, "at", at, ok, "a mapping {dimension name: size >= 0}")
 
 
 def _activation(joint: JointGraph, saved: list[fx.Node]) -> int:
@@ -188,7 +214,7 @@ _OPTIMAL_HINTS = {
 def optimal(joint: JointGraph, **options: object) -> list[fx.Node]:
     """The ``"optimal"`` strategy: the exact ILP at a required ``budget`` (options ``budget``,
     ``cost``, ``time_limit``)."""
-    check_names("optimal", options, ("budget", "cost", "time_limit"), hints=_OPTIMAL_HINTS)
+    check_names("optimal", options, ("budget", "cost", "time_limit", "at"), hints=_OPTIMAL_HINTS)
     if "budget" not in options:
         raise InvalidArgumentError(
             f"optimal needs budget= ({_BUDGET}); got options: {', '.join(options) or 'none'}"

@@ -18,7 +18,7 @@ def recompiles(capsys):
 
 
 def test_least_recently_used_entry_is_evicted():
-    f = ft.jit(lambda x: x * 2, cache_size=2)
+    f = ft.jit(lambda x: x * 2, cache_size=2, dynamic=False)  # an entry per shape
     a, b, c = torch.ones(1), torch.ones(2), torch.ones(3)
     f(a), f(b), f(a), f(c)  # b is the least recently used when c arrives
     info = f.cache_info()
@@ -30,7 +30,7 @@ def test_least_recently_used_entry_is_evicted():
 
 
 def test_evicted_entries_are_not_found_through_guards():
-    f = ft.jit(lambda x: x + 1, cache_size=1)
+    f = ft.jit(lambda x: x + 1, cache_size=1, dynamic=False)
     f(torch.zeros(2))
     f(torch.zeros(3))
     torch.testing.assert_close(f(torch.zeros(2)), torch.ones(2))
@@ -89,7 +89,7 @@ def test_a_float_that_keeps_changing_warns_on_its_second_change():
 
 
 def test_a_recompile_storm_warns_once():
-    jf = ft.jit(lambda x: x.sum())
+    jf = ft.jit(lambda x: x.sum(), dynamic=False)  # every new shape compiles
     with pytest.warns(RecompileWarning, match=f"compiled {RECOMPILE_WARNING} times") as caught:
         for n in range(1, RECOMPILE_WARNING + 3):
             jf(torch.ones(n))

@@ -15,6 +15,7 @@
 #include <ATen/ScalarOps.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
+#include <algorithm>
 #include <optional>
 #include <string>
 #include <vector>
@@ -44,10 +45,12 @@ struct Source {
   }
 };
 
-// One argument of a call: a single value, or a tensor list assembled on every run
+// One argument of a call: a single value, or a list assembled on every run (tensors, or the
+// sizes of a graph with symbolic shapes)
 struct Arg {
-  enum Kind { kValue, kTensors, kOptionalTensors } kind = kValue;
+  enum Kind { kValue, kTensors, kOptionalTensors, kInts } kind = kValue;
   Source one;
+  bool number_as_tensor = false;  // a register that may hold a size where the schema says Tensor
   std::vector<Source> items;
 };
 
@@ -59,7 +62,31 @@ struct Step {
   std::vector<int> frees;  // registers whose last use is this step
   std::string name;        // the FX node, for error messages
   bool numbers = false;    // numbers may stand for tensors (also in kernels it redispatches to)
+  char arith = 0;          // no op: integer arithmetic on sizes (+ - * / % n(eg) <(min) >(max))
 };
+
+// Python's integer semantics (floor division and modulo round towards -infinity)
+int64_t arithmetic(char code, int64_t a, int64_t b) {
+  switch (code) {
+    case '+': return a + b;
+    case '-': return a - b;
+    case '*': return a * b;
+    case 'n': return -a;
+    case '<': return std::min(a, b);
+    case '>': return std::max(a, b);
+    case '/':
+    case '%': {
+      TORCH_CHECK(b != 0, "integer division by zero in a size computation");
+      int64_t q = a / b, r = a % b;
+      if (r != 0 && ((r < 0) != (b < 0))) {
+        q -= 1;
+        r += b;
+      }
+      return code == '/' ? q : r;
+    }
+  }
+  TORCH_CHECK(false, "unknown size arithmetic ", code);
+}
 
 // A tensor, None, bool, int or float (get_attr values, constant outputs)
 c10::IValue from_python(py::handle value) {
@@ -142,6 +169,9 @@ class Program {
         auto elem = list->getElementType();
         if (elem->kind() == c10::TypeKind::TensorType) {
           arg.kind = Arg::kTensors;
+        } else if (elem->kind() == c10::TypeKind::IntType ||
+                   elem->kind() == c10::TypeKind::SymIntType) {
+          arg.kind = Arg::kInts;
         } else if (elem->kind() == c10::TypeKind::OptionalType &&
                    elem->castRaw<c10::OptionalType>()->getElementType()->kind() ==
                        c10::TypeKind::TensorType) {
@@ -154,6 +184,8 @@ class Program {
         }
       } else {
         arg.one = element(spec, formal.real_type());
+        arg.number_as_tensor = arg.one.reg >= 0 && step.numbers &&
+                               formal.real_type()->kind() == c10::TypeKind::TensorType;
       }
       step.args.push_back(std::move(arg));
     }
@@ -168,6 +200,26 @@ class Program {
     Arg arg;
     arg.one.reg = src;
     step.args.push_back(std::move(arg));
+    step.outs = {out};
+    step.frees = std::move(frees);
+    step.name = node;
+    check(step);
+    steps_.push_back(std::move(step));
+  }
+
+  // out = a <code> b on integers (sizes of a graph with symbolic shapes); `a`, `b` are
+  // ("r", reg) | ("c", int) specs (`b` ignored for negation)
+  void arith(const std::string& code, const py::tuple& a, const py::tuple& b, int out,
+             const std::string& node, std::vector<int> frees) {
+    TORCH_CHECK(code.size() == 1 && std::string("+-*/%n<>").find(code[0]) != std::string::npos,
+                node, ": unknown size arithmetic ", code);
+    Step step;
+    step.arith = code[0];
+    for (const auto& spec : {a, b}) {
+      Arg arg;
+      arg.one = element(spec, c10::IntType::get());
+      step.args.push_back(std::move(arg));
+    }
     step.outs = {out};
     step.frees = std::move(frees);
     step.name = node;
@@ -215,7 +267,9 @@ class Program {
       regs[reg] = value;
     }
     for (size_t i = 0; i < inputs.size(); ++i) {
-      regs[inputs[i]] = THPVariable_Unpack(values[i].ptr());
+      PyObject* v = values[i].ptr();
+      regs[inputs[i]] = THPVariable_Check(v) ? c10::IValue(THPVariable_Unpack(v))
+                                             : c10::IValue(values[i].cast<int64_t>());
     }
     {
       py::gil_scoped_release no_gil;
@@ -246,7 +300,7 @@ class Program {
         }
       }
     }
-    if (!s.op) {
+    if (!s.op && !s.arith) {
       check_register(s.args.at(0).one.reg, s.name.c_str());
     }
     for (int r : s.outs) {
@@ -262,6 +316,9 @@ class Program {
   static bool plain_tensors(const py::args& values) {
     bool subclass = false;
     for (auto v : values) {
+      if (PyLong_CheckExact(v.ptr())) {
+        continue;  // a size (a dynamic forward hands its backward sizes)
+      }
       if (!THPVariable_Check(v.ptr())) {
         return false;
       }
@@ -283,7 +340,11 @@ class Program {
   void execute(std::vector<c10::IValue>& regs) const {
     torch::jit::Stack stack;
     for (const auto& s : steps_) {
-      if (!s.op) {
+      if (s.arith) {
+        int64_t a = s.args[0].one.get(regs).toInt();
+        int64_t b = s.arith == 'n' ? 0 : s.args[1].one.get(regs).toInt();
+        regs[s.outs[0]] = arithmetic(s.arith, a, b);
+      } else if (!s.op) {
         regs[s.outs[0]] = regs[s.args[0].one.reg].toListRef().at(s.index);
       } else {
         stack.clear();
@@ -311,7 +372,23 @@ class Program {
 
   static void push(const Arg& a, const std::vector<c10::IValue>& regs, torch::jit::Stack& stack) {
     if (a.kind == Arg::kValue) {
-      stack.push_back(a.one.get(regs));
+      const auto& v = a.one.get(regs);
+      if (a.number_as_tensor && (v.isInt() || v.isDouble())) {
+        // a size computed in the graph, passed where the schema says Tensor: a fresh
+        // wrapped-number tensor, as OpOverload.__call__ makes of a Python number
+        auto t = c10::scalar_to_tensor(v.toScalar());
+        t.unsafeGetTensorImpl()->set_wrapped_number(true);
+        stack.emplace_back(std::move(t));
+        return;
+      }
+      stack.push_back(v);
+    } else if (a.kind == Arg::kInts) {
+      c10::List<int64_t> list;
+      list.reserve(a.items.size());
+      for (const auto& i : a.items) {
+        list.push_back(i.get(regs).toInt());
+      }
+      stack.emplace_back(std::move(list));
     } else if (a.kind == Arg::kTensors) {
       c10::List<at::Tensor> list;
       list.reserve(a.items.size());
@@ -345,6 +422,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("inputs", &Program::inputs)
       .def("call", &Program::call)
       .def("item", &Program::item)
+      .def("arith", &Program::arith)
       .def("constant_register", &Program::constant_register)
       .def("set_outputs", &Program::set_outputs)
       .def("set_fallback", &Program::set_fallback)

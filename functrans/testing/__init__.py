@@ -13,6 +13,7 @@ In a test file, ``test_mine = register_partitioner_tests("my_strategy")`` (or
 
 from ._backend import check_backend as check_backend
 from ._check import assert_close as assert_close
+from ._check import check_dynamic_partition as check_dynamic_partition
 from ._check import check_partition as check_partition
 from ._check import check_split as check_split
 from ._check import eager_vjp as eager_vjp

@@ -12,6 +12,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from ._batched import batched_step
+
 __all__ = ["INPUT_BOUND", "RANDOM_OPS", "STEP_KINDS", "InputSpec", "Program", "Step"]
 
 INPUT_BOUND = 2.0  # example inputs are uniform in [-INPUT_BOUND, INPUT_BOUND)
@@ -154,6 +156,10 @@ class Program:
     inputs: tuple[InputSpec, ...]
     steps: tuple[Step, ...]
     outputs: tuple[int, ...]
+    #: dynamic-batch mode: every value has a leading batch dimension (of this size in
+    #: :meth:`example_inputs`) and each step runs per example (as ``torch.func.vmap`` would;
+    #: see :mod:`functrans.testing._batched`); 0: no batch dimension
+    batch: int = 0
 
     @property
     def dtype(self) -> torch.dtype:
@@ -195,6 +201,14 @@ class Program:
     def __call__(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if len(tensors) != len(self.inputs):
             raise TypeError(f"program takes {len(self.inputs)} inputs, got {len(tensors)}")
+        return self._run(*tensors)
+
+    def dynamic_dims(self) -> tuple[dict[int, str], ...]:
+        """``dynamic=`` for a batched program: the leading dimension of every input, one
+        symbol (``batch``)."""
+        return tuple({0: "batch"} for _ in self.inputs) if self.batch else ()
+
+    def _run(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         values: list[Any] = list(tensors)
         live = self.live_steps()
         for k, step in enumerate(self.steps):
@@ -202,14 +216,20 @@ class Program:
                 values.append(None)
                 continue
             operands = [values[a] if isinstance(a, int) else a for a in step.args]
-            values.append(_OPS[step.op].run(operands, step.params, step.shape))
+            run = _OPS[step.op].run
+            if self.batch:
+                values.append(batched_step(step, operands, run))
+            else:
+                values.append(run(operands, step.params, step.shape))
         return tuple(values[i] for i in self.outputs)
 
-    def example_inputs(self, seed: int = 0) -> tuple[torch.Tensor, ...]:
-        """Deterministic inputs for ``seed``, uniform in ``[-INPUT_BOUND, INPUT_BOUND)``."""
+    def example_inputs(self, seed: int = 0, batch: int | None = None) -> tuple[torch.Tensor, ...]:
+        """Deterministic inputs for ``seed``, uniform in ``[-INPUT_BOUND, INPUT_BOUND)``
+        (with a leading dimension of ``batch``, by default :attr:`batch`, in batch mode)."""
         gen = torch.Generator().manual_seed(seed)
+        lead = (self.batch if batch is None else batch,) if self.batch else ()
         return tuple(
-            (torch.rand(i.shape, generator=gen, dtype=i.dtype) * 2 - 1) * INPUT_BOUND
+            (torch.rand((*lead, *i.shape), generator=gen, dtype=i.dtype) * 2 - 1) * INPUT_BOUND
             for i in self.inputs
         )
 
@@ -217,6 +237,8 @@ class Program:
         """Self-contained Python source of an equivalent function named ``program``."""
         names = [f"a{i}" for i in range(len(self.inputs))]
         lines = ["import torch", "import torch.nn.functional as F", "", ""]
+        if self.batch:
+            lines.append(f"@torch.func.vmap  # in batch mode (traced at batch {self.batch})")
         lines.append(f"def program({', '.join(names)}):")
         for name, spec in zip(names, self.inputs, strict=True):
             lines.append(f"    # {name}: {str(spec.dtype)[6:]}{list(spec.shape)}")

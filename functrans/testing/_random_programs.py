@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 import torch
 from hypothesis import strategies as st
 
-from ._program import INPUT_BOUND, STEP_KINDS, InputSpec, Program, Step
+from ._program import INPUT_BOUND, RANDOM_OPS, STEP_KINDS, InputSpec, Program, Step
 from ._steps import ELIGIBLE, GENERATE
 from ._values import (
     BINARY,
@@ -213,6 +213,7 @@ def programs(
     max_inputs: int = 3,
     dtypes: Sequence[torch.dtype] = (torch.float32, torch.float64),
     exclude: Sequence[str] = (),
+    batch: bool = False,
 ) -> st.SearchStrategy[Program]:
     """Strategy for random straight-line programs of 1..``max_steps`` steps over 1..``max_inputs``
     input tensors (ranks 0..3, dims 0..4: size-1 dims are common, zero-size ones rarer) of one
@@ -225,6 +226,11 @@ def programs(
     Programs shrink towards fewer inputs and steps, scalar inputs, ops earlier in
     :data:`STEP_KINDS`, and chains (each operand and output shrinks towards the most recent value).
     Use it as ``@given(programs(max_steps=4))`` and run ``prog(*prog.example_inputs())``.
+
+    ``batch=True`` is the dynamic-batch mode: every input gets a leading batch dimension (of
+    2 to 4) the program maps over with ``torch.func.vmap``, random steps left out; trace it
+    with ``dynamic=prog.dynamic_dims()`` and run it at other batch sizes with
+    ``prog.example_inputs(batch=n)`` (:func:`~functrans.testing.check_dynamic_partition`).
 
     A program built by hand:
 
@@ -256,7 +262,7 @@ def programs(
     unknown = set(exclude) - set(STEP_KINDS)
     if unknown:
         raise ValueError(f"unknown step kinds {sorted(unknown)}; the kinds are {STEP_KINDS}")
-    allowed = tuple(k for k in STEP_KINDS if k not in exclude)
+    allowed = tuple(k for k in STEP_KINDS if k not in exclude and not (batch and k in RANDOM_OPS))
 
     @st.composite
     def draw_program(draw: st.DrawFn) -> Program:
@@ -273,6 +279,7 @@ def programs(
             inputs=tuple(InputSpec(s, dtype) for s in shapes),
             steps=tuple(steps),
             outputs=tuple(len(vals) - 1 - k for k in offsets),
+            batch=draw(st.integers(2, 4)) if batch else 0,
         )
 
     return draw_program()
