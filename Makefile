@@ -49,6 +49,7 @@ bench: $(STAMP)
 	$(VPY) -m benchmarks.memory_budget
 	$(VPY) -m benchmarks.remat
 	$(VPY) -m benchmarks.runtime
+	$(VPY) -m benchmarks.dynamic
 	$(VPY) -m benchmarks.codegen
 	$(VPY) -m benchmarks.compose
 	$(VPY) -m benchmarks.distributed

@@ -30,8 +30,12 @@ when all four are what they were when it was traced:
   through a module). A file modified after this process started, code from no file, or user
   code with closure cells that are neither in the key nor made during the trace means the
   entry is not stored.
-- Anything that cannot be hashed (C objects, tensor subclasses, a generator, symbolic shapes,
-  a graph node the JSON format cannot hold) means no disk cache for that call: never a guess.
+- A trace with symbolic sizes (``dynamic=``) is keyed without the sizes of its symbolic
+  dimensions and stored with the guards its trace recorded, checked on load and restored as
+  the loaded graph's guards (:mod:`functrans._disk_shapes`).
+- Anything that cannot be hashed (C objects, tensor subclasses, a generator, sizes that depend
+  on tensor values, a graph node the JSON format cannot hold) means no disk cache for that
+  call: never a guess.
 
 Not covered, by design: the state of installed packages beyond their files (a global of
 ``transformers`` changed at run time), of C extensions other than torch, environment variables,
@@ -79,6 +83,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from . import _disk_shapes as disk_shapes
 from . import _graph_json as graph_json
 from . import _tree_json as tree_json
 from ._code_deps import (
@@ -215,8 +220,6 @@ def _say(key: DiskKey, message: str) -> None:
 
 
 def _digest(key: DiskKey, fp: Fingerprint) -> str:
-    if key.dims is not None:
-        raise Unhashable("a trace with symbolic shapes")
     if key.planned:
         raise Unhashable("a gradient traced from a plan (grad(f, partition=...))")
     if key.flat.wrappers:
@@ -235,7 +238,12 @@ def _digest(key: DiskKey, fp: Fingerprint) -> str:
     state["modules"] = tuple(training for _, training in state["modules"])
     fp.add(sorted(state.items()))
     fp.add(_structure(key.flat))
-    fp.add(_tensors(key.tensors))
+    if key.dims is None:
+        fp.add(_tensors(key.tensors))
+    else:  # sizes of symbolic dimensions left out (:mod:`functrans._disk_shapes`)
+        fp.add(_tensors(key.tensors, symbolic=True))
+        symbolic = disk_shapes.key_tensors(key.tensors, key.dims, key.names)
+        fp.add(("dims", disk_shapes.dims_doc(key.dims), symbolic))
     fp.add(key.fn)
     return fp.digest()
 
@@ -246,7 +254,9 @@ def _structure(flat: Any) -> Any:
     return (json.dumps(spec), flat.is_tensor, statics, flat.static_argnums)
 
 
-def _tensors(tensors: tuple[Any, ...]) -> list[Any]:
+def _tensors(tensors: tuple[Any, ...], *, symbolic: bool = False) -> list[Any]:
+    """Each tensor's metadata; ``symbolic``: without sizes, strides and offset (the key holds
+    them as the symbolic trace sees them)."""
     out: list[Any] = []
     storages: dict[tuple[str, int], int] = {}
     for i, t in enumerate(tensors):
@@ -255,7 +265,9 @@ def _tensors(tensors: tuple[Any, ...]) -> list[Any]:
         where = (str(t.device), t.untyped_storage().data_ptr())
         alias = storages.setdefault(where, i) if where[1] else i
         keys = int(torch._C._dispatch_keys(t).raw_repr())
-        meta = (tuple(t.shape), t.stride(), t.storage_offset(), str(t.dtype), str(t.device))
+        meta: tuple[Any, ...] = (str(t.dtype), str(t.device))
+        if not symbolic:
+            meta = (tuple(t.shape), t.stride(), t.storage_offset(), *meta)
         out.append((*meta, t.requires_grad, type(t).__name__, keys, alias, _device(t.device)))
     return out
 
@@ -383,7 +395,13 @@ def _load(path: Path, digest: str, key: DiskKey) -> Any:
         if stale is not None:
             _say(key, f"miss: {stale}")
             return None
-        g = graph_json.load(doc["graph"], key.fn)
+        if key.dims is None:
+            g: Any = graph_json.load(doc["graph"], key.fn)
+        else:
+            g = disk_shapes.load(doc, key)
+            if g is None:
+                _say(key, f"miss: {path.name} was traced under conditions these sizes fail")
+                return None
     except Exception as e:  # whatever the entry holds, a bad one is a miss, then rewritten
         _say(key, f"ignoring the invalid entry {path}: {type(e).__name__}: {e}")
         return None
@@ -432,20 +450,17 @@ def _store(
 ) -> None:
     try:
         deps = dependencies(recorder, fp.closures, process_start()).to_json()
-        which = hashlib.sha256(json.dumps(deps, sort_keys=True).encode()).hexdigest()[:16]
+        entry: dict[str, Any] = {"format": FORMAT, "key": digest, "kind": key.kind}
+        entry["created"], entry["deps"] = time.time(), deps
+        entry["graph"] = graph_json.dump(g, key.fn, symbolic=key.dims is not None)
+        # a symbolic trace per set of guards: each branch of an `if` on a size is an entry
+        which_doc: Any = deps
+        if key.dims is not None:
+            entry["shape"] = disk_shapes.shape_doc(g)
+            which_doc = [deps, entry["shape"]]
+        which = hashlib.sha256(json.dumps(which_doc, sort_keys=True).encode()).hexdigest()[:16]
         path = folder / f"{digest}-{which}.json"
-        doc = graph_json.dump(g, key.fn)
-        text = json.dumps(
-            {
-                "format": FORMAT,
-                "key": digest,
-                "kind": key.kind,
-                "created": time.time(),
-                "deps": deps,
-                "graph": doc,
-            },
-            separators=(",", ":"),
-        )
+        text = json.dumps(entry, separators=(",", ":"))
         graph_json.check_round_trip(json.loads(text)["graph"], g)
     except (Unhashable, graph_json.NotStorable) as e:
         _say(key, f"not stored: {e}")

@@ -45,18 +45,23 @@ from torch.fx.experimental.symbolic_shapes import (
 )
 
 from ._errors import TraceError
+from ._guard_text import check_guard_text
 
 __all__ = [
     "Dims",
     "Dynamic",
+    "DynamicSpecError",
     "JitDynamic",
     "ShapeGuard",
     "check_dynamic",
+    "check_guard_text",
     "dimension_names",
+    "guard_parts",
     "hint",
     "is_symbolic",
     "planned_sizes",
     "resolve",
+    "restore_guards",
     "shape_env_of",
     "sizes_at",
     "symbolic_fakes",
@@ -69,6 +74,10 @@ Dims: TypeAlias = tuple[Mapping[int, str | None], ...]
 #: :data:`Dims` is what ``jit`` hands them, already resolved).
 Dynamic: TypeAlias = bool | Mapping[str, Mapping[int, str | None] | Sequence[int]] | Dims | None
 JitDynamic: TypeAlias = bool | Literal["auto"] | Mapping[str, Any]
+
+
+class DynamicSpecError(TraceError):
+    """The inputs break what ``dynamic=`` declares (two dimensions named alike differ)."""
 
 
 def check_dynamic(dynamic: Any) -> JitDynamic:
@@ -176,7 +185,7 @@ def symbolic_fakes(
                 continue
             first, other = named[name]
             if hint(other) != hint(size):
-                raise TraceError(
+                raise DynamicSpecError(
                     f"dynamic: {first} and {where} are both named {name!r}, so they must be "
                     f"equal, but they are {hint(other)} and {hint(size)}"
                 )
@@ -311,10 +320,13 @@ class ShapeGuard:
     strides: tuple[tuple[int | None, ...], ...]
     expression: str
     check_expr: Callable[[Sequence[torch.Tensor]], bool]
+    #: the guards ``expression`` joins (what the disk cache stores)
+    parts: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, fakes: Sequence[torch.Tensor], env: ShapeEnv) -> ShapeGuard:
-        """The guards of a finished trace over its symbolic inputs ``fakes``."""
+        """The guards of a finished trace over its symbolic inputs ``fakes`` (for a graph
+        loaded from the disk cache, the guards its trace recorded: :func:`restore_guards`)."""
         sizes = tuple(
             tuple(_static(s) for s in f.shape) if isinstance(f, torch.Tensor) else () for f in fakes
         )
@@ -322,16 +334,65 @@ class ShapeGuard:
             tuple(_static(s) for s in f.stride()) if isinstance(f, torch.Tensor) else ()
             for f in fakes
         )
-        code = env.produce_guards_expression(list(fakes), ignore_static=True) or "True"  # type: ignore[arg-type]
+        restored = _restored(fakes, env)
+        if restored is not None and restored[1] and len(fakes) == len(restored[0].sizes):
+            return restored[0]
+        parts = guard_parts(fakes, env)
+        if restored is not None:
+            # the loaded graph was partitioned and compiled on a shape environment of its own:
+            # what that added (and what other inputs need) is checked besides the trace's
+            stored = restored[0]
+            extra = [p for p in parts if p not in stored.parts]
+            return cls._compiled(sizes, strides, [*stored.parts, *extra])
+        code = " and ".join(parts) or "True"
         from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
 
         fn = eval(f"lambda L: {code}", dict(SYMPY_INTERP))  # torch's own guard text
-        names = [f"t{i}" for i in range(len(fakes))]
+        return cls(sizes, strides, code, _checker(fn, len(fakes)), tuple(parts))
 
-        def check(tensors: Sequence[torch.Tensor]) -> bool:
-            return bool(fn(dict(zip(names, tensors, strict=True))))
+    @classmethod
+    def restore(
+        cls,
+        sizes: Sequence[Sequence[int | None]],
+        strides: Sequence[Sequence[int | None]],
+        parts: Sequence[str],
+    ) -> ShapeGuard:
+        """The guard :meth:`of` made, from its stored sizes, strides and guard texts (each
+        checked to be the arithmetic on ``L['t<i>']`` sizes torch writes, else ValueError).
 
-        return cls(sizes, strides, code, check)
+        >>> g = ShapeGuard.restore([[None, 3]], [[3, 1]], ["2 <= L['t0'].size()[0]"])
+        >>> g.matches([torch.ones(4, 3)]), g.matches([torch.ones(1, 3)])
+        (True, False)
+        >>> ShapeGuard.restore([[None]], [[1]], ["__import__('os')"])
+        Traceback (most recent call last):
+        ValueError: a guard that is not size arithmetic: __import__('os')
+        """
+        n = len(sizes)
+        if len(strides) != n or any(len(a) != len(b) for a, b in zip(sizes, strides, strict=True)):
+            raise ValueError("guard sizes and strides of different ranks")
+        for p in parts:
+            check_guard_text(p, n)
+        return cls._compiled(sizes, strides, parts)
+
+    @classmethod
+    def _compiled(
+        cls,
+        sizes: Sequence[Sequence[int | None]],
+        strides: Sequence[Sequence[int | None]],
+        parts: Sequence[str],
+    ) -> ShapeGuard:
+        """The guard of torch's guard texts ``parts`` (checked by the caller)."""
+        from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
+
+        code = " and ".join(f"({p})" for p in parts) or "True"
+        fn = eval(f"lambda L: {code}", dict(SYMPY_INTERP))  # torch's guard texts
+        return cls(
+            tuple(tuple(None if s is None else int(s) for s in row) for row in sizes),
+            tuple(tuple(None if s is None else int(s) for s in row) for row in strides),
+            " and ".join(parts) or "True",
+            _checker(fn, len(sizes)),
+            tuple(parts),
+        )
 
     @property
     def symbolic(self) -> list[set[int]]:
@@ -347,10 +408,62 @@ class ShapeGuard:
                 return False
             if any(s is not None and s != a for s, a in zip(sizes, t.shape, strict=True)):
                 return False
-            if any(s is not None and s != a for s, a in zip(strides, t.stride(), strict=True)):
+            if t.numel() and any(
+                s is not None and s != a for s, a in zip(strides, t.stride(), strict=True)
+            ):  # an empty tensor's strides mean nothing (torch makes them either way)
                 return False
         return self.check_expr(tensors)
 
 
 def _static(s: Any) -> int | None:
     return None if isinstance(s, torch.SymInt) else int(s)
+
+
+def _checker(
+    fn: Callable[[dict[str, Any]], Any], n: int
+) -> Callable[[Sequence[torch.Tensor]], bool]:
+    names = [f"t{i}" for i in range(n)]
+
+    def check(tensors: Sequence[torch.Tensor]) -> bool:
+        return bool(fn(dict(zip(names, tensors, strict=True))))
+
+    return check
+
+
+def guard_parts(fakes: Sequence[Any], env: ShapeEnv) -> list[str]:
+    """The shape environment's guards on inputs ``fakes`` (named ``L['t0']``, ...), as the
+    Python expressions torch writes (``produce_guards_expression`` joins them with ``and``)."""
+    from torch._dynamo.source import LocalSource
+
+    sources = [LocalSource(f"t{i}") for i in range(len(fakes))]
+    return list(env.produce_guards(list(fakes), sources, ignore_static=True))
+
+
+# guards restored from the disk cache, per shape environment of a loaded graph: the guard, the
+# inputs it is over (weakly), and how many guards the environment held when it was restored
+_RESTORED: weakref.WeakKeyDictionary[
+    ShapeEnv, tuple[ShapeGuard, tuple[weakref.ref[torch.Tensor], ...], int]
+] = weakref.WeakKeyDictionary()
+
+
+def restore_guards(fakes: Sequence[torch.Tensor], guard: ShapeGuard) -> None:
+    """Make ``guard`` (stored by the disk cache with a graph traced over inputs like
+    ``fakes``) the guard of inputs ``fakes``: the shape environment of a loaded graph only
+    knows what re-running the graph on them assumed, not the conditions of the user's code
+    (``if x.shape[0] > 8:``) the trace recorded. :meth:`ShapeGuard.of` of these inputs returns
+    it (with whatever the environment learns later added)."""
+    env = shape_env_of(fakes)
+    assert env is not None
+    _RESTORED[env] = (guard, tuple(weakref.ref(f) for f in fakes), len(env.guards))
+
+
+def _restored(fakes: Sequence[Any], env: ShapeEnv) -> tuple[ShapeGuard, bool] | None:
+    """The restored guard of inputs that start with the ones it was restored for, and
+    whether the environment is unchanged since."""
+    found = _RESTORED.get(env)
+    if found is None:
+        return None
+    guard, refs, count = found
+    if len(fakes) < len(refs) or any(r() is not f for r, f in zip(refs, fakes, strict=False)):
+        return None
+    return guard, len(env.guards) == count

@@ -8,6 +8,7 @@ automatic dynamic kicks in) is compiled once by ``jit`` with the same dimensions
 
 from __future__ import annotations
 
+import copy
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -89,31 +90,56 @@ def _dynamic_graph(
 ) -> Callable[..., Any]:
     """A graph with symbolic sizes, compiled by ``jit(dynamic=...)``: its size inputs are read
     from its tensor inputs inside the traced function (so they are symbols of the trace, not
-    static values), and the tensor dimensions dynamo left symbolic are symbolic in ours."""
+    static values), and the tensor dimensions dynamo left symbolic are symbolic in ours.
+    Python floats dynamo turned into 0-d tensors only to read back (``eps.item()``: a
+    LayerNorm's eps, a dropout's p) are passed as numbers: static values of our trace."""
     vals = [n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"]
-    tensors_at = [i for i, a in enumerate(example_inputs) if isinstance(a, torch.Tensor)]
-    slot = {j: k for k, j in enumerate(tensors_at)}
+    gm, numbers = _numbers_as_values(gm)
+    given = [i for i, a in enumerate(example_inputs) if i not in sizes]  # what jit is passed
+    at = {j: k for k, j in enumerate(given)}
     dims: dict[str, tuple[int, ...]] = {}
-    for k, j in enumerate(tensors_at):
-        v = vals[j]
+    for k, j in enumerate(given):
         symbolic = tuple(
-            d for d, s in enumerate(getattr(v, "shape", ())) if isinstance(s, torch.SymInt)
+            d for d, s in enumerate(getattr(vals[j], "shape", ())) if isinstance(s, torch.SymInt)
         )
-        if symbolic:
-            dims[f"tensors[{k}]"] = symbolic
+        if symbolic and j not in numbers:
+            dims[f"values[{k}]"] = symbolic
 
-    def graph(*tensors: torch.Tensor) -> Any:
+    def graph(*values: Any) -> Any:
         args: list[Any] = [None] * len(example_inputs)
-        for j, k in slot.items():
-            args[j] = tensors[k]
+        for j, k in at.items():
+            args[j] = values[k]
         for i, (j, d) in sizes.items():
-            args[i] = tensors[slot[j]].shape[d]
+            args[i] = values[at[j]].shape[d]
         return gm(*args)
 
     compiled = jit(graph, partition=partition, backend=backend, dynamic=dims, **options)
 
     def run(*args: Any) -> Any:
-        return compiled(*[args[j] for j in tensors_at])
+        return compiled(*[args[j].item() if j in numbers else args[j] for j in given])
 
     run.__functrans_jit__ = compiled  # type: ignore[attr-defined]  # for cache_info()
     return run
+
+
+def _numbers_as_values(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, set[int]]:
+    """``gm`` taking Python numbers for its 0-d tensor inputs that it only reads with
+    ``.item()``, and their input positions."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    numbers = {
+        i
+        for i, n in enumerate(placeholders)
+        if isinstance(v := n.meta.get("example_value"), torch.Tensor)
+        and v.dim() == 0
+        and n.users
+        and all(u.op == "call_method" and u.target == "item" for u in n.users)
+    }
+    if not numbers:
+        return gm, numbers
+    graph = copy.deepcopy(gm.graph)
+    for i, n in enumerate(n for n in graph.nodes if n.op == "placeholder"):
+        if i in numbers:
+            for item in list(n.users):
+                item.replace_all_uses_with(n)
+                graph.erase_node(item)
+    return torch.fx.GraphModule(gm, graph), numbers

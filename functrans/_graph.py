@@ -265,7 +265,9 @@ def _check_symbolic(
                     f"input {where} was traced as {val.dtype} with {val.dim()} dimensions but "
                     f"got {_short(t)}"
                 )
-            if val.is_contiguous() and not t.is_contiguous():
+            if t.numel() == 0:  # strides of an empty tensor vary: give it the usual ones
+                t = t.new_empty(t.shape)
+            elif val.is_contiguous() and not t.is_contiguous():
                 t = t.contiguous()
         out.append(t)
     guard = ShapeGuard.of(vals, env)

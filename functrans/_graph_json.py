@@ -13,7 +13,10 @@ raises :class:`NotStorable`.
 :func:`load` rebuilds the graph: targets are looked up in ``torch.ops`` (or the allow-list),
 types among imported modules, and every ``meta["val"]`` is derived again by running the graph
 on fake tensors made from the stored input metadata; a value whose shape, strides, dtype or
-device differs from the stored one makes the entry invalid (:class:`CorruptEntry`).
+device differs from the stored one makes the entry invalid (:class:`CorruptEntry`). A symbolic
+graph (``dynamic=``) stores its sizes as the text of their expressions (``s0``, ``2*s0``) and
+its size-valued nodes (``sym_size``, ``operator.mul``) alike; it is loaded on symbolic fake
+inputs its caller makes (:mod:`functrans._disk_shapes`) and compared by that text.
 
 >>> import torch, functrans as ft
 >>> g = ft.trace(lambda x: x.sin() * 2)(torch.ones(3))
@@ -32,6 +35,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from ._capture import Path, reach
 from ._graph import PATH, PHASE, RECOMPUTED, ROLE, SOURCE, Graph, JointGraph, Phase, Role
@@ -39,13 +43,26 @@ from ._state import autocast_off
 from ._tags import REMAT, REMAT_OP, Policy, RematOp
 from ._tree_json import CorruptEntry, NotStorable, decode, encode, flat_doc, flat_of, torch_value
 
-__all__ = ["CorruptEntry", "NotStorable", "check_round_trip", "dump", "load"]
+__all__ = ["CorruptEntry", "NotStorable", "check_round_trip", "dump", "load", "size_text"]
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _MAX_CONSTANT = 4096  # elements of a fresh tensor constant stored by value
 
 
-_FUNCTIONS: dict[str, Callable[..., Any]] = {"operator.getitem": operator.getitem}
+_FUNCTIONS: dict[str, Callable[..., Any]] = {
+    "operator.getitem": operator.getitem,
+    # size arithmetic of symbolic traces (sizes handed from forward to backward)
+    **{
+        f"operator.{name}": getattr(operator, name)
+        for name in (
+            "add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "neg", "pos",
+            "eq", "ne", "lt", "le", "gt", "ge", "and_", "or_", "not_",
+        )
+    },
+    **{f"torch.{name}": getattr(torch, name) for name in (
+        "sym_max", "sym_min", "sym_float", "sym_int", "sym_not", "sym_sqrt", "sym_ite"
+    )},
+}  # fmt: skip
 _FUNCTION_NAMES = {id(f): name for name, f in _FUNCTIONS.items()}
 
 
@@ -73,18 +90,28 @@ def _untarget(doc: Any) -> Any:
     return op
 
 
+def size_text(s: Any) -> Any:
+    """A size, stride or offset: an int, or a symbolic one as its expression's text."""
+    if type(s) is int:
+        return s
+    if isinstance(s, torch.SymInt) and not free_unbacked_symbols(s):
+        expr = s.node.expr
+        # a symbol the trace specialised (a guard made it 16): the trace's values hold 16
+        return int(expr) if expr.is_number else str(expr)
+    raise NotStorable(f"a size {s!r} that depends on tensor values")
+
+
 def _val(v: Any) -> Any:
-    """A node value's metadata (tensors, or tuples and lists of them)."""
+    """A node value's metadata (tensors, or tuples and lists of them; symbolic sizes and
+    size-valued nodes by their expressions' text)."""
     if isinstance(v, torch.Tensor):
-        if not all(type(s) is int for s in (*v.shape, *v.stride(), v.storage_offset())):
-            raise NotStorable("a value with a symbolic shape")
         return {
             "tensor": [
-                list(v.shape),
-                list(v.stride()),
+                [size_text(s) for s in v.shape],
+                [size_text(s) for s in v.stride()],
                 str(v.dtype).removeprefix("torch."),
                 str(v.device),
-                v.storage_offset(),
+                size_text(v.storage_offset()),
                 bool(v.requires_grad),
             ]
         }
@@ -92,7 +119,23 @@ def _val(v: Any) -> Any:
         return {type(v).__name__: [_val(x) for x in v]}
     if v is None:
         return None
+    if isinstance(v, _SYM_KINDS) and not free_unbacked_symbols(v):
+        return {"sym": [type(v).__name__, str(v.node.expr)]}
     raise NotStorable(f"a node value of type {type(v).__qualname__}")
+
+
+_SYM_KINDS = (torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
+def _symbolic(doc: Any) -> bool:
+    """Whether stored metadata (of :func:`_val`) holds a symbolic size."""
+    if not isinstance(doc, dict):
+        return False
+    if "tensor" in doc:
+        shape, stride, _, _, offset, _ = doc["tensor"]
+        return any(type(s) is not int for s in (*shape, *stride, offset))
+    parts = doc.get("tuple", doc.get("list"))
+    return "sym" in doc or (parts is not None and any(map(_symbolic, parts)))
 
 
 # -- graphs ------------------------------------------------------------------------------------
@@ -134,9 +177,10 @@ def _unmeta(doc: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def dump(g: Graph, root: Any = None) -> dict[str, Any]:
+def dump(g: Graph, root: Any = None, *, symbolic: bool = False) -> dict[str, Any]:
     """``g`` as JSON-ready data (see the module docstring); raises :class:`NotStorable`.
-    ``root``: the function whose captured tensors a graph may hold (found by path)."""
+    ``root``: the function whose captured tensors a graph may hold (found by path);
+    ``symbolic``: whether symbolic sizes may be stored (a trace with ``dynamic=``)."""
     nodes = []
     gm = g.graph_module
     for n in g.fx_graph.nodes:
@@ -156,6 +200,8 @@ def dump(g: Graph, root: Any = None) -> dict[str, Any]:
             raise NotStorable(f"a {n.op} node")
         if n.op != "output":
             doc["val"] = _val(n.meta.get("val"))
+            if not symbolic and _symbolic(doc["val"]):
+                raise NotStorable("a value with a symbolic shape")
         doc["meta"] = _meta(n)
         nodes.append(doc)
     out: dict[str, Any] = {
@@ -214,12 +260,17 @@ def _unconstant(doc: Any, root: Any) -> torch.Tensor:
     return tensor
 
 
-def load(doc: dict[str, Any], root_fn: Any) -> Graph:
+def load(doc: dict[str, Any], root_fn: Any, inputs: list[torch.Tensor] | None = None) -> Graph:
     """The graph :func:`dump` described, ``meta["val"]`` derived again on fake tensors;
     raises :class:`CorruptEntry` where it cannot be rebuilt as stored. ``root_fn``: the
-    function captured tensors are read from."""
+    function captured tensors are read from. ``inputs``: for a symbolic graph, the fake
+    tensors of its first inputs (:func:`~functrans._dynamic.symbolic_fakes`); its other
+    inputs (tangents) are made from sizes its values computed before they are read."""
     graph, root, vals = _rebuild(doc, root_fn)
-    _propagate(graph, root, vals)
+    if inputs is None:
+        _propagate(graph, root, vals)
+    else:
+        _propagate_symbolic(graph, root, vals, inputs)
     return _wrap(doc, fx.GraphModule(root, graph))
 
 
@@ -304,11 +355,15 @@ def _rebuild(
     return graph, root, vals
 
 
-def _fake_input(mode: FakeTensorMode, doc: Any) -> torch.Tensor:
+def _fake_input(mode: FakeTensorMode, doc: Any, syms: dict[str, Any] | None = None) -> torch.Tensor:
     if type(doc) is not dict or "tensor" not in doc:
         raise CorruptEntry(f"a placeholder value {doc!r}")
     shape, stride, dtype, device, offset, requires_grad = doc["tensor"]
     kind = torch_value(dtype, torch.dtype)
+    if syms is not None and _symbolic(doc):
+        shape, stride = [_unsize(s, syms) for s in shape], [_unsize(s, syms) for s in stride]
+        if offset != 0:
+            raise CorruptEntry(f"a symbolic value at offset {offset!r}")
     with mode:
         if offset == 0:
             t = torch.empty_strided(shape, stride, dtype=kind, device=device)
@@ -318,13 +373,24 @@ def _fake_input(mode: FakeTensorMode, doc: Any) -> torch.Tensor:
     return t.requires_grad_(True) if requires_grad else t
 
 
-def _fake_value(mode: FakeTensorMode, doc: Any) -> Any:
+def _unsize(s: Any, syms: dict[str, Any]) -> Any:
+    """A stored size: an int, or the symbolic size of that text a value computed before."""
+    if type(s) is int:
+        return s
+    if isinstance(s, str) and s in syms:
+        return syms[s]
+    raise CorruptEntry(f"a size {s!r} no value computes")
+
+
+def _fake_value(mode: FakeTensorMode, doc: Any, syms: dict[str, Any] | None = None) -> Any:
     """A fake value made from stored metadata (tensors, tuples and lists of them)."""
     if isinstance(doc, dict) and ("tuple" in doc or "list" in doc):
         parts: list[Any] = doc["tuple"] if "tuple" in doc else doc["list"]
-        items = [_fake_value(mode, d) for d in parts]
+        items = [_fake_value(mode, d, syms) for d in parts]
         return tuple(items) if "tuple" in doc else items
-    return None if doc is None else _fake_input(mode, doc)
+    if isinstance(doc, dict) and "sym" in doc:
+        return _unsize(doc["sym"][1], syms or {})
+    return None if doc is None else _fake_input(mode, doc, syms)
 
 
 def _propagate(graph: fx.Graph, root: torch.nn.Module, vals: list[tuple[fx.Node, Any]]) -> None:
@@ -350,3 +416,83 @@ def _propagate(graph: fx.Graph, root: torch.nn.Module, vals: list[tuple[fx.Node,
                 raise CorruptEntry(f"node {n.name} now gives {got}, stored as {stored}")
             n.meta["val"] = value
             env[n] = value
+
+
+def _propagate_symbolic(
+    graph: fx.Graph, root: torch.nn.Module, vals: list[tuple[fx.Node, Any]], inputs: list[Any]
+) -> None:
+    """:func:`_propagate` for a symbolic graph: its first placeholders take ``inputs``, the
+    others are made when first read, from the symbolic sizes the values before computed
+    (what a joint graph's tangents have: its outputs' sizes). Values are compared with the
+    stored ones by the text of their sizes' expressions."""
+    mode = getattr(inputs[0], "fake_mode", None) if inputs else None
+    if mode is None or getattr(mode, "shape_env", None) is None:
+        raise CorruptEntry("symbolic inputs without a shape environment")
+    stored = dict(vals)
+    env: dict[fx.Node, Any] = {}
+    pool: list[torch.SymInt] = []  # every symbolic size computed so far
+    given = iter(inputs)
+    pending: set[fx.Node] = set()
+
+    def syms() -> dict[str, Any]:  # by their text now (later guards may rename a symbol)
+        return {str(s.node.expr): s for s in pool}
+
+    def done(n: fx.Node, value: Any) -> None:
+        n.meta["val"] = value
+        env[n] = value
+        pool.extend(_sizes_of(value))
+
+    def read(n: fx.Node) -> Any:
+        if n in pending:  # a tangent: made from sizes computed by now
+            pending.discard(n)
+            done(n, _fake_input(mode, stored[n], syms()))
+        return env[n]
+
+    with autocast_off(), torch.no_grad():
+        for n, doc in vals:
+            if n.op == "placeholder":
+                t = next(given, None)
+                if t is None:
+                    pending.add(n)
+                    continue
+                if type(doc) is not dict or "tensor" not in doc:
+                    raise CorruptEntry(f"a placeholder value {doc!r}")
+                value = t.requires_grad_(bool(doc["tensor"][5]))
+            elif n.op == "get_attr":
+                value = _static_fake(mode, getattr(root, str(n.target)).detach())
+            else:
+                args, kwargs = fx.node.map_arg((n.args, n.kwargs), read)
+                try:
+                    with mode:
+                        value = n.target(*args, **kwargs)  # type: ignore[operator]
+                except Exception:  # an op fake tensors cannot run (as traced: bernoulli.p)
+                    value = _fake_value(mode, doc, syms())
+            done(n, value)
+        if next(given, None) is not None:
+            raise CorruptEntry("more symbolic inputs than placeholders")
+        for n in [n for n, _ in vals if n in pending]:
+            read(n)
+    # compared at the end, as stored: a guard met later (x @ w: w.shape[0] == x.shape[1])
+    # renames symbols in the values before it
+    for n, doc in vals:
+        got = _val(env[n])
+        if json.dumps(got) != json.dumps(doc):
+            raise CorruptEntry(f"node {n.name} now gives {got}, stored as {doc}")
+
+
+def _sizes_of(value: Any) -> list[torch.SymInt]:
+    if isinstance(value, torch.Tensor):
+        found = [*value.shape, *value.stride(), value.storage_offset()]
+    elif isinstance(value, (tuple, list)):
+        return [s for v in value for s in _sizes_of(v)]
+    else:
+        found = [value]
+    return [s for s in found if isinstance(s, torch.SymInt)]
+
+
+def _static_fake(mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
+    """A fake of a constant in a symbolic mode: static sizes (as tracing gave it)."""
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext
+
+    ctx: Any = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.STATIC] * t.dim())  # type: ignore[arg-type]
+    return mode.from_tensor(t, symbolic_context=ctx)

@@ -34,7 +34,7 @@ from . import _disk_cache as disk_cache
 from ._capture import Path, Reader, captured_constants, reach, swapped
 from ._decomp import Decompositions
 from ._disk_cache import DiskKey
-from ._dynamic import Dims, JitDynamic, ShapeGuard, resolve, shape_env_of
+from ._dynamic import Dims, DynamicSpecError, JitDynamic, ShapeGuard, resolve, shape_env_of
 from ._errors import TraceError, UnsupportedOpError
 from ._func import GRAD_SPEC, PER_EXAMPLE, GradSpec, PerExample, VmapOfGrad, plan_per_example
 from ._jit_cache import Cache, Signature, Slot, changed_dims, leaves_order, rank_key
@@ -550,11 +550,17 @@ class Jitted(Generic[_P, _R]):
         )
         spec = getattr(self._f, GRAD_SPEC, None)
         batched = getattr(self._f, PER_EXAMPLE, None)
-        if not training and spec is not None and spec.run is self._f:
-            setattr(flat_f, _PLANNED, self._planned_grad(spec, flat, example, paths))
-        elif not training and batched is not None and batched.run is self._f:
-            setattr(flat_f, _PLANNED, self._planned_per_example(batched, flat, example, paths))
         dims = self._dims(flat, tensors, key, paths, diff + other)
+        if not training and spec is not None and spec.run is self._f and _chosen(spec, dims):
+            setattr(flat_f, _PLANNED, self._planned_grad(spec, flat, example, paths))
+        elif (
+            not training
+            and batched is not None
+            and batched.run is self._f
+            and _chosen(batched.spec, dims)
+        ):
+            plan = self._planned_per_example(batched, flat, example, paths)
+            setattr(flat_f, _PLANNED, plan)
         disk = functools.partial(
             DiskKey,
             fn=self._f,
@@ -563,7 +569,6 @@ class Jitted(Generic[_P, _R]):
             flat=flat,
             tensors=tuple(tensors[i] for i in diff + other),
             names=tuple(paths),
-            dims=dims,
             planned=getattr(flat_f, _PLANNED, None) is not None,
             store=self._disk_misses < DISK_STORES,
         )
@@ -585,9 +590,17 @@ class Jitted(Generic[_P, _R]):
         ordered = [tensors[i] for i in order]
         if dynamic != "auto":
             return resolve(dynamic, paths, ordered)
-        last = self._cache.last_like(rank_key(key))
+        rank = rank_key(key)
+        last = self._cache.last_like(rank)
         if last is None:
-            return None
+            # a new group of 0/1 sizes (a batch of one): symbolic at once in the dimensions
+            # already seen to vary, if a related entry is symbolic (torch keeps the 1 fixed)
+            related = self._cache.dynamic_relative(rank)
+            if related is None or related.shape is None:
+                return None
+            return tuple(
+                dict.fromkeys(sorted(related.shape.symbolic[k])) for k in range(len(order))
+            )
         changed = changed_dims(last.signature, tensors)
         before = last.shape.symbolic if last.shape is not None else [set()] * len(order)
         # last.shape.symbolic is in that entry's order, which is ours (same structure)
@@ -619,7 +632,7 @@ class Jitted(Generic[_P, _R]):
         if why is None:
             try:
                 return self._build(flat_f, example, training, disk, dims)
-            except _Retry:
+            except (_Retry, DynamicSpecError):  # the inputs break the user's own dynamic=
                 raise
             except Exception as e:  # the static trace reports real errors
                 why = f"the symbolic trace failed ({type(e).__name__}: {e})"
@@ -773,10 +786,17 @@ class Jitted(Generic[_P, _R]):
         return target
 
     def _traced(
-        self, disk: Callable[..., DiskKey], kind: str, decompositions: Any, make: Callable[[], _G]
+        self,
+        disk: Callable[..., DiskKey],
+        kind: str,
+        decompositions: Any,
+        make: Callable[[], _G],
+        dims: Dims | None,
     ) -> _G:
-        """``make()`` (a trace), through the on-disk cache (:mod:`functrans._disk_cache`)."""
-        g, hit = disk_cache.traced(disk(kind=kind, decompositions=decompositions), make)
+        """``make()`` (a trace symbolic in ``dims``), through the on-disk cache
+        (:mod:`functrans._disk_cache`)."""
+        key = disk(kind=kind, decompositions=decompositions, dims=dims)
+        g, hit = disk_cache.traced(key, make)
         self._times.disk_hits += hit
         self._disk_misses += not hit
         return g
@@ -807,6 +827,7 @@ class Jitted(Generic[_P, _R]):
                 lambda: trace(
                     traced, decompositions=decompositions, cse=stitched is None, dynamic=dims
                 )(*example),
+                dims,
             )
             t1 = time.perf_counter()
             fwd = backend.compile(g, inputs)
@@ -831,6 +852,7 @@ class Jitted(Generic[_P, _R]):
             "joint",
             decompositions,
             lambda: joint(flat_f, argnums=0, decompositions=decompositions, dynamic=dims)(*example),
+            dims,
         )
         if not any(jg.differentiable):  # e.g. a body under torch.no_grad(): nothing to save
             self._times.trace_s += time.perf_counter() - t0
@@ -870,6 +892,14 @@ class Jitted(Generic[_P, _R]):
             saved_tensors=_saved_tensors(p),
         )
         return entry, jg.graph_module
+
+
+def _chosen(spec: GradSpec, dims: Dims | None) -> bool:
+    """Whether ``jit(grad(f))`` traces the gradient from a plan (``f``'s joint graph cut by
+    the ``partition=`` grad was given), not inline: always with static shapes; with symbolic
+    ones only for a strategy the user chose (plans are traced at static shapes), since the
+    inline gradient saves what ``"default"`` would."""
+    return dims is None or spec.partition != "default" or bool(spec.options)
 
 
 def _shape_guard(placeholders: Sequence[torch.fx.Node]) -> ShapeGuard | None:

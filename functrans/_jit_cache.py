@@ -200,6 +200,12 @@ class Cache(Generic[_E]):
                 return slot
         return None
 
+    def dynamic_relative(self, rank: Any) -> Slot[_E] | None:
+        """The most recently used dynamic entry for inputs like ``rank``'s except in which
+        sizes are 0 or 1 (a batch of one, after larger batches went symbolic)."""
+        found = [s for r, slots in self.dynamic.items() if _relatives(r, rank) for s in slots]
+        return max(found, key=lambda s: s.used) if found else None
+
     def last_like(self, rank: Any) -> Slot[_E] | None:
         """The most recently used entry whose inputs differ from ``rank``'s only in sizes."""
         found = [s for s in self.by_key.values() if s.rank == rank]
@@ -267,6 +273,18 @@ def rank_key(exact: Any) -> Any:
     (spec, statics, meta, wrappers), state = exact
     ranks = tuple((m[0], tuple(min(s, 2) for s in m[1]), *m[3:]) for m in meta)
     return (spec, statics, ranks, wrappers), state
+
+
+def _relatives(a: Any, b: Any) -> bool:
+    """Whether two :func:`rank_key` values differ at most in which sizes are 0 or 1."""
+    (spec_a, statics_a, ranks_a, wrappers_a), state_a = a
+    (spec_b, statics_b, ranks_b, wrappers_b), state_b = b
+    if (spec_a, statics_a, wrappers_a, state_a) != (spec_b, statics_b, wrappers_b, state_b):
+        return False
+    return len(ranks_a) == len(ranks_b) and all(
+        x[0] == y[0] and len(x[1]) == len(y[1]) and x[2:] == y[2:]
+        for x, y in zip(ranks_a, ranks_b, strict=True)
+    )
 
 
 def changed_dims(old: Signature, tensors: Sequence[torch.Tensor]) -> list[set[int]]:

@@ -5,6 +5,7 @@ bounded and self-repairing."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -245,7 +246,9 @@ def _write_program(folder: Path, **fills: str) -> None:
         os.utime(p, (past, past))
 
 
-def _run(folder: Path, cache: Path, changes: str = "") -> dict:
+def _run(
+    folder: Path, cache: Path, changes: str = "", script: str = "prog.py", **extra: str
+) -> dict:
     env = {
         **os.environ,
         "FUNCTRANS_CACHE_DIR": str(cache),
@@ -253,9 +256,10 @@ def _run(folder: Path, cache: Path, changes: str = "") -> dict:
         "FUNCTRANS_NATIVE": "0",
         "CHANGES": changes,
         "PYTHONPATH": str(folder),
+        **extra,
     }
     done = subprocess.run(
-        [sys.executable, str(folder / "prog.py")],
+        [sys.executable, str(folder / script)],
         env=env,
         capture_output=True,
         text=True,
@@ -382,8 +386,190 @@ def test_the_size_bound_evicts_the_least_recently_used(cache, monkeypatch):
     assert sum(p.stat().st_size for p in left) <= 2.5 * size
 
 
-def test_symbolic_traces_are_not_stored(cache):
+def test_symbolic_traces_are_stored_and_hit_at_other_sizes(cache):
     f = ft.jit(_square_sum, dynamic=True)
     assert f(torch.ones(3)).item() == 3.0
     assert f(torch.ones(5)).item() == 5.0
-    assert all("s0" not in p.read_text() for p in _entries(cache))
+    (entry,) = _entries(cache)
+    doc = json.loads(entry.read_text())
+    assert doc["graph"]["nodes"][0]["val"]["tensor"][0] == ["s0"]
+    g = ft.jit(_square_sum, dynamic=True)  # as in a new process
+    assert g(torch.ones(7)).item() == 7.0
+    assert g.cache_info().disk_hits == 1
+    # the loaded entry checks what the trace assumed, no more and no less
+    (want,) = [s.shape for s in f._cache.by_key.values()]
+    (got,) = [s.shape for s in g._cache.by_key.values()]
+    assert got.parts == want.parts and (got.sizes, got.strides) == (want.sizes, want.strides)
+    h = ft.jit(_square_sum, dynamic=True)
+    assert h(torch.ones(1)).item() == 1.0  # size 1 is never symbolic: another key
+    assert h.cache_info().disk_hits == 0
+
+
+def _mlp(x, w1, w2):
+    return (torch.tanh(x @ w1) @ w2).softmax(-1).pow(2).sum()
+
+
+def _mlp_inputs(batch):
+    g = torch.Generator().manual_seed(0)
+    w1 = torch.randn(8, 16, generator=g, requires_grad=True)
+    w2 = torch.randn(16, 8, generator=g, requires_grad=True)
+    return torch.randn(batch, 8, generator=g), w1, w2
+
+
+def test_a_different_dynamic_mapping_misses(cache):
+    ft.jit(_mlp, dynamic={"x": {0: "batch"}})(*_mlp_inputs(6)).backward()
+    assert len(_entries(cache)) == 1
+    for dynamic in ({"x": {0: "rows"}}, {"x": (0,)}, {"x": {0: "b"}, "w1": {1: "h"}}, True):
+        f = ft.jit(_mlp, dynamic=dynamic)
+        f(*_mlp_inputs(6)).backward()
+        assert f.cache_info().disk_hits == 0, dynamic
+    f = ft.jit(_mlp, dynamic={"x": {0: "batch"}})
+    x, w1, w2 = _mlp_inputs(11)
+    f(x, w1, w2).backward()
+    assert f.cache_info().disk_hits == 1
+    want = torch.autograd.grad(_mlp(x, w1, w2), [w1, w2])
+    torch.testing.assert_close([w1.grad, w2.grad], list(want))
+
+
+def test_a_loaded_symbolic_graph_plans_at_named_sizes(cache):
+    """``memory_budget(at=...)`` reads the named dimensions: a loaded graph has them."""
+    options = {"max_bytes": 2000, "at": {"batch": 4096}}
+    kw = {"dynamic": {"x": {0: "batch"}}, "partition": "memory_budget"}
+    f = ft.jit(_mlp, **kw, **options)
+    f(*_mlp_inputs(6)).backward()
+    g = ft.jit(_mlp, **kw, **options)
+    g(*_mlp_inputs(6)).backward()
+    assert g.cache_info().disk_hits == 1
+    (want,), (got,) = f.partitions(), g.partitions()
+    assert sorted(s.name for s in got.saved) == sorted(s.name for s in want.saved)
+    assert not [s for s in got.saved if s.bytes_expr is not None and not s.is_input]
+
+
+def _branchy(x):
+    return (x * 2).sum() if x.shape[0] > 8 else (x * 3).sum()
+
+
+@pytest.mark.parametrize(
+    "guards",
+    [
+        ["__import__('os').system('touch pwned')"],  # not size arithmetic: never compiled
+        ["L['t7'].size()[0] == 4"],  # an input the graph does not have
+        ["L['t0'].size()[0] == 999"],  # a condition these sizes fail: a miss, not a stale hit
+        "not a list",
+    ],
+)
+def test_a_corrupt_stored_guard_is_ignored(cache, guards, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    ft.jit(_branchy, dynamic=True)(torch.ones(4))
+    (entry,) = _entries(cache)
+    doc = json.loads(entry.read_text())
+    assert any("<= 8" in g for g in doc["shape"]["guards"])  # the user's `if`, stored
+    doc["shape"]["guards"] = guards
+    entry.write_text(json.dumps(doc))
+    f = ft.jit(_branchy, dynamic=True)
+    assert f(torch.ones(5)).item() == 15.0
+    assert f.cache_info().disk_hits == 0
+    assert not (tmp_path / "pwned").exists()
+    g = ft.jit(_branchy, dynamic=True)  # the rewritten entry
+    assert g(torch.ones(6)).item() == 18.0 and g.cache_info().disk_hits == 1
+
+
+# Training steps with dynamic shapes in fresh processes: prints per case the disk hits, the
+# in-memory misses, whether outputs and gradients equal eager's, and the outputs.
+DYNAMIC_PROGRAM = """
+import json, os
+import torch
+import functrans as ft
+import m_dyn
+
+sizes = [int(s) for s in os.environ["SIZES"].split(",")]
+cases = {
+    "true": (m_dyn.step, {"dynamic": True}),
+    "auto": (m_dyn.step, {}),
+    "branch": (m_dyn.branch, {"dynamic": True}),
+    "branch_auto": (m_dyn.branch, {}),
+}
+out = {}
+for name, (fn, options) in cases.items():
+    jitted = ft.jit(fn, **options)
+    same, values = True, []
+    for b in sizes:
+        params = m_dyn.params()
+        x = torch.randn(b, 8, generator=torch.Generator().manual_seed(b))
+        y = jitted(params, x)
+        grads = torch.autograd.grad(y, list(params.values()))
+        want = fn(params, x)
+        wgrads = torch.autograd.grad(want, list(params.values()))
+        same = same and bool(torch.allclose(y, want))
+        same = same and all(bool(torch.allclose(a, b)) for a, b in zip(grads, wgrads))
+        values.append(round(y.item(), 4))
+    info = jitted.cache_info()
+    out[name] = [info.disk_hits, info.misses, same, values]
+print("RESULT " + json.dumps(out))
+"""
+
+DYNAMIC_MODULE = """
+import torch
+
+def params():
+    g = torch.Generator().manual_seed(0)
+    w1 = torch.randn(8, 16, generator=g).requires_grad_()
+    w2 = torch.randn(16, 8, generator=g).requires_grad_()
+    return {"w1": w1, "w2": w2}
+
+def step(params, x):
+    h = torch.tanh(x @ params["w1"])
+    h = h.view(x.shape[0] * 2, 8).softmax(-1).reshape(x.shape[0], -1)  # size arithmetic
+    return ((h @ params["w2"]) ** 2).mean()
+
+def branch(params, x):
+    h = x @ params["w1"]
+    if x.shape[0] > 8:
+        h = h.relu() * 2
+    else:
+        h = h.sin()
+    return (h @ params["w2"]).sum()
+"""
+
+
+def test_symbolic_traces_hit_in_a_fresh_process_at_other_sizes(tmp_path):
+    cache, folder = tmp_path / "cache", tmp_path / "program"
+    folder.mkdir()
+    (folder / "dyn.py").write_text(DYNAMIC_PROGRAM)
+    (folder / "m_dyn.py").write_text(DYNAMIC_MODULE)
+    past = time.time() - 60
+    for p in folder.iterdir():
+        os.utime(p, (past, past))
+    run = functools.partial(_run, folder, cache, script="dyn.py")
+    first = run(SIZES="4,6")
+    assert all(hits == 0 and same for hits, _, same, _ in first.values()), first
+    # true: one symbolic entry; auto: static at 4, symbolic from 6; both stored
+    again = run(SIZES="5,7")  # other batch sizes
+    assert again["true"][:3] == [1, 1, True], again  # one load, then an in-memory hit
+    assert again["auto"][:3] == [1, 2, True], again  # 5: static (a miss), 7: the symbolic one
+    assert again["branch"][:3] == [1, 1, True], again  # 5 and 7 <= 8: the branch it stored
+    # the stored branch entries were traced under x.shape[0] <= 8: 12 and 16 fail it and are
+    # traced again (the other branch), never run through the stale graph
+    other = run(SIZES="4,12,16")
+    assert other["true"][:3] == [1, 1, True], other
+    assert other["branch"][:3] == [1, 2, True], other  # 4: loaded; 12: traced, 16: its hit
+    assert other["branch_auto"][:3] == [1, 2, True], other  # 4: static hit; 12: traced
+    both = run(SIZES="6,12")  # each branch now has its entry
+    assert both["branch"][:3] == [2, 2, True], both
+    assert both["branch_auto"][:3] == [1, 2, True], both
+
+
+def test_a_function_stores_its_first_traces_only(cache):
+    """Recording what a trace ran doubles its time on CPython 3.11: a jitted function stores
+    the traces of its first DISK_STORES misses (what every restart pays again), later misses
+    only look up."""
+    from functrans._jit import DISK_STORES
+
+    f = ft.jit(_square_sum, dynamic=False)  # an entry per shape: a miss per shape
+    for n in range(1, DISK_STORES + 3):
+        f(torch.ones(n + 1))
+    assert len(_entries(cache)) == DISK_STORES
+    g = ft.jit(_square_sum, dynamic=False)
+    for n in range(1, DISK_STORES + 3):
+        assert g(torch.ones(n + 1)).item() == n + 1
+    assert g.cache_info().disk_hits == DISK_STORES

@@ -407,3 +407,44 @@ def test_dynamo_backend_compiles_a_dynamic_graph_once(monkeypatch: pytest.Monkey
     assert len(made) == 1
     info = made[0].__functrans_jit__.cache_info()
     assert (info.misses, info.hits) == (1, 2)
+
+
+def test_auto_a_batch_of_one_after_symbolic_shapes_adds_one_entry() -> None:
+    """Under "auto", once larger batches went symbolic, the first batch of one compiles an
+    entry symbolic in the other dimensions that vary (the 1 stays fixed, as torch keeps it):
+    later batches of one with other lengths reuse it."""
+    w = torch.randn(8, 8, requires_grad=True)
+    jf = ft.jit(block)  # dynamic="auto", the default
+    _eager_and_jit(block, jf, [(3, 5, 8), (4, 6, 8), (1, 7, 8), (1, 9, 8), (1, 4, 8)], w)
+    assert jf.cache_info().misses == 3
+
+
+def test_dynamo_backend_dynamic_graph_with_module_floats() -> None:
+    """Under dynamic=True dynamo hands a module's float attributes (LayerNorm's eps, a
+    dropout's p) over as 0-d tensors read with .item(): they are static numbers of our trace.
+    (Found by a user-style review: it raised a data-dependent TraceError.)"""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.Dropout(0.2))
+    torch._dynamo.reset()
+    compiled = torch.compile(m, backend=ft.dynamo_backend(), dynamic=True)
+    for n in (4, 6, 9):
+        x = torch.randn(n, 8)
+        torch.manual_seed(n)
+        out = compiled(x)
+        torch.manual_seed(n)
+        torch.testing.assert_close(out, m(x))
+
+
+def test_regression_empty_values_cross_the_cut_with_any_strides() -> None:
+    """Shrunk by the dynamic-batch property: a batched ``mm`` of 0-sized matrices hands
+    backward empty tensors whose strides differ from the trace's ((0, 1, 0) vs (1, 1, 1));
+    an empty tensor's strides mean nothing, so the graph takes it."""
+    from functrans.testing._program import InputSpec, Program, Step
+
+    prog = Program(
+        inputs=(InputSpec((), torch.float32), InputSpec((0, 1), torch.float32)),
+        steps=(Step("mm", (1, 1), (1,), (0, 0)),),
+        outputs=(2,),
+        batch=2,
+    )
+    check_dynamic_partition(prog, "default")
