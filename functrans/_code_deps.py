@@ -158,8 +158,22 @@ def dependencies(recorder: Recorder, walked: set[types.CodeType], since: float) 
             raise Unhashable(
                 f"{code.co_qualname} ({filename}) reads closure cells of unknown origin"
             )
+        by_name = _BY_NAME.intersection(code.co_names)
+        if by_name:  # values looked up by a string at run time: not in the key
+            raise Unhashable(
+                f"{code.co_qualname} ({filename}) looks values up at run time "
+                f"({', '.join(sorted(by_name))})"
+            )
         _globals(code, glb, deps)
     return deps
+
+
+#: Names whose use in user code that ran means it reads values the key cannot see: globals or
+#: modules by a string (``globals()["V"]``, ``importlib.import_module(name).X``), the command
+#: line and the environment (a value from them may differ in the next process).
+_BY_NAME = frozenset(
+    {"globals", "vars", "eval", "exec", "import_module", "__import__", "argv", "environ", "getenv"}
+)
 
 
 def source_lines(name: str) -> str | None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import itertools
+import re
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -44,7 +45,7 @@ from torch.fx.experimental.symbolic_shapes import (
     optimization_hint,
 )
 
-from ._errors import TraceError
+from ._errors import InvalidArgumentError, TraceError
 from ._guard_text import check_guard_text
 
 __all__ = [
@@ -53,6 +54,7 @@ __all__ = [
     "DynamicSpecError",
     "JitDynamic",
     "ShapeGuard",
+    "SizeConstants",
     "check_dynamic",
     "check_guard_text",
     "dimension_names",
@@ -275,20 +277,21 @@ def sizes_at(vals: Sequence[Any], sizes: Mapping[str, int] | None) -> Iterator[N
         yield
         return
     names = dimension_names(vals)
+    names.update({str(v): v for v in list(names.values())})  # the symbols themselves: s0
     if not names:
-        raise TraceError(
+        raise InvalidArgumentError(
             f"at={dict(sizes)!r}: this graph has static shapes; sizes to plan at apply to "
             "graphs traced with dynamic=..."
         )
     subs = {}
     for name, value in sizes.items():
         if name not in names:
-            raise TraceError(
+            raise InvalidArgumentError(
                 f"at={{{name!r}: ...}}: no symbolic dimension is named {name!r}; the graph's "
                 f"are {', '.join(sorted(names))}"
             )
         if type(value) is not int or value < 0:
-            raise TraceError(f"at={{{name!r}: {value!r}}}: a size must be an int >= 0")
+            raise InvalidArgumentError(f"at={{{name!r}: {value!r}}}: a size must be an int >= 0")
         subs[names[name]] = value
     token = _AT.set(subs)
     try:
@@ -328,10 +331,11 @@ class ShapeGuard:
         """The guards of a finished trace over its symbolic inputs ``fakes`` (for a graph
         loaded from the disk cache, the guards its trace recorded: :func:`restore_guards`)."""
         sizes = tuple(
-            tuple(_static(s) for s in f.shape) if isinstance(f, torch.Tensor) else () for f in fakes
+            tuple(_static(s, env) for s in f.shape) if isinstance(f, torch.Tensor) else ()
+            for f in fakes
         )
         strides = tuple(
-            tuple(_static(s) for s in f.stride()) if isinstance(f, torch.Tensor) else ()
+            tuple(_static(s, env) for s in f.stride()) if isinstance(f, torch.Tensor) else ()
             for f in fakes
         )
         restored = _restored(fakes, env)
@@ -415,8 +419,14 @@ class ShapeGuard:
         return self.check_expr(tensors)
 
 
-def _static(s: Any) -> int | None:
-    return None if isinstance(s, torch.SymInt) else int(s)
+def _static(s: Any, env: ShapeEnv) -> int | None:
+    """A size or stride as a static int, None where it is symbolic. A symbol the trace
+    specialised (``Eq(s0, 7)``: a split's last chunk of size one) is static: torch's guard text
+    leaves such sizes out as static, so they must be checked here."""
+    if not isinstance(s, torch.SymInt):
+        return int(s)
+    expr = env.replace(s.node.expr)
+    return int(expr) if expr.is_number else None
 
 
 def _checker(
@@ -467,3 +477,111 @@ def _restored(fakes: Sequence[Any], env: ShapeEnv) -> tuple[ShapeGuard, bool] | 
     if len(fakes) < len(refs) or any(r() is not f for r, f in zip(refs, fakes, strict=False)):
         return None
     return guard, len(env.guards) == count
+
+
+_SYM = (torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
+def _has_symbols(data: Any) -> bool:
+    if isinstance(data, _SYM):
+        return True
+    return isinstance(data, list | tuple) and any(_has_symbols(d) for d in data)
+
+
+class SizeConstants(torch.overrides.TorchFunctionMode):
+    """While a symbolic trace runs: ``torch.tensor(x.shape[0])`` (``as_tensor``, ``asarray``,
+    ``Tensor.new_tensor``) of symbolic sizes is traced as an op on the size (torch would bake
+    the example's value in as a constant: silently wrong at every other size). Scalars and flat
+    lists become ``scalar_tensor`` ops; deeper nesting is a :class:`TraceError`."""
+
+    _CONSTRUCTORS = frozenset({torch.tensor, torch.as_tensor, torch.asarray})
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        new_tensor = func is torch.Tensor.new_tensor
+        if (func in self._CONSTRUCTORS or new_tensor) and args:
+            data = args[1] if new_tensor else args[0]
+            if _has_symbols(data):
+                like = args[0] if new_tensor else None
+                return _size_tensor(data, kwargs, like)
+        return func(*args, **kwargs)
+
+
+def _size_tensor(data: Any, kwargs: dict[str, Any], like: torch.Tensor | None) -> torch.Tensor:
+    dtype = kwargs.get("dtype")
+    device = kwargs.get("device", like.device if like is not None else None)
+    items = list(data) if isinstance(data, list | tuple) else [data]
+    if any(isinstance(d, list | tuple) for d in items):
+        raise TraceError(
+            "torch.tensor of a nested list holding symbolic sizes: with dynamic shapes a size is "
+            "not a constant; build it with torch.stack of torch.scalar_tensor(size) instead"
+        )
+    if dtype is None:
+        if like is not None:
+            dtype = like.dtype
+        elif any(isinstance(d, float | torch.SymFloat) for d in items):
+            dtype = torch.get_default_dtype()
+        elif all(isinstance(d, bool | torch.SymBool) for d in items):
+            dtype = torch.bool
+        else:
+            dtype = torch.int64
+    scalars = [torch.scalar_tensor(d, dtype=dtype, device=device) for d in items]
+    out = torch.stack(scalars) if isinstance(data, list | tuple) else scalars[0]
+    return out.requires_grad_(bool(kwargs.get("requires_grad", False)))
+
+
+def refuse_size_outputs(f: Any, leaves: Sequence[Any]) -> None:
+    """A symbolic trace whose function returns a size (``x.shape``, ``x.numel() / 2``) is a
+    :class:`TraceError`: the graph would hand back the example's value. ``jit`` then compiles
+    an entry per shape (where sizes are constants)."""
+    found = next((x for x in leaves if _has_symbols(x) or _symbolic_size(x)), None)
+    if found is not None:
+        raise TraceError(
+            f"{getattr(f, '__qualname__', f)} returns {found!r}, a size computed from symbolic "
+            "dimensions: with dynamic shapes it is not a constant. Return it as a tensor "
+            "(torch.tensor(x.shape[0]) is traced) or compute it outside the traced function."
+        )
+
+
+def _symbolic_size(x: Any) -> bool:
+    return isinstance(x, torch.Size) and _has_symbols(tuple(x))
+
+
+_GUARD_INPUT = re.compile(r"L\['t(\d+)'\](\.size\(\)\[(\d+)\]|\.stride\(\)\[(\d+)\])?")
+
+
+def readable(expression: str, names: Sequence[str]) -> str:
+    """torch's guard text with the inputs by name: ``L['t0'].size()[1]`` -> ``x.shape[1]``.
+
+    >>> readable("2 <= L['t0'].size()[0] and L['t1'] == L['t0'].stride()[0]", ["x", "n"])
+    '2 <= x.shape[0] and n == x.stride(0)'
+    """
+
+    def name(m: re.Match[str]) -> str:
+        i = int(m[1])
+        base = names[i] if i < len(names) else f"input {i}"
+        if m[3] is not None:
+            return f"{base}.shape[{m[3]}]"
+        if m[4] is not None:
+            return f"{base}.stride({m[4]})"
+        return base
+
+    return _GUARD_INPUT.sub(name, expression)
+
+
+def legend(vals: Sequence[Any]) -> str | None:
+    """``s0 = batch (x.shape[0]), s1 = x.shape[1]``: what each size symbol of a trace over
+    inputs ``vals`` stands for (None where its sizes are static)."""
+    names = dimension_names(vals)
+    if not names:
+        return None
+    by_symbol: dict[str, list[str]] = {}
+    for name, sym in names.items():
+        by_symbol.setdefault(str(sym), []).append(name)
+    parts = []
+    for sym, labels in sorted(by_symbol.items(), key=lambda kv: kv[0]):
+        named = [x for x in labels if ".shape[" not in x]
+        paths = [x for x in labels if ".shape[" in x]
+        text = named[0] + (f" ({', '.join(paths)})" if paths else "") if named else ", ".join(paths)
+        parts.append(f"{sym} = {text}")
+    return ", ".join(parts)

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ._dynamic import ShapeGuard, shape_env_of
+from ._dynamic import ShapeGuard, readable, shape_env_of
 from ._errors import FunctransError
 from ._format import format_graph
 from ._pytree import Flat, check_matches, unflatten
@@ -272,14 +272,22 @@ def _check_symbolic(
         out.append(t)
     guard = ShapeGuard.of(vals, env)
     if not guard.matches(out):
+        names = [n.meta.get(PATH, n.name) for n in placeholders]
         shapes = ", ".join(
-            f"{n.meta.get(PATH, n.name)}: {list(t.shape)}"
-            for n, t in zip(placeholders, out, strict=True)
+            f"{name}: {list(t.shape)}"
+            for name, t in zip(names, out, strict=True)
             if isinstance(t, torch.Tensor)
         )
+        fixed = [
+            f"{name}.shape[{d}] == {size}"
+            for name, sizes in zip(names, guard.sizes, strict=True)
+            for d, size in enumerate(sizes)
+            if size is not None
+        ]
+        conditions = " and ".join([*fixed, readable(guard.expression, names)])
         raise FunctransError(
             f"these inputs ({shapes}) break the conditions the graph was traced under: "
-            f"{guard.expression}; trace again for them."
+            f"{conditions}; trace again for them."
         )
     return out
 

@@ -18,13 +18,15 @@ and inside other functrans traces the function runs as written, so the transform
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib
+import logging
 import threading
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, ParamSpec, TypeVar
 
@@ -52,7 +54,16 @@ from ._pytree import (
     wrap_static,
 )
 from ._stack import transform_frame
-from ._state import ModuleFlags, State, autocast_off, capture, grad_enabled, no_autocast
+from ._state import (
+    FunctionValues,
+    ModuleFlags,
+    State,
+    autocast_off,
+    capture,
+    grad_enabled,
+    module_state,
+    no_autocast,
+)
 from ._trace import _TRACING, arg_names, is_tracing, trace
 
 __all__ = ["CACHE_SIZE", "CacheInfo", "Jitted"]
@@ -327,6 +338,7 @@ class Jitted(Generic[_P, _R]):
         self._given_names = module_names
         self._warned: set[str] = set()
         self._disk_misses = 0  # traces the on-disk cache did not have
+        self._reads: tuple[FunctionValues, ...] = ()  # the plain globals f's code reads
         functools.update_wrapper(self, f)
 
     @property
@@ -423,13 +435,17 @@ class Jitted(Generic[_P, _R]):
             reader = Reader([p for p, _ in found.modules]).readable(self._f)
             self._modules = reader
             self._module_names = tuple(p.name for p in reader.paths)
+            values = FunctionValues(self._f)
+            self._reads = (values,) if values.names else ()
+            self._module_names += ("",) * len(self._reads)  # its names are the globals'
+        reads = tuple([(r, module_state(r)) for r in self._reads])
         if not reader.size:
-            return ()
+            return reads
         modules = reader.read(self._f)
         if modules is None:  # a module moved: walk again (once; a fresh walk reads)
             self._forget()
             return self._module_flags()
-        return tuple([(m, m.training) for m in modules])
+        return tuple([(m, module_state(m)) for m in modules]) + reads
 
     def _forget(self) -> None:
         """A captured tensor or module moved: forget the paths and entries, walk again."""
@@ -631,12 +647,19 @@ class Jitted(Generic[_P, _R]):
             why = "tensor subclass inputs are traced at static shapes"
         if why is None:
             try:
-                return self._build(flat_f, example, training, disk, dims)
+                with _quiet_fake_tensor_log():
+                    return self._build(flat_f, example, training, disk, dims)
             except (_Retry, DynamicSpecError):  # the inputs break the user's own dynamic=
                 raise
             except Exception as e:  # the static trace reports real errors
                 why = f"the symbolic trace failed ({type(e).__name__}: {e})"
         log("dynamic", f"{self._owner}: one entry per shape", lambda: why or "")
+        if self._opts.dynamic != "auto":  # asked for by name: say so once, not only in logs
+            self._warn_once(
+                "dynamic",
+                f"{self._owner}: dynamic={self._opts.dynamic!r} was asked for, but {why}; "
+                "it compiles an entry per shape (FUNCTRANS_LOGS=dynamic says why each time)",
+            )
         return self._build(flat_f, example, training, disk)
 
     def _lift_captures(self, gm: torch.fx.GraphModule) -> None:
@@ -892,6 +915,20 @@ class Jitted(Generic[_P, _R]):
             saved_tensors=_saved_tensors(p),
         )
         return entry, jg.graph_module
+
+
+@contextlib.contextmanager
+def _quiet_fake_tensor_log() -> Iterator[None]:
+    """torch logs every meta kernel a symbolic trace cannot run (``F.pad`` of a size-dependent
+    amount) as an error with a traceback; jit then compiles the call at static shapes, so the
+    traceback is noise: the ``dynamic`` log says why."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _chosen(spec: GradSpec, dims: Dims | None) -> bool:

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
+from collections.abc import Mapping
 from typing import Any
 
 import optree
@@ -16,7 +18,7 @@ from ._module_view import ModuleView
 from ._partition import Partition
 from ._pytree import NAMESPACE, unflatten
 from ._stack import transform_frame
-from ._state import ModuleFlags
+from ._state import ModuleFlags, module_state
 
 __all__ = ["JitModule"]
 
@@ -37,7 +39,28 @@ def _compiled_call(module: torch.nn.Module, options: _Options) -> Jitted[..., An
 
     call.__qualname__ = type(module).__qualname__
     statics = tuple(i + 2 for i in options.static_argnums)  # after params and buffers
-    return Jitted(call, dataclasses.replace(options, static_argnums=statics), names)
+    dynamic = _forward_names(module, options.dynamic)
+    opts = dataclasses.replace(options, static_argnums=statics, dynamic=dynamic)
+    return Jitted(call, opts, names)
+
+
+def _forward_names(module: torch.nn.Module, dynamic: Any) -> Any:
+    """``dynamic={"idx": {0: "batch"}}`` names ``forward``'s parameters; the compiled call
+    takes them as ``args[i]`` (after the parameters and buffers): rename the keys."""
+    if not isinstance(dynamic, Mapping):
+        return dynamic
+    try:
+        params = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return dynamic
+    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    out = {}
+    for key, dims in dynamic.items():
+        head, sep, rest = key.partition("[") if "[" in key else key.partition(".")
+        if head in positional:
+            key = f"args[{positional.index(head)}]" + (sep + rest if sep else "")
+        out[key] = dims
+    return out
 
 
 def _gather(
@@ -47,7 +70,7 @@ def _gather(
     in one walk, in ``named_modules()`` order (each module, parameter and buffer once)."""
     params: dict[str, torch.Tensor] = {}
     buffers: dict[str, torch.Tensor] = {}
-    flags: list[tuple[torch.nn.Module, bool]] = []
+    flags: list[Any] = []
     seen: set[int] = set()
     stack: list[tuple[str, torch.nn.Module]] = [("", module)]
     while stack:
@@ -55,7 +78,7 @@ def _gather(
         if id(m) in seen:
             continue
         seen.add(id(m))
-        flags.append((m, m.training))
+        flags.append((m, module_state(m)))
         for table, out in ((m._parameters, params), (m._buffers, buffers)):
             for name, t in table.items():
                 if t is not None and id(t) not in seen:

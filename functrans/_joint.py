@@ -15,7 +15,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ._decomp import Decompositions, decomposition_table
-from ._dynamic import Dynamic, resolve, symbolic_fakes
+from ._dynamic import Dynamic, refuse_size_outputs, resolve, symbolic_fakes
 from ._errors import TraceError, UnsupportedOpError
 from ._graph import JointGraph, Role, assign_phases
 from ._logs import log
@@ -124,6 +124,8 @@ def joint(
             mode = getattr(fakes[0], "fake_mode")  # noqa: B009
         out_tree, differentiable = _eval_shape(f, fn_in, fakes, mask, mode)
         out_vals, fn_out = flatten(out_tree)
+        if dims is not None:
+            refuse_size_outputs(f, [*fn_out.static, *out_vals])
         wants_tangent = _tangent_mask(f, out_tree, out_vals, has_aux)
         with mode:
             tangents = [  # contiguous, as callers (and autograd) usually hand them in

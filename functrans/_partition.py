@@ -25,7 +25,7 @@ from ._cost import (
     storage_value,
 )
 from ._cut_problem import cut_problem
-from ._dynamic import hint, is_symbolic
+from ._dynamic import hint, is_symbolic, legend
 from ._errors import InvalidArgumentError, InvalidPartitionError
 from ._format import format_value_type, op_name
 from ._graph import SOURCE, Graph, JointGraph
@@ -215,6 +215,9 @@ class Partition:
         if sizes:
             names = ", ".join(s.name for s in sizes)
             lines.append(f"  sizes handed to backward (ints of the symbolic shapes): {names}")
+        symbols = legend([n.meta.get("val") for n in self.joint.primals()])
+        if symbols is not None:
+            lines.append(f"  size symbols (bytes at the example sizes): {symbols}")
         redone = ", ".join(n.name for n in self.recomputed)
         lines.append(f"  recomputed in backward: {redone or '-'}")
         return "\n".join(line.rstrip() for line in lines)

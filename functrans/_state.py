@@ -21,6 +21,8 @@ recompile log. State deliberately *not* captured, with the reason:
 from __future__ import annotations
 
 import contextlib
+import operator
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -28,11 +30,14 @@ import torch
 
 __all__ = [
     "AUTOCAST_DEVICES",
+    "FunctionValues",
     "ModuleFlags",
     "State",
+    "attribute_names",
     "autocast_off",
     "capture",
     "describe",
+    "module_state",
     "no_autocast",
 ]
 
@@ -48,8 +53,111 @@ def _autocast(device: str) -> torch.dtype | None:
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
 
 
-#: ``(module, module.training)`` for every module a function reaches, in walk order.
-ModuleFlags = tuple[tuple[torch.nn.Module, bool], ...]
+#: ``(module, (module.training, its public scalar attributes))`` for every module a function
+#: reaches, in walk order (see :func:`module_state`).
+ModuleFlags = tuple[tuple[Any, tuple[bool, tuple[Any, ...]]], ...]
+
+_VALUE_TYPES = (bool, int, float, str, type(None), torch.dtype, torch.device)
+# per module: the names of its scalar attributes and a C getter of their values
+_GETTERS: weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple[str, ...], Any]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _is_value(v: Any) -> bool:
+    kind = type(v)
+    return kind in _VALUE_TYPES or (kind is tuple and all(type(x) in _VALUE_TYPES for x in v))
+
+
+def _getter(m: torch.nn.Module) -> tuple[tuple[str, ...], Any]:
+    keys = tuple(
+        sorted(
+            k
+            for k, v in m.__dict__.items()
+            if not k.startswith("_") and k != "training" and _is_value(v)
+        )
+    )
+    if not keys:
+        get: Any = lambda d: ()  # noqa: E731
+    elif len(keys) == 1:
+        key = keys[0]
+        get = lambda d: (d[key],)  # noqa: E731
+    else:
+        get = operator.itemgetter(*keys)
+    _GETTERS[m] = (keys, get)
+    return keys, get
+
+
+class FunctionValues:
+    """The plain values a function's own code reads besides its arguments: scalar module
+    globals it names (``SCALE``) and scalar closure variables. They stand among the module
+    flags (a pseudo module, always "training"), so changing one compiles anew.
+
+    >>> SCALE = 2.0
+    >>> def f(x):
+    ...     return x * SCALE
+    >>> reads = FunctionValues(f)
+    >>> reads.names, reads.values()
+    (('SCALE',), (2.0,))
+    """
+
+    def __init__(self, f: Any) -> None:
+        code = getattr(f, "__code__", None)
+        glb = getattr(f, "__globals__", {})
+        cells = getattr(f, "__closure__", None) or ()
+        names = _names_of(code) if code is not None else set()
+        self._globals = [(glb, k) for k in sorted(names) if k in glb and _is_value(glb[k])]
+        free = code.co_freevars if code is not None else ()
+        self._cells = [(name, c) for name, c in zip(free, cells, strict=False) if _cell_value(c)]
+        self.names = tuple(k for _, k in self._globals) + tuple(n for n, _ in self._cells)
+
+    def values(self) -> tuple[Any, ...]:
+        glb = tuple(d.get(k) for d, k in self._globals)
+        return glb + tuple(c.cell_contents for _, c in self._cells)
+
+
+def _names_of(code: Any) -> set[str]:
+    """Global names a code object and the code nested in it (lambdas, comprehensions) use."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if hasattr(const, "co_names"):
+            names |= _names_of(const)
+    return names
+
+
+def _cell_value(cell: Any) -> bool:
+    try:
+        return _is_value(cell.cell_contents)
+    except ValueError:  # an empty cell
+        return False
+
+
+def module_state(m: torch.nn.Module | FunctionValues) -> tuple[bool, tuple[Any, ...]]:
+    """What a trace reads of module ``m`` besides its tensors: ``training`` and its public
+    scalar attributes (a temperature, a dropout's ``p``, a LayerNorm's ``eps``, ``in_features``),
+    as values: changing one after a compile compiles anew, as eager would compute anew. One C
+    call per module (its attribute names are found once).
+
+    >>> drop = torch.nn.Dropout(0.1)
+    >>> module_state(drop)
+    (True, (False, 0.1))
+    """
+    if isinstance(m, FunctionValues):
+        return True, m.values()
+    found = _GETTERS.get(m)
+    _, get = found if found is not None else _getter(m)
+    try:
+        return m.training, get(m.__dict__)
+    except KeyError:  # an attribute was deleted: find the names again
+        return m.training, _getter(m)[1](m.__dict__)
+
+
+def attribute_names(m: torch.nn.Module | FunctionValues) -> tuple[str, ...]:
+    """The names :func:`module_state` reads, in its order."""
+    if isinstance(m, FunctionValues):
+        return m.names
+    found = _GETTERS.get(m)
+    return (found if found is not None else _getter(m))[0]
 
 
 class State(NamedTuple):
@@ -118,10 +226,14 @@ def describe(old: State, new: State, names: Sequence[str] = ()) -> list[str]:
     ):
         out.append("the module tree changed (a submodule was added, removed or replaced)")
     else:
-        for i, ((_, was), (_, now)) in enumerate(zip(before, after, strict=True)):
-            if was != now:
-                name = names[i] if i < len(names) else f"module {i}"
-                out.append(f"{name or 'the module'}.training {was} -> {now}")
+        for i, ((m, was), (_, now)) in enumerate(zip(before, after, strict=True)):
+            name = (names[i] if i < len(names) else f"module {i}") or "the module"
+            if was[0] != now[0]:
+                out.append(f"{name}.training {was[0]} -> {now[0]}")
+            prefix = "" if type(m) is FunctionValues else f"{name}."
+            for attr, a, b in zip(attribute_names(m), was[1], now[1], strict=False):
+                if a != b:
+                    out.append(f"{prefix}{attr} {a!r} -> {b!r}")
     return out
 
 

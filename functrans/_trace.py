@@ -30,7 +30,15 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from ._cost import is_random
 from ._decomp import Decompositions, decomposition_table
-from ._dynamic import Dynamic, has_unbacked, resolve, symbolic_fakes
+from ._dynamic import (
+    Dynamic,
+    SizeConstants,
+    has_unbacked,
+    is_symbolic,
+    refuse_size_outputs,
+    resolve,
+    symbolic_fakes,
+)
 from ._errors import TraceError, UnsupportedOpError
 from ._format import op_name
 from ._graph import SOURCE, Graph, Role
@@ -386,6 +394,13 @@ def trace_module(
     input_paths: Sequence[str],
 ) -> fx.GraphModule:
     """make_fx ``flat_fn`` on fake ``inputs``, reject input mutation, functionalize."""
+    if any(isinstance(t, torch.Tensor) and is_symbolic(t) for t in inputs):
+        plain_fn = flat_fn
+
+        def flat_fn(*args: Any) -> Any:
+            with SizeConstants():  # torch.tensor(x.shape[0]) traced, not baked in
+                return plain_fn(*args)
+
     traced = make_fx(
         flat_fn,
         table,
@@ -446,6 +461,8 @@ def trace(
         def flat_fn(*leaves: torch.Tensor) -> list[torch.Tensor]:
             a, kw = unflatten(in_flat, leaves)
             out_leaves, out_flat = flatten(f(*a, **kw))
+            if dims is not None:
+                refuse_size_outputs(f, [*out_flat.static, *out_leaves])
             out_box.append(out_flat)
             return out_leaves
 

@@ -573,3 +573,22 @@ def test_a_function_stores_its_first_traces_only(cache):
     for n in range(1, DISK_STORES + 3):
         assert g(torch.ones(n + 1)).item() == n + 1
     assert g.cache_info().disk_hits == DISK_STORES
+
+
+def test_code_that_looks_values_up_by_name_is_not_stored(cache):
+    """Found by a user-style review: globals()["V"], importlib.import_module(name).X and
+    sys.argv read inside the function are not in the key, and a second process got the first
+    one's value. Code that ran and names such a lookup is not stored."""
+    import sys as _sys
+
+    def by_name(x):
+        return x * globals()["_LOOKED_UP"]
+
+    def from_argv(x):
+        return x * len(_sys.argv)
+
+    globals()["_LOOKED_UP"] = 2.0
+    for fn in (by_name, from_argv):
+        f = ft.jit(fn)
+        f(torch.ones(2))
+    assert not _entries(cache)

@@ -448,3 +448,55 @@ def test_regression_empty_values_cross_the_cut_with_any_strides() -> None:
         batch=2,
     )
     check_dynamic_partition(prog, "default")
+
+
+# ---------------------------------------------------------------------------------------------
+# found by a user-style review (each was silently wrong or refused before)
+
+
+def test_review_a_size_the_trace_fixed_is_guarded() -> None:
+    """x.split(2) of 7 elements ends in a chunk of one, so torch fixes the size at 7 (a
+    replacement, not a guard text): that size must still be checked, or 10 elements would
+    reuse the 7-element graph and lose a chunk."""
+
+    def f(x: torch.Tensor) -> list[torch.Tensor]:
+        return [c * 2 for c in x.split(2)]
+
+    jf = ft.jit(f, dynamic=True)
+    for n in (4, 6, 8, 7, 10):
+        x = torch.arange(float(n))
+        got, want = jf(x), f(x)
+        assert len(got) == len(want)
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b)
+
+
+def test_review_a_tensor_made_from_a_size_follows_the_size() -> None:
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return x.sum() * torch.tensor(x.shape[0]) + x.new_tensor([x.shape[1]]).sum()
+
+    jf = ft.jit(f, dynamic=True)
+    for n in (4, 6, 9):
+        x = torch.ones(n, n + 1)
+        torch.testing.assert_close(jf(x), f(x))
+    assert jf.cache_info().misses == 1
+
+
+def test_review_returning_a_size_compiles_per_shape_not_a_stale_size() -> None:
+    def f(x: torch.Tensor) -> tuple[torch.Size, float]:
+        return x.shape, x.numel() / 2
+
+    jf = ft.jit(f, dynamic=True)
+    for n in (4, 6, 9):
+        assert jf(torch.ones(n, 3)) == f(torch.ones(n, 3))
+    with pytest.raises(FunctransError, match="a size computed from symbolic dimensions"):
+        ft.trace(f, dynamic=True)(torch.ones(4, 3))
+
+
+def test_review_module_dynamic_names_are_forwards_parameters() -> None:
+    lin = torch.nn.Linear(3, 3)
+    jm = ft.jit(lin, dynamic={"input": {0: "batch"}})  # Linear.forward(self, input)
+    for n in (2, 5, 7):
+        x = torch.randn(n, 3)
+        torch.testing.assert_close(jm(x), lin(x))
+    assert jm.cache_info().misses == 1

@@ -4,6 +4,7 @@ Each test crosses a boundary a training script crosses (train/eval, autocast, to
 replaced closure tensor, global flags, threads) and compares with eager PyTorch.
 """
 
+import sys
 import threading
 
 import pytest
@@ -454,3 +455,47 @@ def test_fork_rng_without_reseeding_is_allowed():
             return x * 2
 
     _close(ft.jit(f)(torch.ones(2)), torch.full((2,), 2.0))
+
+
+# Found by a user-style review: Python values a trace read from a module or from the function's
+# globals were baked in without a guard, so changing them gave stale results.
+
+SCALE = 1.0
+
+
+def _scaled(x):
+    return x * SCALE
+
+
+def test_changing_a_module_attribute_compiles_anew():
+    class Tempered(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(2, 2)
+            self.temperature = 1.0
+            self.drop = torch.nn.Dropout(0.0)
+
+        def forward(self, x):
+            return self.drop(self.lin(x) / self.temperature)
+
+    m = Tempered()
+    jm = ft.jit(m)
+    x = torch.ones(3, 2)
+    torch.testing.assert_close(jm(x), m(x))
+    m.temperature = 2.0
+    torch.testing.assert_close(jm(x), m(x))
+    m.temperature, m.drop.p = 1.0, 0.9
+    torch.manual_seed(0)
+    got = jm(x)
+    torch.manual_seed(0)
+    torch.testing.assert_close(got, m(x))
+    assert jm.cache_info().misses == 3
+
+
+def test_changing_a_global_the_function_reads_compiles_anew(monkeypatch):
+    jf = ft.jit(_scaled)
+    x = torch.ones(2)
+    torch.testing.assert_close(jf(x), x)
+    monkeypatch.setattr(sys.modules[__name__], "SCALE", 3.0)
+    torch.testing.assert_close(jf(x), 3 * x)
+    assert jf.cache_info().misses == 2
