@@ -348,11 +348,7 @@ class ShapeGuard:
             stored = restored[0]
             extra = [p for p in parts if p not in stored.parts]
             return cls._compiled(sizes, strides, [*stored.parts, *extra])
-        code = " and ".join(parts) or "True"
-        from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
-
-        fn = eval(f"lambda L: {code}", dict(SYMPY_INTERP))  # torch's own guard text
-        return cls(sizes, strides, code, _checker(fn, len(fakes)), tuple(parts))
+        return cls._compiled(sizes, strides, parts)
 
     @classmethod
     def restore(
