@@ -409,8 +409,9 @@ class ShapeGuard:
             if any(s is not None and s != a for s, a in zip(sizes, t.shape, strict=True)):
                 return False
             if t.numel() and any(
-                s is not None and s != a for s, a in zip(strides, t.stride(), strict=True)
-            ):  # an empty tensor's strides mean nothing (torch makes them either way)
+                s is not None and s != a and n != 1
+                for s, a, n in zip(strides, t.stride(), t.shape, strict=True)
+            ):  # an empty tensor's strides mean nothing, nor do a size-one dimension's
                 return False
         return self.check_expr(tensors)
 
