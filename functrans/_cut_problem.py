@@ -65,6 +65,7 @@ from ._dynamic import planned_sizes
 from ._errors import InvalidPartitionError
 from ._graph import PHASE, JointGraph, Phase, Role, ancestors
 from ._graph import ROLE as _ROLE
+from ._offload import why_not_offload
 from ._tags import Policy, policy_of
 
 __all__ = [
@@ -166,6 +167,14 @@ class ForwardValue:
     bytes: int
     storage: Storage
     inputs: tuple[int, ...]
+    #: why it may not be kept in host memory between the passes ("" if it may): see
+    #: :func:`functrans._offload.why_not_offload`
+    why_not_offload: str = ""
+
+    @property
+    def can_offload(self) -> bool:
+        """It may be saved to host memory (copied out in forward, back in backward)."""
+        return self.can_save and not self.why_not_offload
 
     @property
     def save_forbidden(self) -> bool:
@@ -296,7 +305,9 @@ class CutProblem:
         return out
 
 
-_SAVE_TAGS = (Policy.MUST_SAVE, Policy.PREFER_SAVE)
+_SAVE_TAGS = (Policy.MUST_SAVE, Policy.PREFER_SAVE, Policy.MUST_OFFLOAD)
+#: tags that forbid recomputing a value the forward computes (it is saved, on device or host)
+_KEEP_TAGS = (Policy.MUST_SAVE, Policy.MUST_OFFLOAD)
 
 
 def _is_view(node: fx.Node) -> bool:
@@ -319,6 +330,7 @@ def _value(
     read: bool,
     feeds: bool,
     regathered: set[fx.Node],
+    outputs: frozenset[fx.Node],
 ) -> ForwardValue:
     cls, tag = op_class(node), policy_of(node)
     if tag in _SAVE_TAGS and _is_view(node):
@@ -328,7 +340,7 @@ def _value(
     rule = OP_RULES[cls]
     in_forward = node in core
     reruns = rule.recompute or (rule.recompute_when_tagged and tag is Policy.MUST_RECOMPUTE)
-    recompute = reruns and not (tag is Policy.MUST_SAVE and in_forward)
+    recompute = reruns and not (tag in _KEEP_TAGS and in_forward)
     # a class that never re-runs wins over MUST_RECOMPUTE: the value is saved instead
     overridden = tag is Policy.MUST_RECOMPUTE and not reruns
     save = (
@@ -343,13 +355,14 @@ def _value(
         tag=tag,
         in_forward=in_forward,
         read_by_backward=read,
-        must_save=tag is Policy.MUST_SAVE and in_forward and feeds and save,
+        must_save=tag in _KEEP_TAGS and in_forward and feeds and save,
         can_save=save,
         can_recompute=recompute,
         tag_overridden=overridden,
         bytes=activation_bytes(node),
         storage=storage_of(node),
         inputs=tuple(index[a] for a in node.all_input_nodes if a in index),
+        why_not_offload=why_not_offload(node, outputs),
     )
 
 
@@ -383,7 +396,7 @@ def _regathered(nodes: list[fx.Node]) -> set[fx.Node]:
         derived = bool(sources) and all(a in out for a in sources)
         if (
             derived
-            and tag is not Policy.MUST_SAVE
+            and tag not in _KEEP_TAGS
             and (rule.recompute or rule.recompute_when_tagged)
         ):
             out.add(n)
@@ -398,8 +411,10 @@ def _build(joint: JointGraph) -> CutProblem:
     read |= {n for n in nodes if any(u.meta.get(PHASE) is Phase.BACKWARD for u in n.users)}
     feeds = _feeds_backward(nodes)
     again = _regathered(nodes)
+    outputs = frozenset(o for o in joint.forward_outputs() if isinstance(o, fx.Node))
     values = tuple(
-        _value(n, i, index, core, n in read, n in feeds, again) for i, n in enumerate(nodes)
+        _value(n, i, index, core, n in read, n in feeds, again, outputs)
+        for i, n in enumerate(nodes)
     )
     problem = CutProblem(joint, values, MappingProxyType(index))
     for v in values:

@@ -9,21 +9,39 @@ Model (what a caching allocator sees, ignoring fragmentation):
   saved-bytes figures use too);
 - forward outputs live until the forward pass ends; saved values (forward outputs that the
   backward graph takes as inputs, matched by name) live until their last use in backward;
-- tangents are allocated when backward starts; gradients live until it ends.
+- tangents are allocated when backward starts; gradients live until it ends;
+- offloaded values (:mod:`functrans._offload`) live in host memory between their copy out and
+  their copy back: their bytes count in :attr:`MemoryProfile.host_peak_bytes`, not on the device.
 
 Works on any pair of FX graphs whose nodes carry ``meta["val"]`` (ours, or torch's partitions).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch.fx as fx
 
 from ._cost import nbytes, storage_of
 
-__all__ = ["MemoryProfile", "peak_bytes", "simulate"]
+__all__ = ["MemoryProfile", "MemoryStep", "peak_bytes", "simulate"]
+
+#: node meta marking a value in host memory (functrans._offload.HOST; not imported: no cycle)
+_HOST = "functrans.host"
+
+
+@dataclass(frozen=True)
+class MemoryStep:
+    """Live bytes right after one op ran: ``phase`` is ``"forward"`` or ``"backward"``,
+    ``op`` the node's name, ``target`` its op (``"aten.mm.default"``)."""
+
+    phase: str
+    op: str
+    target: str
+    device_bytes: int
+    host_bytes: int
+    recomputed: bool = False
 
 _FOREVER = 1 << 62
 
@@ -32,10 +50,13 @@ _FOREVER = 1 << 62
 class MemoryProfile:
     """Result of :func:`simulate` (all in bytes)."""
 
-    peak_bytes: int
+    peak_bytes: int  # device memory
     forward_peak: int
     backward_peak: int
     boundary_bytes: int  # live between the passes: inputs, outputs and saved values
+    host_peak_bytes: int = 0  # host memory holding offloaded values
+    #: live bytes after every op of forward, then backward (for plots)
+    timeline: tuple[MemoryStep, ...] = field(default=(), repr=False, compare=False)
 
 
 class _Timeline:
@@ -45,28 +66,30 @@ class _Timeline:
         self.size: dict[Any, int] = {}
         self.start: dict[Any, int] = {}
         self.end: dict[Any, int] = {}
+        self.host: set[Any] = set()
 
-    def new(self, key: Any, size: int, t: int) -> Any:
+    def new(self, key: Any, size: int, t: int, host: bool = False) -> Any:
         self.size[key], self.start[key], self.end[key] = size, t, t
+        if host:
+            self.host.add(key)
         return key
 
     def touch(self, keys: Any, t: int) -> None:
         for k in keys if isinstance(keys, list) else (keys,):  # a list: one per output
             self.end[k] = max(self.end[k], t)
 
-    def live_at(self, t0: int, t1: int) -> int:
-        """Peak of the summed sizes of live storages over times ``t0..t1``."""
-        events: dict[int, int] = {}
+    def live(self, t_end: int, host: bool = False) -> list[int]:
+        """Summed sizes of the live storages (device, or host) at each time ``0..t_end``."""
+        delta = [0] * (t_end + 2)
         for k, size in self.size.items():
-            a, b = max(self.start[k], t0), min(self.end[k], t1)
-            if a <= b:
-                events[a] = events.get(a, 0) + size
-                events[b + 1] = events.get(b + 1, 0) - size
-        peak = cur = 0
-        for t in sorted(events):
-            cur += events[t]
-            peak = max(peak, cur)
-        return peak
+            if (k in self.host) == host and self.start[k] <= t_end:
+                delta[self.start[k]] += size
+                delta[min(self.end[k], t_end) + 1] -= size
+        out, cur = [], 0
+        for d in delta[:-1]:
+            cur += d
+            out.append(cur)
+        return out
 
 
 def _storages(graph: fx.Graph, tl: _Timeline, t: int, env: dict[str, Any], tag: str) -> int:
@@ -77,7 +100,7 @@ def _storages(graph: fx.Graph, tl: _Timeline, t: int, env: dict[str, Any], tag: 
             break
         if node.op == "placeholder":
             keys[node] = env.get(node.name) or tl.new(
-                (tag, node.name), nbytes(node.meta.get("val")), t
+                (tag, node.name), nbytes(node.meta.get("val")), t, bool(node.meta.get(_HOST))
             )
             continue
         t += 1
@@ -99,7 +122,7 @@ def _key_of(node: fx.Node, keys: dict[fx.Node, Any], tl: _Timeline, t: int, tag:
     val = node.meta.get("val")
     if isinstance(val, (tuple, list)):
         return [tl.new((tag, node.name, i), nbytes(v), t) for i, v in enumerate(val)]
-    return tl.new((tag, node.name), nbytes(val), t)
+    return tl.new((tag, node.name), nbytes(val), t, bool(node.meta.get(_HOST)))
 
 
 def simulate(forward: fx.Graph, backward: fx.Graph) -> MemoryProfile:
@@ -109,7 +132,8 @@ def simulate(forward: fx.Graph, backward: fx.Graph) -> MemoryProfile:
     >>> jg = ft.joint(lambda x: torch.tanh(x).sum())(torch.ones(256))
     >>> p = ft.partition(jg, "default")
     >>> simulate(p.forward.fx_graph, p.backward.fx_graph)  # 1 KiB tensors, a 4-byte loss
-    MemoryProfile(peak_bytes=3076, forward_peak=2052, backward_peak=3076, boundary_bytes=2052)
+    MemoryProfile(peak_bytes=3076, forward_peak=2052, backward_peak=3076, boundary_bytes=2052,
+                  host_peak_bytes=0)
     """
     tl = _Timeline()
     env: dict[str, Any] = {}
@@ -127,12 +151,38 @@ def simulate(forward: fx.Graph, backward: fx.Graph) -> MemoryProfile:
     t_end = _storages(backward, tl, t_fwd + 2, env, "b")
     for k in tl.end:
         tl.end[k] = min(tl.end[k], t_end)
+    device, host = tl.live(t_end), tl.live(t_end, host=True)
     return MemoryProfile(
-        peak_bytes=tl.live_at(0, t_end),
-        forward_peak=tl.live_at(0, t_fwd),
-        backward_peak=tl.live_at(t_fwd + 2, t_end),
-        boundary_bytes=tl.live_at(t_fwd + 1, t_fwd + 1),
+        peak_bytes=max(device),
+        forward_peak=max(device[: t_fwd + 1]),
+        backward_peak=max(device[t_fwd + 2 :], default=0),
+        boundary_bytes=device[t_fwd + 1],
+        host_peak_bytes=max(host),
+        timeline=_steps(forward, backward, t_fwd, device, host),
     )
+
+
+def _steps(
+    forward: fx.Graph, backward: fx.Graph, t_fwd: int, device: list[int], host: list[int]
+) -> tuple[MemoryStep, ...]:
+    """One :class:`MemoryStep` per op, at the times :func:`_storages` gave them."""
+    out = []
+    for graph, t, phase in ((forward, 0, "forward"), (backward, t_fwd + 2, "backward")):
+        for n in graph.nodes:
+            if n.op in ("placeholder", "output"):
+                continue
+            t += 1
+            out.append(
+                MemoryStep(
+                    phase,
+                    n.name,
+                    str(n.target),
+                    device[t],
+                    host[t],
+                    bool(n.meta.get("functrans.recomputed")),
+                )
+            )
+    return tuple(out)
 
 
 def peak_bytes(forward: fx.Graph, backward: fx.Graph) -> int:

@@ -31,8 +31,10 @@ from ._format import format_value_type, op_name
 from ._graph import SOURCE, Graph, JointGraph
 from ._logs import log
 from ._memory import MemoryProfile, simulate
+from ._offload import Cut, insert_transfers
 from ._passes import no_gc
 from ._split import resolve_nodes, split
+from ._tags import Policy
 from ._validate import check_call, describe, saved_items
 
 __all__ = ["Partition", "SavedValue", "Strategy", "format_bytes", "get_strategy", "partition"]
@@ -117,12 +119,31 @@ class Partition:
     #: values the shared save/recompute rules (:meth:`~functrans.extend.CutProblem.legalize`)
     #: added to or removed from the strategy's choice: empty for a strategy that obeys them
     adjusted: tuple[fx.Node, ...] = ()
+    #: the saved values kept in host memory between the passes (copied out after their last
+    #: forward use, back before their first backward use): a strategy's :class:`Cut`, or a
+    #: ``MUST_OFFLOAD`` tag (``policies.save_and_offload_only_these_names``)
+    offloaded: tuple[SavedValue, ...] = ()
 
     @property
     def activation_bytes(self) -> int:
         """Saved bytes that are not primal inputs or views of them, each storage counted once
         (a value and views of it saved together keep one buffer alive)."""
         return sum(s.storage_bytes for s in self._counted() if not s.is_input)
+
+    @property
+    def offloaded_bytes(self) -> int:
+        """Bytes of the values kept in host memory between the passes."""
+        return sum(s.storage_bytes for s in self.offloaded)
+
+    @property
+    def transfer_bytes(self) -> int:
+        """Bytes copied between device and host: each offloaded value out once, back once."""
+        return 2 * self.offloaded_bytes
+
+    @property
+    def host_peak_bytes(self) -> int:
+        """Peak host memory holding offloaded values (liveness simulation)."""
+        return self.memory.host_peak_bytes
 
     @property
     def activation_bytes_expr(self) -> str | None:
@@ -145,7 +166,8 @@ class Partition:
 
     @property
     def peak_bytes(self) -> int:
-        """Peak live bytes over forward then backward, inputs included."""
+        """Peak live device bytes over forward then backward, inputs included (offloaded
+        values count only while they are on the device)."""
         return self.memory.peak_bytes
 
     @property
@@ -175,7 +197,8 @@ class Partition:
 
     def _counted(self) -> list[SavedValue]:
         shared = self.shared_storage()
-        return [s for s in self.saved if s.node not in shared]
+        host = {s.node for s in self.offloaded}
+        return [s for s in self.saved if s.node not in shared and s.node not in host]
 
     def report(self) -> str:
         """A table of the saved values with totals, and the recomputed ops.
@@ -185,6 +208,7 @@ class Partition:
         totals count each storage once.
         """
         shared = self.shared_storage()
+        host = {v.node for v in self.offloaded}
         head = ("saved", "op", "shape", "dtype", "bytes", "input", "source")
         sizes = [s for s in self.saved if s.dtype is None]
         rows = [
@@ -193,7 +217,9 @@ class Partition:
                 s.op,
                 _type(s),
                 str(s.dtype).replace("torch.", ""),
-                f"shared with {shared[s.node].name}" if s.node in shared else _bytes(s),
+                f"shared with {shared[s.node].name}"
+                if s.node in shared
+                else _bytes(s) + (" on host" if s.node in host else ""),
                 "yes" if s.is_input else "no",
                 _short_source(s.source),
             )
@@ -212,6 +238,12 @@ class Partition:
         at_hint = f"{formula} = " if formula is not None else ""
         lines.append(f"  activation bytes: {at_hint}{self.activation_bytes}")
         lines.append(f"  peak bytes (forward then backward): {self.peak_bytes}")
+        if self.offloaded:
+            lines.append(
+                f"  offloaded to host: {', '.join(v.name for v in self.offloaded)} "
+                f"({self.offloaded_bytes} bytes; {self.transfer_bytes} bytes copied; host peak "
+                f"{self.host_peak_bytes})"
+            )
         if sizes:
             names = ", ".join(s.name for s in sizes)
             lines.append(f"  sizes handed to backward (ints of the symbolic shapes): {names}")
@@ -224,6 +256,24 @@ class Partition:
 
     def __str__(self) -> str:
         return self.report()
+
+
+def _offloaded(joint: JointGraph, saved: Iterable[fx.Node], asked: set[fx.Node]) -> list[fx.Node]:
+    """The saved values to keep in host memory: those the strategy asked for or a remat policy
+    tagged ``MUST_OFFLOAD``, where the offload rules allow it and no other saved value shares
+    their storage (a view saved beside them would keep the buffer on the device anyway)."""
+    problem = cut_problem(joint)
+    saved = list(saved)
+    storages: dict[Any, int] = {}
+    for n in saved:
+        storages[storage_of(n)[0]] = storages.get(storage_of(n)[0], 0) + 1
+    out = []
+    for n in saved:
+        if n not in problem or not problem[n].can_offload or storages[storage_of(n)[0]] > 1:
+            continue
+        if n in asked or problem[n].tag is Policy.MUST_OFFLOAD:
+            out.append(n)
+    return out
 
 
 def _type(s: SavedValue) -> str:
@@ -295,24 +345,30 @@ def partition(joint: JointGraph, strategy: str | Strategy = "default", **options
     name, fn = get_strategy(strategy)
     check_call(name, fn, options)  # unknown options list the accepted ones
     with no_gc():
-        chosen = saved_items(name, fn(joint, **options))
+        returned = fn(joint, **options)
+        cut = returned if isinstance(returned, Cut) else Cut(saved_items(name, returned))
+        chosen = saved_items(name, cut.saved + cut.offloaded)
         try:
             picked = resolve_nodes(joint, chosen)
             legal = cut_problem(joint).legalize(picked)
             s = split(joint, legal)
+            host = _offloaded(joint, s.saved, resolve_nodes(joint, cut.offloaded))
         except InvalidPartitionError as e:
             raise InvalidPartitionError(
                 f"partition strategy {name!r} chose an invalid saved set: {e}"
             ) from e
+        forward, backward = insert_transfers(s.forward, s.backward, [n.name for n in host])
+    saved = tuple(SavedValue.of(n) for n in s.saved)
     p = Partition(
         joint=joint,
         strategy=name,
-        forward=s.forward,
-        backward=s.backward,
-        saved=tuple(SavedValue.of(n) for n in s.saved),
+        forward=forward,
+        backward=backward,
+        saved=saved,
         recomputed=s.recomputed,
         recompute_flops=sum(flops(n) for n in s.recomputed),
         adjusted=tuple(n for n in joint.fx_graph.nodes if (n in picked) != (n in legal)),
+        offloaded=tuple(v for v in saved if v.node in host),
     )
     log(
         "partition",

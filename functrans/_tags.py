@@ -33,17 +33,22 @@ class RematOp:
 
 
 class Policy(enum.Enum):
-    """A per-op save/recompute decision (the same four choices as torch's CheckpointPolicy).
+    """A per-op save/recompute/offload decision (torch's CheckpointPolicy's choices).
+
+    ``MUST_OFFLOAD`` (torch's ``MUST_CPU_OFFLOAD``, JAX's ``Offloadable``) saves the value like
+    ``MUST_SAVE`` (never recomputed) but keeps it in host memory between forward and backward:
+    copied out after its last forward use, copied back before its first backward use.
 
     >>> from functrans.extend import Policy
     >>> [p.name for p in Policy]
-    ['MUST_SAVE', 'PREFER_SAVE', 'MUST_RECOMPUTE', 'PREFER_RECOMPUTE']
+    ['MUST_SAVE', 'PREFER_SAVE', 'MUST_RECOMPUTE', 'PREFER_RECOMPUTE', 'MUST_OFFLOAD']
     """
 
     MUST_SAVE = "must_save"
     PREFER_SAVE = "prefer_save"
     MUST_RECOMPUTE = "must_recompute"
     PREFER_RECOMPUTE = "prefer_recompute"
+    MUST_OFFLOAD = "must_offload"
 
 
 class PolicyFn(Protocol):
