@@ -33,6 +33,7 @@ from ._graph import Phase as Phase
 from ._graph import Role as Role
 from ._graph import verify as verify
 from ._joint import joint as joint
+from ._offload import Offload as Offload
 from ._pareto import ParetoPoint as ParetoPoint
 from ._pareto import pareto as pareto
 from ._partition import Partition as Partition

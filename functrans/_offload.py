@@ -23,6 +23,7 @@ tensor([0., 1., 2.])
 from __future__ import annotations
 
 import contextlib
+import math
 import operator
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -32,11 +33,13 @@ import torch
 import torch.fx as fx
 
 from ._graph import PHASE, ROLE, SOURCE, Graph, Phase, Role
+from ._validate import check_number, check_option
 
 __all__ = [
     "HOST",
-    "Cut",
     "OFFLOAD_OPS",
+    "Cut",
+    "Offload",
     "PinnedHost",
     "Transfer",
     "insert_transfers",
@@ -70,6 +73,75 @@ class Cut:
         object.__setattr__(self, "offloaded", tuple(self.offloaded))
 
 
+@dataclass(frozen=True)
+class Offload:
+    """Offload as an option of a strategy that chooses it (``memory_budget``): the machine's
+    copy bandwidth and host memory, and how copies and compute overlap.
+
+    - ``bandwidth``: bytes per second each way between device and host (``0``: never
+      offload, today's save/recompute choice exactly; ``math.inf``: copies are free, so
+      nothing offloadable is recomputed). Default 25 GB/s (PCIe 5 x16 in practice).
+    - ``host_bytes``: host memory the offloaded values may take (None: no limit).
+    - ``compute_rate``: how fast the cost model's units run, per second (FLOP/s for the
+      default FLOP cost; default 1e14, a large GPU at realistic utilisation). It converts copy
+      time into the units recomputation is priced in.
+    - ``overlap``: the fraction of the forward's compute time the copies out may hide behind,
+      and of the backward's the copies back (1.0: all of it; 0.0: every copy is exposed).
+
+    Copies beyond what overlap hides cost their exposed time; recomputation costs its FLOPs.
+
+    >>> Offload(bandwidth=50e9, host_bytes=2**34).seconds(10**9)  # 1 GB one way
+    0.02
+    >>> Offload(bandwidth=-1)
+    Traceback (most recent call last):
+    ...
+    functrans._errors.InvalidArgumentError: Offload: bandwidth=-1 (int) is not accepted; ...
+    """
+
+    bandwidth: float = 25e9
+    host_bytes: int | None = None
+    compute_rate: float = 1e14
+    overlap: float = 1.0
+
+    def __post_init__(self) -> None:
+        where = "Offload"
+        check_number(
+            where,
+            "bandwidth",
+            self.bandwidth,
+            at_least=0,
+            allow_inf=True,
+            meaning="bytes per second each way; 0 never offloads",
+        )
+        if self.host_bytes is not None:
+            check_number(
+                where,
+                "host_bytes",
+                self.host_bytes,
+                at_least=0,
+                integer=True,
+                meaning="bytes of host memory, or None for no limit",
+            )
+        check_number(
+            where,
+            "compute_rate",
+            self.compute_rate,
+            above=0,
+            meaning="cost units (FLOPs) per second",
+        )
+        check_number(where, "overlap", self.overlap, at_least=0, meaning="a fraction in [0, 1]")
+        check_option(where, "overlap", self.overlap, self.overlap <= 1, "a fraction in [0, 1]")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether anything can be offloaded (bandwidth and host memory both above 0)."""
+        return self.bandwidth > 0 and self.host_bytes != 0
+
+    def seconds(self, nbytes: float) -> float:
+        """Time to copy ``nbytes`` one way."""
+        return 0.0 if math.isinf(self.bandwidth) else nbytes / self.bandwidth
+
+
 class Transfer(Protocol):
     """How offloaded values are copied out and back (see :func:`use_transfer`).
 
@@ -97,7 +169,7 @@ class PinnedHost:
 
     def _stream(self, device: torch.device) -> Any:
         if device not in self._streams:
-            self._streams[device] = torch.cuda.Stream(device)
+            self._streams[device] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]  # torch's class is untyped
         return self._streams[device]
 
     def to_host(self, x: torch.Tensor) -> torch.Tensor:

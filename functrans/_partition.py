@@ -39,8 +39,9 @@ from ._validate import check_call, describe, saved_items
 
 __all__ = ["Partition", "SavedValue", "Strategy", "format_bytes", "get_strategy", "partition"]
 
-#: A partition strategy: ``(joint, **options) -> the forward nodes (or names) to save``.
-Strategy = Callable[..., Iterable[str | fx.Node]]
+#: A partition strategy: ``(joint, **options) -> the forward nodes (or names) to save``, or a
+#: :class:`~functrans.extend.Cut` naming the saved values to keep in host memory too.
+Strategy = Callable[..., Iterable[str | fx.Node] | Cut]
 
 
 @dataclass(frozen=True)
@@ -346,7 +347,7 @@ def partition(joint: JointGraph, strategy: str | Strategy = "default", **options
     check_call(name, fn, options)  # unknown options list the accepted ones
     with no_gc():
         returned = fn(joint, **options)
-        cut = returned if isinstance(returned, Cut) else Cut(saved_items(name, returned))
+        cut = returned if isinstance(returned, Cut) else Cut(tuple(saved_items(name, returned)))
         chosen = saved_items(name, cut.saved + cut.offloaded)
         try:
             picked = resolve_nodes(joint, chosen)

@@ -92,6 +92,7 @@ from ._memory import simulate as simulate
 from ._offload import HOST as HOST
 from ._offload import OFFLOAD_OPS as OFFLOAD_OPS
 from ._offload import Cut as Cut
+from ._offload import Offload as Offload
 from ._offload import PinnedHost as PinnedHost
 from ._offload import Transfer as Transfer
 from ._offload import is_transfer as is_transfer

@@ -6,6 +6,13 @@ recomputed node's inputs are available (``s_u + r_u >= r_v``); saved bytes fit t
 Objective: recompute cost; then, at that optimal cost, fewest saved bytes (a second solve). The
 lexicographic order makes the Pareto front monotone: a smaller budget never saves more.
 
+With offload (:class:`OffloadTerms`) a third variable ``o_v`` (kept in host memory) counts as
+available like ``s_v`` but its bytes go to the host limit, not the device budget. Copy time is
+priced by two continuous variables, the bytes whose copy the forward (out) and the backward
+(back) compute cannot hide: ``e_f >= sum(b_v o_v) - hidden_forward`` and likewise ``e_b``, at
+``price`` cost units per exposed byte. Objective: recompute cost plus exposed copies; then the
+fewest offloaded bytes; then the fewest saved bytes (three solves).
+
 HiGHS runs with its log off and with the process's stdout pointed at ``os.devnull``
 (:func:`quiet_stdout`), so solving prints nothing.
 """
@@ -15,12 +22,13 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import math
 import os
 import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -29,36 +37,51 @@ from scipy.sparse import coo_matrix
 
 from functrans.extend import CutProblem
 
-__all__ = ["IlpResult", "quiet_stdout", "solve_ilp"]
+__all__ = ["IlpResult", "OffloadTerms", "quiet_stdout", "solve_ilp"]
 
 
 @dataclass(frozen=True)
 class IlpResult:
-    saved: list[int]  # node indices
+    saved: list[int]  # node indices (on the device)
     cost: float
     optimal: bool  # False when the time limit stopped HiGHS with a feasible point
+    offloaded: list[int] = field(default_factory=list)  # node indices kept in host memory
 
 
-def _constraints(p: CutProblem) -> tuple[coo_matrix, np.ndarray]:
-    """Rows ``A x >= lb`` over ``x = [s_0..s_n-1, r_0..r_n-1]``."""
+@dataclass(frozen=True)
+class OffloadTerms:
+    """The offload part of the program (see the module docstring): which values may go to
+    host memory, the host limit, the copy bytes compute hides, and the price of the rest."""
+
+    allowed: Sequence[bool]
+    host_bytes: float  # inf: no limit
+    hidden_forward: float  # bytes copied out that forward compute hides (inf: all)
+    hidden_backward: float
+    price: float  # cost units per exposed byte
+
+
+def _constraints(p: CutProblem, kinds: int) -> tuple[coo_matrix, np.ndarray]:
+    """Rows ``A x >= lb`` over ``x = [s_0..s_n-1, r_0..r_n-1]`` (and ``o_0..o_n-1`` when
+    ``kinds`` is 3: an offloaded value is available like a saved one)."""
     n = len(p)
     rows: list[int] = []
     cols: list[int] = []
     vals: list[float] = []
     lb: list[float] = []
     for d in p.drains():
-        rows += [len(lb), len(lb)]
-        cols += [d, n + d]
-        vals += [1.0, 1.0]
+        rows += [len(lb)] * kinds
+        cols += [k * n + d for k in range(kinds)]
+        vals += [1.0] * kinds
         lb.append(1.0)
     for value in p:
         v = value.index
         for u in value.inputs:
-            rows += [len(lb)] * 3
-            cols += [u, n + u, n + v]
-            vals += [1.0, 1.0, -1.0]
+            rows += [len(lb)] * (kinds + 1)
+            cols += [*(k * n + u for k in range(kinds)), n + v]
+            vals += [*([1.0] * kinds), -1.0]
             lb.append(0.0)
-    return coo_matrix((vals, (rows, cols)), shape=(len(lb), 2 * n)), np.array(lb)
+    width = kinds * n + (2 if kinds == 3 else 0)
+    return coo_matrix((vals, (rows, cols)), shape=(len(lb), width)), np.array(lb)
 
 
 class _MilpResult(Protocol):
@@ -70,12 +93,16 @@ class _MilpResult(Protocol):
 
 
 def _solve(
-    c: np.ndarray, cons: list[LinearConstraint], ub: np.ndarray, limit: float
+    c: np.ndarray,
+    cons: list[LinearConstraint],
+    ub: np.ndarray,
+    limit: float,
+    integrality: np.ndarray | None = None,
 ) -> _MilpResult:
     with quiet_stdout():
         result: _MilpResult = milp(
             c=c,
-            integrality=np.ones_like(c),
+            integrality=np.ones_like(c) if integrality is None else integrality,
             bounds=Bounds(np.zeros_like(ub), ub),
             constraints=cons,
             options={"time_limit": limit, "disp": False},
@@ -161,37 +188,89 @@ def quiet_stdout() -> Iterator[None]:
 
 
 def solve_ilp(
-    p: CutProblem, costs: Sequence[float], max_bytes: float, time_limit: float
+    p: CutProblem,
+    costs: Sequence[float],
+    max_bytes: float,
+    time_limit: float,
+    offload: OffloadTerms | None = None,
 ) -> IlpResult | None:
-    """Optimal saved set within ``max_bytes`` (``costs``: each value's recompute cost), or None
-    if no saved set fits."""
+    """Optimal saved (and, with ``offload``, offloaded) set within ``max_bytes`` (``costs``:
+    each value's recompute cost), or None if no saved set fits."""
     n = len(p)
-    a, lb = _constraints(p)
+    kinds = 2 if offload is None else 3
+    a, lb = _constraints(p, kinds)
     size = np.array([v.bytes for v in p], dtype=float)
+    zeros = np.zeros(n)
     cost = np.array(costs, dtype=float)
-    budget = LinearConstraint(np.concatenate([size, np.zeros(n)])[None, :], -np.inf, max_bytes)
-    cons = [LinearConstraint(a.tocsr(), lb, np.inf), budget]
-    can_save = [v.can_save for v in p]
-    ub = np.concatenate([np.array(can_save, float), np.array([v.can_recompute for v in p], float)])
-    first = _solve(np.concatenate([np.zeros(n), cost]), cons, ub, time_limit)
-    if first.x is None:
+    cons = [LinearConstraint(a.tocsr(), lb, np.inf)]
+    ub = [np.array([v.can_save for v in p], float), np.array([v.can_recompute for v in p], float)]
+    objectives = [np.concatenate([zeros, cost]), np.concatenate([size, zeros])]
+    integrality = None
+    if offload is not None:
+        cons += _offload_rows(offload, size)
+        ub += [np.array(offload.allowed, float), np.full(2, np.inf)]
+        price = np.full(2, offload.price)
+        objectives = [
+            np.concatenate([zeros, cost, zeros, price]),
+            np.concatenate([zeros, zeros, size, np.zeros(2)]),
+            np.concatenate([size, zeros, zeros, np.zeros(2)]),
+        ]
+        integrality = np.concatenate([np.ones(3 * n), np.zeros(2)])
+    device = np.zeros(a.shape[1])
+    device[:n] = size
+    cons.append(LinearConstraint(device[None, :], -np.inf, max_bytes))
+    x, optimal = _lexicographic(objectives, cons, np.concatenate(ub), time_limit, integrality)
+    if x is None:
         return None
-    optimal = first.status == 0
-    best = float(first.fun)
-    x = first.x
-    # second solve: the fewest bytes at that cost (tolerance for HiGHS' float arithmetic)
-    at_cost = LinearConstraint(
-        np.concatenate([np.zeros(n), cost])[None, :], -np.inf, best + 1e-6 * max(1.0, best)
-    )
-    second = _solve(np.concatenate([size, np.zeros(n)]), [*cons, at_cost], ub, time_limit)
-    if second.x is not None:
-        x = second.x
-        optimal = optimal and second.status == 0
     if not optimal:
         warnings.warn(
             f"memory_budget: the ILP hit its time limit ({time_limit:g} s); using the best "
             "feasible saved set found, which may not be optimal",
             stacklevel=4,
         )
-    saved = [i for i in range(n) if x[i] > 0.5]
-    return IlpResult(saved, float(cost @ np.round(x[n:])), optimal)
+    chosen = np.round(x)
+    return IlpResult(
+        saved=[i for i in range(n) if chosen[i] > 0.5],
+        cost=float(objectives[0] @ np.where(integrality == 0, x, chosen))
+        if integrality is not None
+        else float(cost @ chosen[n:]),
+        optimal=optimal,
+        offloaded=[i for i in range(n) if kinds == 3 and chosen[2 * n + i] > 0.5],
+    )
+
+
+def _offload_rows(t: OffloadTerms, size: np.ndarray) -> list[LinearConstraint]:
+    """Host bytes within the limit; exposed copy bytes ``e >= offloaded bytes - hidden``."""
+    n = len(size)
+    rows = []
+    host = np.concatenate([np.zeros(2 * n), size, np.zeros(2)])
+    if math.isfinite(t.host_bytes):
+        rows.append(LinearConstraint(host[None, :], -np.inf, t.host_bytes))
+    for k, hidden in enumerate((t.hidden_forward, t.hidden_backward)):
+        if math.isfinite(hidden):
+            row = host.copy()
+            row[3 * n + k] = -1.0
+            rows.append(LinearConstraint(row[None, :], -np.inf, hidden))
+    return rows
+
+
+def _lexicographic(
+    objectives: list[np.ndarray],
+    cons: list[LinearConstraint],
+    ub: np.ndarray,
+    limit: float,
+    integrality: np.ndarray | None,
+) -> tuple[np.ndarray | None, bool]:
+    """Minimise each objective in turn, keeping the earlier ones at their optimum (with a
+    tolerance for HiGHS' float arithmetic); returns the point and whether every solve was
+    optimal."""
+    x: np.ndarray | None = None
+    optimal = True
+    for c in objectives:
+        result = _solve(c, cons, ub, limit, integrality)
+        if result.x is None:
+            return x, optimal and x is not None
+        x, best = result.x, float(result.fun)
+        optimal = optimal and result.status == 0
+        cons = [*cons, LinearConstraint(c[None, :], -np.inf, best + 1e-6 * max(1.0, abs(best)))]
+    return x, optimal

@@ -17,6 +17,14 @@ instead: the names ``dynamic=`` gave the dimensions (or ``x.shape[1]`` for an un
 ``max_bytes`` (or the fraction) holds at the largest size you declare, and below it too, since
 every saved value's bytes grow with the sizes.
 
+``offload=Offload(bandwidth=..., host_bytes=...)`` adds a third choice per value: keep it in
+host memory between the passes (copied out after its last forward use, back before its first
+backward use). The ILP then minimises recompute cost plus the copy time compute cannot hide
+(see :class:`~functrans.Offload`), and budgets below ``full_remat``'s bytes become feasible
+(random masks and other values that may not be recomputed can wait in host memory).
+``Offload(bandwidth=0)`` is exactly the plain ``memory_budget``; with unlimited bandwidth nothing
+offloadable is recomputed. Offload needs ``solver="ilp"``.
+
 ``"optimal"`` is ``memory_budget`` with the ILP and a required ``budget``: the name to use when
 you want the exact answer and want to say so.
 
@@ -26,6 +34,7 @@ what is accepted.
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
@@ -34,22 +43,25 @@ from typing import Any
 import torch.fx as fx
 
 from functrans.extend import (
+    Cut,
     CutProblem,
     InvalidArgumentError,
     InvalidPartitionError,
     JointGraph,
+    Offload,
     activation_bytes,
     check_names,
     check_number,
     check_option,
     cut_problem,
+    flops,
     parse_options,
     sizes_at,
     split,
 )
 
 from . import register
-from ._ilp import solve_ilp
+from ._ilp import OffloadTerms, solve_ilp
 from .full_remat import full_remat
 from .min_cut import min_cut
 
@@ -74,6 +86,8 @@ class MemoryBudget:
     time_limit: float = 20.0
     #: the sizes to plan at, by dimension name (symbolic traces only); kept as sorted pairs
     at: Mapping[str, int] | tuple[tuple[str, int], ...] | None = None
+    #: a third choice per value: host memory between the passes (None: save or recompute)
+    offload: Offload | None = None
 
     def __post_init__(self) -> None:
         _check_values("memory_budget", {f.name: getattr(self, f.name) for f in fields(self)})
@@ -93,13 +107,15 @@ class MemoryBudget:
         assert self.budget is not None
         return int(low + self.budget * (high - low)), low
 
-    def __call__(self, joint: JointGraph) -> list[fx.Node]:
+    def __call__(self, joint: JointGraph) -> list[fx.Node] | Cut:
         primals = [n.meta.get("val") for n in joint.primals()]
         with sizes_at(primals, dict(self.at or ())):
             return self._solve(joint)
 
-    def _solve(self, joint: JointGraph) -> list[fx.Node]:
+    def _solve(self, joint: JointGraph) -> list[fx.Node] | Cut:
         max_bytes, low = self.limit(joint)
+        if self.offload is not None and self.offload.enabled:
+            return self._with_offload(joint, max_bytes, low, self.offload)
         if max_bytes < low:
             raise InvalidPartitionError(
                 f"memory_budget: {max_bytes} activation bytes is below the smallest achievable "
@@ -118,6 +134,58 @@ class MemoryBudget:
             )
             return full_remat(joint)
         return [problem[i].node for i in result.saved]
+
+    def _with_offload(self, joint: JointGraph, max_bytes: int, low: int, offload: Offload) -> Cut:
+        problem = cut_problem(joint)
+        costs = problem.costs(None if isinstance(self.cost, str) else self.cost)
+        terms = offload_terms(joint, problem, costs, offload, self.cost)
+        result = solve_ilp(problem, costs, max_bytes, self.time_limit, terms)
+        if result is None:
+            if max_bytes < low:
+                raise InvalidPartitionError(
+                    f"memory_budget: {max_bytes} activation bytes is below what must stay on "
+                    f"the device even with offload={offload} (values that may be neither "
+                    f"recomputed nor offloaded); full_remat keeps {low} bytes"
+                )
+            warnings.warn(
+                f"memory_budget: the ILP found no saved set within its time limit "
+                f"({self.time_limit:g} s); falling back to full rematerialization",
+                stacklevel=3,
+            )
+            return Cut(saved=tuple(full_remat(joint)))
+        return Cut(
+            saved=tuple(problem[i].node for i in result.saved),
+            offloaded=tuple(problem[i].node for i in result.offloaded),
+        )
+
+
+def offload_terms(
+    joint: JointGraph,
+    problem: CutProblem,
+    costs: Sequence[float],
+    offload: Offload,
+    cost: str | Callable[[fx.Node], float],
+) -> OffloadTerms:
+    """The ILP's offload terms: copies out hide behind the forward's compute, copies back
+    behind the backward's, ``overlap`` of each, at ``bandwidth``; an exposed byte costs the
+    compute it delays."""
+    price_of = flops if isinstance(cost, str) else cost
+    backward = sum(float(price_of(n)) for n in joint.backward_nodes() if n.op == "call_function")
+    forward = sum(costs)
+    seconds = offload.seconds(1.0)  # per byte
+    if seconds == 0:
+        hidden_f = hidden_b = math.inf
+    else:
+        hidden_f = offload.overlap * forward / offload.compute_rate / seconds
+        hidden_b = offload.overlap * backward / offload.compute_rate / seconds
+    host = math.inf if offload.host_bytes is None else float(offload.host_bytes)
+    return OffloadTerms(
+        allowed=[v.can_offload for v in problem],
+        host_bytes=host,
+        hidden_forward=hidden_f,
+        hidden_backward=hidden_b,
+        price=seconds * offload.compute_rate,
+    )
 
 
 _BUDGET = (
@@ -154,6 +222,16 @@ def _check_values(where: str, options: Mapping[str, Any]) -> None:
         )
     )
     check_option(where, "at", at, ok, "a mapping {dimension name: size >= 0}")
+    offload = options.get("offload")
+    accepted = "an Offload(bandwidth=..., host_bytes=...) or None"
+    check_option(
+        where, "offload", offload, offload is None or isinstance(offload, Offload), accepted
+    )
+    if offload is not None and solver != "ilp":
+        raise InvalidArgumentError(
+            f"{where}: offload={offload} needs solver='ilp'; got solver={solver!r} (the greedy "
+            "solver only saves or recomputes)"
+        )
 
 
 def _activation(joint: JointGraph, saved: list[fx.Node]) -> int:
@@ -200,7 +278,7 @@ def greedy(p: CutProblem, costs: Sequence[float], max_bytes: int) -> list[fx.Nod
     return [p[i].node for i in sorted(saved)]
 
 
-def memory_budget(joint: JointGraph, **options: object) -> list[fx.Node]:
+def memory_budget(joint: JointGraph, **options: object) -> list[fx.Node] | Cut:
     """The ``"memory_budget"`` strategy: ``partition(jg, "memory_budget", budget=0.3)``."""
     return parse_options(MemoryBudget, "memory_budget", options)(joint)
 
@@ -211,10 +289,11 @@ _OPTIMAL_HINTS = {
 }
 
 
-def optimal(joint: JointGraph, **options: object) -> list[fx.Node]:
+def optimal(joint: JointGraph, **options: object) -> list[fx.Node] | Cut:
     """The ``"optimal"`` strategy: the exact ILP at a required ``budget`` (options ``budget``,
     ``cost``, ``time_limit``)."""
-    check_names("optimal", options, ("budget", "cost", "time_limit", "at"), hints=_OPTIMAL_HINTS)
+    accepted = ("budget", "cost", "time_limit", "at", "offload")
+    check_names("optimal", options, accepted, hints=_OPTIMAL_HINTS)
     if "budget" not in options:
         raise InvalidArgumentError(
             f"optimal needs budget= ({_BUDGET}); got options: {', '.join(options) or 'none'}"
@@ -231,6 +310,8 @@ register(
         {"budget": 0.5},
         {"budget": 1.0},
         {"budget": 0.4, "solver": "greedy"},
+        {"budget": 0.0, "offload": Offload(bandwidth=math.inf)},
+        {"budget": 0.5, "offload": Offload(bandwidth=1e9, host_bytes=4096, compute_rate=1e9)},
     ),
 )
 register("optimal", optimal, examples=({"budget": 0.3},))

@@ -1,0 +1,309 @@
+"""Offload, the third decision: the graph ops, the rules, the exact solver and its promises,
+a poison test of the wiring, and offload under jit in a training loop."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from expecttest import assert_expected_inline
+from functrans.partitioners._ilp import solve_ilp
+from functrans.partitioners.memory_budget import MemoryBudget, offload_terms
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import functrans as ft
+from functrans import FunctransError, InvalidPartitionError, Offload
+from functrans.extend import Cut, PinnedHost, cut_problem, use_transfer, why_not_offload
+from functrans.testing import check_partition, programs
+from functrans.testing._check import compare
+
+INF = Offload(bandwidth=math.inf)
+
+
+def mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    h = F.dropout(torch.tanh(x @ w1), 0.3)
+    return (torch.relu(h @ w2) ** 2).sum()
+
+
+def mlp_args() -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(0)
+    return (
+        torch.randn(16, 32, generator=g),
+        torch.randn(32, 64, generator=g, requires_grad=True),
+        torch.randn(64, 32, generator=g, requires_grad=True),
+    )
+
+
+def offload_everything(jg: ft.JointGraph) -> Cut:
+    """A strategy that asks to offload every forward value (the rules pick what may go)."""
+    return Cut(saved=(), offloaded=tuple(n for n in jg.forward_nodes() if n.op != "placeholder"))
+
+
+# ---------------------------------------------------------------------------------------------
+# the graphs
+
+
+def test_golden_offloaded_graphs() -> None:
+    jg = ft.joint(lambda x: x.exp().sin().sum())(torch.ones(3))
+    p = ft.partition(jg, lambda jg: Cut(offloaded=("exp",)))
+    assert_expected_inline(
+        str(p.forward),
+        """\
+def forward(primals_1: "f32[3]"):
+    exp: "f32[3]" = aten.exp.default(primals_1)
+    sin: "f32[3]" = aten.sin.default(exp)
+    to_host_default: "f32[3]" = functrans.to_host.default(exp)
+    sum_1: "f32[]" = aten.sum.dim_IntList(sin, [])
+    return (sum_1, to_host_default)""",
+    )
+    assert_expected_inline(
+        str(p.backward),
+        """\
+def forward(to_host_default: "f32[3]", tangents_1: "f32[]"):
+    to_device_default: "f32[3]" = functrans.to_device.default(to_host_default, device('cpu'))
+    expand: "f32[3]" = aten.expand.default(tangents_1, [3])
+    cos: "f32[3]" = aten.cos.default(to_device_default)
+    mul: "f32[3]" = aten.mul.Tensor(expand, cos)
+    mul_1: "f32[3]" = aten.mul.Tensor(mul, to_device_default)
+    return (mul_1,)""",
+    )
+    p.forward.verify()
+    p.backward.verify()
+
+
+def test_offloaded_bytes_leave_the_device() -> None:
+    jg = ft.joint(lambda x: x.exp().sin().sum())(torch.ones(256))
+    kept = ft.partition(jg, "default")
+    moved = ft.partition(jg, lambda jg: Cut(offloaded=("exp",)))
+    assert [s.name for s in moved.offloaded] == ["exp"]
+    assert moved.activation_bytes == kept.activation_bytes - 1024
+    assert moved.offloaded_bytes == 1024 and moved.transfer_bytes == 2048
+    assert moved.host_peak_bytes == 1024 and kept.host_peak_bytes == 0
+    assert moved.memory.boundary_bytes == kept.memory.boundary_bytes - 1024
+    assert "exp (1024 bytes; 2048 bytes copied; host peak 1024)" in moved.report()
+    steps = moved.memory.timeline
+    assert [s.phase for s in steps].count("forward") == len(list(moved.forward.ops()))
+    assert max(s.host_bytes for s in steps) == 1024
+
+
+def test_the_rules_follow_torch() -> None:
+    def f(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = x.exp()
+        mean, rstd = torch.ops.aten.native_layer_norm(y, [4], None, None, 1e-5)[1:]
+        return y.t().sin().sum() + mean.sum() * rstd.sum() + y.t().contiguous().cos().sum(), y
+
+    jg = ft.joint(f)(torch.randn(3, 4))
+    why = {n.name: why_not_offload(n, frozenset(jg.forward_outputs())) for n in jg.forward_nodes()}
+    assert why["primals_1"] == "it is an input"
+    assert why["exp"] == "it is an output of the function"
+    assert why["permute"] == "it is a view"
+    assert why["getitem_1"] == "it is one output of a multi-output op"
+    p = ft.partition(jg, offload_everything)
+    problem = cut_problem(jg)
+    assert p.offloaded and all(problem[v.node].can_offload for v in p.offloaded)
+    assert not {v.name for v in p.offloaded} & {"exp", "permute", "getitem_1", "getitem_2"}
+
+
+def test_a_value_whose_storage_a_saved_view_shares_stays() -> None:
+    jg = ft.joint(lambda x: (x.exp() * x.exp().t()).sum())(torch.ones(4, 4))
+    p = ft.partition(jg, lambda jg: Cut(saved=("permute",), offloaded=("exp",)))
+    assert p.offloaded == ()  # the saved transpose keeps exp's buffer on the device anyway
+
+
+@given(programs(max_steps=6), st.integers(0, 2**31 - 1))
+def test_property_nothing_forbidden_is_offloaded_and_gradients_hold(prog, seed) -> None:  # type: ignore[no-untyped-def]
+    args = prog.example_inputs(seed=seed % 1000)
+    p = check_partition(prog, args, offload_everything)
+    outputs = frozenset(p.joint.forward_outputs())
+    for v in p.offloaded:
+        assert why_not_offload(v.node, outputs) == "", v.name
+        assert v.node not in outputs and v.node.meta["val"].is_contiguous()
+
+
+# ---------------------------------------------------------------------------------------------
+# the poison test: what stays behind after forward is garbage, gradients still hold
+
+
+class Poison(PinnedHost):
+    """Copies values out, and fills the originals with NaN once forward is over."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.originals: list[torch.Tensor] = []
+        self.out = self.back = 0
+
+    def to_host(self, x: torch.Tensor) -> torch.Tensor:
+        self.out += 1
+        self.originals.append(x)
+        return x.clone()
+
+    def to_device(self, x: torch.Tensor, device: torch.device) -> torch.Tensor:
+        self.back += 1
+        return x.clone()
+
+    def poison(self) -> None:
+        with torch.no_grad():
+            for t in self.originals:
+                t.fill_(float("nan"))
+
+
+@pytest.mark.parametrize(
+    "strategy, options",
+    [
+        (offload_everything, {}),
+        ("memory_budget", {"budget": 0.0, "offload": INF}),
+        ("memory_budget", {"max_bytes": 0, "offload": INF}),
+    ],
+)
+def test_poisoned_originals_do_not_reach_the_gradients(strategy, options) -> None:  # type: ignore[no-untyped-def]
+    args = mlp_args()
+    jg = ft.joint(mlp)(*args)
+    p = ft.partition(jg, strategy, **options)
+    assert p.offloaded
+    transfer = Poison()
+
+    def run(a, tangents):  # type: ignore[no-untyped-def]
+        with use_transfer(transfer):
+            outs, saved = p.forward(*a)
+            transfer.poison()
+            return outs, p.backward(saved, tangents)
+
+    compare(mlp, args, jg, run, f"offloaded {[v.name for v in p.offloaded]}")
+    # each offloaded value went out once after forward and came back once in backward
+    assert transfer.out == transfer.back == len(p.offloaded)
+
+
+# ---------------------------------------------------------------------------------------------
+# the solver
+
+
+def test_offload_makes_budgets_below_full_remat_feasible() -> None:
+    jg = ft.joint(mlp)(*mlp_args())
+    with pytest.raises(InvalidPartitionError, match="below the smallest achievable"):
+        ft.partition(jg, "memory_budget", max_bytes=0)
+    p = ft.partition(jg, "memory_budget", max_bytes=0, offload=INF)
+    assert p.activation_bytes == 0 and p.recompute_flops == 0
+    assert "bernoulli" in {v.op.split(".")[1] for v in p.offloaded} or any(
+        v.node.meta["val"].dtype == torch.float32 for v in p.offloaded
+    )
+    with pytest.raises(InvalidPartitionError, match="even with offload"):
+        ft.partition(jg, "memory_budget", max_bytes=0, offload=Offload(bandwidth=1e9, host_bytes=8))
+
+
+def test_offload_options_are_checked() -> None:
+    jg = ft.joint(mlp)(*mlp_args())
+    with pytest.raises(FunctransError, match=r"offload=.*needs solver='ilp'"):
+        ft.partition(jg, "memory_budget", budget=0.5, solver="greedy", offload=INF)
+    with pytest.raises(FunctransError, match=r"offload=3 .* must be an Offload"):
+        ft.partition(jg, "memory_budget", budget=0.5, offload=3)
+    for bad in ({"bandwidth": -1.0}, {"host_bytes": 1.5}, {"overlap": 2.0}, {"compute_rate": 0}):
+        with pytest.raises(FunctransError, match=f"Offload: {next(iter(bad))}="):
+            Offload(**bad)  # type: ignore[arg-type]
+
+
+def _cost(jg: ft.JointGraph, max_bytes: int, offload: Offload | None) -> float:
+    """The ILP's optimal cost (recompute FLOPs plus exposed copy time in FLOPs)."""
+    problem = cut_problem(jg)
+    costs = problem.costs()
+    terms = None
+    if offload is not None and offload.enabled:
+        terms = offload_terms(jg, problem, costs, offload, "flops")
+    result = solve_ilp(problem, costs, max_bytes, 20.0, terms)
+    return math.inf if result is None else result.cost
+
+
+def test_bandwidth_zero_is_todays_memory_budget_on_the_mlp() -> None:
+    jg = ft.joint(mlp)(*mlp_args())
+    for budget in (0.0, 0.3, 1.0):
+        plain = ft.partition(jg, "memory_budget", budget=budget)
+        off = ft.partition(jg, "memory_budget", budget=budget, offload=Offload(bandwidth=0))
+        assert [s.name for s in off.saved] == [s.name for s in plain.saved]
+        assert off.offloaded == ()
+
+
+def _budgets(jg: ft.JointGraph) -> tuple[int, list[int]]:
+    """full_remat's bytes, and budgets from 0 to min_cut's bytes."""
+    low, _ = MemoryBudget(budget=0.0).limit(jg)
+    high, _ = MemoryBudget(budget=1.0).limit(jg)
+    return low, sorted({0, low // 2, low, (low + high) // 2, high})
+
+
+def _recomputed_offloadable(p: ft.Partition) -> list[str]:
+    problem = cut_problem(p.joint)
+    costs = problem.costs()
+    return [n.name for n in p.recomputed if problem[n].can_offload and costs[problem.index[n]]]
+
+
+@settings(max_examples=15)
+@given(programs(max_steps=6, dtypes=(torch.float32,)))
+def test_property_solver_promises(prog) -> None:  # type: ignore[no-untyped-def]
+    jg = ft.joint(prog)(*prog.example_inputs())
+    low, budgets = _budgets(jg)
+    for b in budgets:
+        if b >= low:  # bandwidth 0 is exactly today's memory_budget
+            plain = ft.partition(jg, "memory_budget", max_bytes=b)
+            off = ft.partition(jg, "memory_budget", max_bytes=b, offload=Offload(bandwidth=0))
+            assert [s.name for s in off.saved] == [s.name for s in plain.saved]
+            assert off.offloaded == ()
+        try:
+            free = ft.partition(jg, "memory_budget", max_bytes=b, offload=INF)
+        except InvalidPartitionError:  # only values that may not leave the device do not fit
+            assert b < low
+            continue
+        recomputed = _recomputed_offloadable(free)
+        assert not recomputed, f"recomputed {recomputed} though copies are free"
+    # monotone: more bandwidth or more budget never costs more
+    rates = (0.0, 1e8, 1e10, math.inf)
+    for b in budgets:
+        assert _non_increasing([_cost(jg, b, Offload(bandwidth=r)) for r in rates])
+    for r in rates:
+        assert _non_increasing([_cost(jg, b, Offload(bandwidth=r)) for b in budgets])
+
+
+def _non_increasing(costs: list[float]) -> bool:
+    return all(x >= y - 1e-6 * max(1.0, abs(y)) for x, y in itertools.pairwise(costs))
+
+
+# ---------------------------------------------------------------------------------------------
+# as a user: train with offload under jit
+
+
+class Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2 = torch.nn.Linear(32, 64), torch.nn.Linear(64, 8)
+        self.drop = torch.nn.Dropout(0.2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l2(self.drop(torch.tanh(self.l1(x)))).pow(2).mean()
+
+
+def test_training_with_offload_under_jit_matches_eager() -> None:
+    torch.manual_seed(0)
+    model, ref = Block(), Block()
+    ref.load_state_dict(model.state_dict())
+    step = ft.jit(model, partition=MemoryBudget(budget=0.0, offload=INF))
+    opt, ref_opt = torch.optim.AdamW(model.parameters()), torch.optim.AdamW(ref.parameters())
+    counting = Poison()
+    for i in range(3):
+        x = torch.randn(16, 32)
+        torch.manual_seed(i)
+        with use_transfer(counting):
+            loss = step(x)
+            counting.poison()
+            loss.backward()
+        torch.manual_seed(i)
+        ref_loss = ref(x)
+        ref_loss.backward()
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+        torch.testing.assert_close(loss, ref_loss)
+    for a, b in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(a, b)
+    (p,) = step.partitions()
+    assert p.offloaded and counting.out == counting.back == 3 * len(p.offloaded)
