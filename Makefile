@@ -8,7 +8,7 @@ STAMP   := $(VENV)/.installed
 TORCH   := torch==2.13.0
 export HYPOTHESIS_PROFILE ?= ci
 
-.PHONY: demo test lint typecheck unit fuzz conformance bench bench-quick clean
+.PHONY: demo test lint typecheck unit browser fuzz conformance bench bench-quick clean
 
 $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -27,8 +27,16 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VPY) -m mypy
 
-unit: $(STAMP)
-	$(VPY) -m pytest -q
+# tests/test_report.py renders the HTML report in Debian's Chromium: installed here when missing
+# (as root, else through sudo); FUNCTRANS_REQUIRE_BROWSER=1 makes its absence a failure.
+SUDO    := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+browser:
+	command -v chromium >/dev/null || { $(SUDO) apt-get update && \
+		$(SUDO) env DEBIAN_FRONTEND=noninteractive \
+		apt-get install -y --no-install-recommends chromium; }
+
+unit: $(STAMP) browser
+	FUNCTRANS_REQUIRE_BROWSER=1 $(VPY) -m pytest -q
 
 test: lint typecheck unit
 

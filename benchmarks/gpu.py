@@ -1,11 +1,15 @@
-"""GPU step time and peak memory: eager, ``torch.compile`` and ``functrans.jit`` with Triton.
+"""GPU step time and peak memory: eager, ``torch.compile`` and ``functrans.jit`` with Triton;
+and offload (GPU-only figures): ``memory_budget`` at ``full_remat``'s bytes, save/recompute only
+vs with ``offload=Offload()`` (copies to pinned host memory on a side stream).
 
 For each zoo stack (the 8-block MLP, a 4-block GPT stack and a 4-block Llama stack, float32,
 ``size="bench"`` scaled up by ``--scale``), one fwd+bwd training step
 (``fn(params, x).backward()``) is timed for eager PyTorch, ``torch.compile(fn)`` (Inductor,
 default options) and ``functrans.jit(fn, partition="min_cut", backend="triton")``: warm-up
 steps first (compilation included), then the median of ``--steps`` steps, each bracketed by
-``torch.cuda.synchronize()``. Peak memory is ``torch.cuda.max_memory_allocated()`` during one
+``torch.cuda.synchronize()``. The offload pair is ``functrans.jit(fn,
+partition="memory_budget", budget=0.0)`` with and without ``offload=Offload()`` (aten backend:
+the copies are custom ops the Triton backend leaves to ATen anyway). Peak memory is ``torch.cuda.max_memory_allocated()`` during one
 step, above what was allocated before it. Gradients of both compiled variants are checked
 against eager first. Ratios are against eager.
 
@@ -102,6 +106,10 @@ def run_model(
     if device.type == "cuda":
         variants["torch_compile"] = torch.compile(fn)
     variants["functrans_triton"] = ft.jit(fn, partition="min_cut", backend="triton")
+    variants["functrans_budget0"] = ft.jit(fn, partition="memory_budget", budget=0.0)
+    variants["functrans_budget0_offload"] = ft.jit(
+        fn, partition="memory_budget", budget=0.0, offload=ft.Offload()
+    )
     ref = grads(fn, params, x)
     row: dict[str, Any] = {"model": name}
     for v, f in variants.items():

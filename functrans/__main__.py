@@ -1,8 +1,11 @@
-"""``python -m functrans explain MODULE:FUNCTION [--strategy NAME] [--budget X] [--draw PATH]``.
+"""``python -m functrans explain MODULE:FUNCTION [--strategy NAME] [--budget X] [--draw PATH]
+[--html PATH [--compare NAME,NAME]]``.
 
 ``FUNCTION`` (in an importable module or a ``.py`` file) takes no arguments and returns
 ``(fn, args)``: the function to explain and its example arguments. Prints the joint graph, the
-saved-value table and the memory figures of the chosen partition.
+saved-value table and the memory figures of the chosen partition. ``--html`` also writes a
+self-contained HTML report of it (:func:`functrans.viz.report`: the cut, the saved values, the
+memory timeline), with ``--compare`` beside the partitions of the other strategies named.
 """
 
 from __future__ import annotations
@@ -14,8 +17,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ._graph import JointGraph
 from ._joint import joint
-from ._partition import format_bytes, partition
+from ._partition import Partition, format_bytes, partition
 
 
 def _load(target: str) -> Any:
@@ -40,7 +44,17 @@ def explain(argv: list[str] | None = None) -> int:
     parser.add_argument("--strategy", default="min_cut")
     parser.add_argument("--budget", type=float, default=None, help="memory_budget fraction")
     parser.add_argument("--draw", default=None, help="write a .dot/.svg/.html picture")
+    parser.add_argument("--html", default=None, help="write a self-contained HTML report")
+    parser.add_argument(
+        "--compare", default="", help="with --html: more strategies to report, comma-separated"
+    )
     args = parser.parse_args(argv)
+    if args.compare and not args.html:
+        parser.error("--compare needs --html PATH (it adds partitions to the HTML report)")
+    if args.html:
+        from ._report import check_path
+
+        check_path(args.html, (".html", ".htm"), "explain --html")  # fail before the work
     fn, example = _load(args.target)()
     jg = joint(fn)(*example)
     options = {} if args.budget is None else {"budget": args.budget}
@@ -61,7 +75,20 @@ def explain(argv: list[str] | None = None) -> int:
         from .viz import draw
 
         print(f"wrote {draw(p, args.draw)}")
+    if args.html:
+        _write_html(jg, p, args.html, args.compare, args.target)
     return 0
+
+
+def _write_html(jg: JointGraph, p: Partition, path: str, compare: str, target: str) -> None:
+    """The report of ``p`` and of the strategies in ``compare``, labelled by strategy."""
+    from .viz import report
+
+    items = {p.strategy: p}
+    for name in (n.strip() for n in compare.split(",")):
+        if name and name not in items:
+            items[name] = partition(jg, name)
+    print(f"wrote {report(items, path, title=f'functrans explain {target}')}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,6 +1,8 @@
-"""Pictures: partitions as graphs (``draw``: .dot always, .svg/.html with graphviz) and the
-Pareto front of activation memory against recompute (``plot_pareto``: needs matplotlib, the
-``viz`` extra: ``pip install functrans[viz]``).
+"""Pictures: partitions as graphs (``draw``: .dot always, .svg/.html with graphviz), the
+Pareto front of activation memory against recompute (``plot_pareto``) and memory over forward
+then backward (``plot_memory``; both need matplotlib, the ``viz`` extra: ``pip install
+functrans[viz]``), and a self-contained HTML report (``report``: the cut, the saved values,
+the memory timeline and the front, drawn as inline SVG; needs nothing).
 """
 
 from __future__ import annotations
@@ -8,7 +10,7 @@ from __future__ import annotations
 import html
 import shutil
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +18,11 @@ from ._dot import to_dot
 from ._errors import FunctransError
 from ._graph import Graph
 from ._pareto import ParetoPoint
-from ._partition import Partition, partition
+from ._partition import Partition, format_bytes, partition
+from ._report import check_path, labelled, page, peak_index
+from ._report import series as memory_series
 
-__all__ = ["draw", "plot_pareto"]
+__all__ = ["draw", "plot_memory", "plot_pareto", "report"]
 
 
 def _pyplot() -> Any:
@@ -108,4 +112,88 @@ def draw(obj: Partition | Graph, path: str | Path) -> Path:
         path.write_text(f"<!doctype html><html><body>{body}{table}</body></html>")
     else:
         raise FunctransError(f"draw writes .dot, .svg or .html files, not {path.name!r}")
+    return path
+
+
+def plot_memory(
+    partitions: Partition | Sequence[Partition] | Mapping[str, Partition],
+    path: str | Path,
+    *,
+    title: str = "",
+) -> Path:
+    """Plot live device memory after each op of forward then backward, one line per partition
+    (a partition, a sequence of them, or a mapping label -> partition), and write ``path``
+    (.png, .svg or .pdf). Host memory is dashed where a partition offloads; the passes'
+    boundary is a vertical line (each partition's ops are spread over its pass's part of the
+    x axis, so the boundary is shared); a dot marks each peak, which the legend gives.
+
+    >>> import torch, tempfile, os, functrans as ft
+    >>> jg = ft.joint(lambda x: x.exp().sin().sum())(torch.ones(64))
+    >>> ps = {"saved": ft.partition(jg, "default"), "remat": ft.partition(jg, "full_remat")}
+    >>> out = plot_memory(ps, os.path.join(tempfile.mkdtemp(), "m.png"))
+    >>> out.suffix, out.stat().st_size > 0
+    ('.png', True)
+    """
+    items = labelled(partitions, "plot_memory")
+    path = check_path(path, (".png", ".svg", ".pdf"), "plot_memory")
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    lines = memory_series(items)
+    for s in lines:
+        if not s.device:
+            continue
+        k = peak_index(s)
+        (drawn,) = ax.plot(
+            s.x,
+            s.device,
+            "-",
+            lw=1.8,
+            label=f"{s.label}: device (peak {format_bytes(s.device[k])})",
+        )
+        ax.plot([s.x[k]], [s.device[k]], "o", color=drawn.get_color())
+        if any(s.host):
+            ax.plot(s.x, s.host, "--", color=drawn.get_color(), label=f"{s.label}: host")
+    ax.axvline(lines[0].boundary, color="#555", ls=":", lw=1)
+    ax.text(
+        lines[0].boundary,
+        1.0,
+        "forward | backward ",
+        transform=ax.get_xaxis_transform(),
+        ha="center",
+        va="bottom",
+        fontsize=8,
+    )
+    ax.yaxis.set_major_formatter(lambda v, _pos: format_bytes(int(v)))
+    ax.set_xlabel("ops (forward, then backward)")
+    ax.set_ylabel("live bytes")
+    ax.set_ylim(bottom=0)
+    ax.set_title(title or "memory over forward then backward (dots: peaks)", pad=16)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def report(
+    partitions: Partition | Sequence[Partition] | Mapping[str, Partition],
+    path: str | Path,
+    *,
+    title: str = "functrans memory report",
+) -> Path:
+    """Write a self-contained HTML page (no network, no scripts, no graphviz) about one or more
+    partitions (a partition, a sequence, or a mapping label -> partition): a summary row each,
+    the memory timeline, with several partitions the Pareto front (activation bytes against
+    recompute FLOPs), and per partition its cut drawn as SVG (every forward node a ``<g
+    data-node=NAME class=KIND>``, its source line on hover) and its saved-values table.
+
+    >>> import torch, tempfile, os, functrans as ft
+    >>> p = ft.partition(ft.joint(lambda x: x.exp().sin().sum())(torch.ones(8)), "min_cut")
+    >>> out = report(p, os.path.join(tempfile.mkdtemp(), "report.html"))
+    >>> 'data-node="exp"' in out.read_text()
+    True
+    """
+    items = labelled(partitions, "report")
+    path = check_path(path, (".html", ".htm"), "report")
+    path.write_text(page(items, title), encoding="utf-8")
     return path
