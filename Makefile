@@ -55,6 +55,7 @@ bench: $(STAMP)
 	$(VPY) -m benchmarks.partition_quality
 	$(VPY) -m benchmarks.partition_speed
 	$(VPY) -m benchmarks.memory_budget
+	$(VPY) -m benchmarks.offload
 	$(VPY) -m benchmarks.remat
 	$(VPY) -m benchmarks.runtime
 	$(VPY) -m benchmarks.dynamic
@@ -66,6 +67,7 @@ bench-quick: $(STAMP)
 	$(VPY) -m benchmarks.partition_quality --quick
 	$(VPY) -m benchmarks.partition_speed --quick
 	$(VPY) -m benchmarks.memory_budget --quick
+	$(VPY) -m benchmarks.offload --quick
 	$(VPY) -m benchmarks.remat --quick
 	$(VPY) -m benchmarks.runtime --quick
 	$(VPY) -m benchmarks.codegen --quick

@@ -138,8 +138,10 @@ class Offload:
         return self.bandwidth > 0 and self.host_bytes != 0
 
     def seconds(self, nbytes: float) -> float:
-        """Time to copy ``nbytes`` one way."""
-        return 0.0 if math.isinf(self.bandwidth) else nbytes / self.bandwidth
+        """Time to copy ``nbytes`` one way (infinite at bandwidth 0)."""
+        if nbytes == 0 or math.isinf(self.bandwidth):
+            return 0.0
+        return math.inf if self.bandwidth == 0 else nbytes / self.bandwidth
 
 
 class Transfer(Protocol):
