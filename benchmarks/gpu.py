@@ -9,9 +9,10 @@ default options) and ``functrans.jit(fn, partition="min_cut", backend="triton")`
 steps first (compilation included), then the median of ``--steps`` steps, each bracketed by
 ``torch.cuda.synchronize()``. The offload pair is ``functrans.jit(fn,
 partition="memory_budget", budget=0.0)`` with and without ``offload=Offload()`` (aten backend:
-the copies are custom ops the Triton backend leaves to ATen anyway). Peak memory is ``torch.cuda.max_memory_allocated()`` during one
-step, above what was allocated before it. Gradients of both compiled variants are checked
-against eager first. Ratios are against eager.
+the copies are custom ops the Triton backend leaves to ATen anyway). Peak memory is
+``torch.cuda.max_memory_allocated()`` during one step, above what was allocated before it.
+Gradients of every compiled variant are checked against eager first. Ratios are against
+eager.
 
     python -m benchmarks.gpu [--steps N] [--scale K] [--device cuda|cpu]
 

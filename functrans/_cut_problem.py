@@ -394,11 +394,7 @@ def _regathered(nodes: list[fx.Node]) -> set[fx.Node]:
             continue
         sources, rule = n.all_input_nodes, OP_RULES[cls]
         derived = bool(sources) and all(a in out for a in sources)
-        if (
-            derived
-            and tag not in _KEEP_TAGS
-            and (rule.recompute or rule.recompute_when_tagged)
-        ):
+        if derived and tag not in _KEEP_TAGS and (rule.recompute or rule.recompute_when_tagged):
             out.add(n)
     return out
 

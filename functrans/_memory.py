@@ -43,6 +43,7 @@ class MemoryStep:
     host_bytes: int
     recomputed: bool = False
 
+
 _FOREVER = 1 << 62
 
 

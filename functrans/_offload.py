@@ -4,20 +4,13 @@ A value backward needs can be kept on the device, recomputed, or *offloaded*: co
 memory after its last forward use and copied back before its first backward use. This module
 holds the pieces every layer shares:
 
-- the two graph ops, ``functrans::to_host`` and ``functrans::to_device`` (torch custom ops, so
-  every executor runs them through the dispatcher and FX graphs print them plainly);
-- :class:`Transfer`, how the copies are made, swappable with :func:`use_transfer` (a test can
-  poison what stays behind; the default copies to pinned host memory on a side stream on CUDA,
-  and on the CPU, where host and device are one memory, copies);
+- :class:`Offload`, the option of a strategy that chooses offload, and :class:`Cut`, what such
+  a strategy returns;
 - :func:`why_not_offload`, the rule for which values may be offloaded (torch's offloading
   rules: not an output of the function, not a view, not one output of a multi-output op, not a
   non-contiguous tensor, not an input);
-- :func:`insert_transfers`, the pass that puts the copies into a forward and a backward graph.
-
->>> import torch
->>> x = torch.arange(3.0)
->>> torch.ops.functrans.to_device(torch.ops.functrans.to_host(x), x.device)
-tensor([0., 1., 2.])
+- :func:`insert_transfers`, the pass that puts the copies (:mod:`functrans._transfer`'s ops)
+  into a forward and a backward graph.
 """
 
 from __future__ import annotations
@@ -25,28 +18,19 @@ from __future__ import annotations
 import contextlib
 import math
 import operator
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.fx as fx
 
+from ._cost import flops, storage_of
 from ._graph import PHASE, ROLE, SOURCE, Graph, Phase, Role
+from ._transfer import OFFLOAD_OPS
 from ._validate import check_number, check_option
 
-__all__ = [
-    "HOST",
-    "OFFLOAD_OPS",
-    "Cut",
-    "Offload",
-    "PinnedHost",
-    "Transfer",
-    "insert_transfers",
-    "is_transfer",
-    "use_transfer",
-    "why_not_offload",
-]
+__all__ = ["HOST", "Cut", "Offload", "insert_transfers", "why_not_offload"]
 
 #: On a node whose value lives in host memory (an offloaded copy): True.
 HOST = "functrans.host"
@@ -144,118 +128,10 @@ class Offload:
         return math.inf if self.bandwidth == 0 else nbytes / self.bandwidth
 
 
-class Transfer(Protocol):
-    """How offloaded values are copied out and back (see :func:`use_transfer`).
-
-    >>> class Copy:
-    ...     def to_host(self, x):
-    ...         return x.to("cpu", copy=True)
-    ...     def to_device(self, x, device):
-    ...         return x.to(device, copy=True)
-    >>> t: Transfer = Copy()
-    """
-
-    def to_host(self, x: torch.Tensor) -> torch.Tensor: ...
-
-    def to_device(self, x: torch.Tensor, device: torch.device) -> torch.Tensor: ...
-
-
-class PinnedHost:
-    """The default :class:`Transfer`. On CUDA: copies out to pinned host memory on a side
-    stream (the forward's compute goes on while they run), copies back on the same stream
-    and makes the compute stream wait for the copy. On the CPU host and device are one
-    memory: both directions are plain copies (what a test of the wiring needs)."""
-
-    def __init__(self) -> None:
-        self._streams: dict[torch.device, Any] = {}
-
-    def _stream(self, device: torch.device) -> Any:
-        if device not in self._streams:
-            new: Any = torch.cuda.Stream  # torch's class is untyped
-            self._streams[device] = new(device)
-        return self._streams[device]
-
-    def to_host(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type != "cuda":
-            return x.clone()
-        side = self._stream(x.device)
-        side.wait_stream(torch.cuda.current_stream(x.device))
-        out = torch.empty(x.shape, dtype=x.dtype, device="cpu", pin_memory=True)
-        with torch.cuda.stream(side):
-            out.copy_(x, non_blocking=True)
-        x.record_stream(side)  # the caching allocator must not reuse x before the copy ends
-        return out
-
-    def to_device(self, x: torch.Tensor, device: torch.device) -> torch.Tensor:
-        if device.type != "cuda":
-            return x.clone() if x.device == device else x.to(device)
-        side = self._stream(device)
-        current = torch.cuda.current_stream(device)
-        with torch.cuda.stream(side):
-            out = x.to(device, non_blocking=True)
-        current.wait_stream(side)
-        out.record_stream(current)
-        return out
-
-
-_TRANSFER: list[Transfer] = [PinnedHost()]
-
-
-@contextlib.contextmanager
-def use_transfer(transfer: Transfer) -> Iterator[Transfer]:
-    """Copy offloaded values with ``transfer`` meanwhile (graphs read it when they run, not
-    when they are traced).
-
-    >>> import torch
-    >>> class Counting(PinnedHost):
-    ...     out = 0
-    ...     def to_host(self, x):
-    ...         self.out += 1
-    ...         return super().to_host(x)
-    >>> with use_transfer(Counting()) as t:
-    ...     _ = torch.ops.functrans.to_host(torch.ones(2))
-    >>> t.out
-    1
-    """
-    _TRANSFER.append(transfer)
-    try:
-        yield transfer
-    finally:
-        _TRANSFER.remove(transfer)
-
-
-@torch.library.custom_op("functrans::to_host", mutates_args=())
-def _to_host(x: torch.Tensor) -> torch.Tensor:
-    return _TRANSFER[-1].to_host(x)
-
-
-@_to_host.register_fake
-def _(x: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(x, device="cpu")
-
-
-@torch.library.custom_op("functrans::to_device", mutates_args=())
-def _to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
-    return _TRANSFER[-1].to_device(x, device)
-
-
-@_to_device.register_fake
-def _(x: torch.Tensor, device: torch.device) -> torch.Tensor:
-    return torch.empty_like(x, device=device)
-
-
-#: The graph ops that copy an offloaded value out (forward) and back (backward).
-OFFLOAD_OPS = (torch.ops.functrans.to_host.default, torch.ops.functrans.to_device.default)
-
-
-def is_transfer(node: fx.Node) -> bool:
-    """Whether ``node`` copies a value to or from host memory."""
-    return node.op == "call_function" and node.target in OFFLOAD_OPS
-
-
 def why_not_offload(node: fx.Node, outputs: frozenset[fx.Node] = frozenset()) -> str:
     """Why the forward value ``node`` may not be offloaded ("" if it may). ``outputs``: the
-    function's own outputs (the caller holds them on the device anyway).
+    function's own outputs (the caller holds them, and views of them hold their storage, on
+    the device anyway).
 
     >>> import torch, functrans as ft
     >>> jg = ft.joint(lambda x: x.exp().t().sum())(torch.ones(2, 3))
@@ -269,6 +145,8 @@ def why_not_offload(node: fx.Node, outputs: frozenset[fx.Node] = frozenset()) ->
         return "it is not a tensor"
     if node in outputs:
         return "it is an output of the function"
+    if any(storage_of(o)[0] is node for o in outputs if isinstance(o, fx.Node)):
+        return "an output of the function is a view of it"
     target = node.target
     if target is operator.getitem:
         return "it is one output of a multi-output op"
@@ -321,9 +199,20 @@ def _offload_forward(forward: Graph, names: Sequence[str]) -> tuple[Graph, dict[
     return Graph(g, forward.in_flat, forward.out_flat, root=forward.graph_module), renamed
 
 
+def _prefetch_point(order: list[fx.Node], first: fx.Node) -> fx.Node:
+    """Where a copy back is issued: before the nearest op ahead of the value's first use that
+    computes something (FLOPs > 0), so the copy runs while it does; the first use if none."""
+    for n in reversed(order[: order.index(first)]):
+        if n.op == "placeholder":
+            break
+        if n.op == "call_function" and n.target not in OFFLOAD_OPS and flops(n) > 0:
+            return n
+    return first
+
+
 def _offload_backward(backward: Graph, renamed: dict[str, str]) -> Graph:
-    """The backward graph taking each offloaded value as its host copy, with ``to_device``
-    one op before the value's first use (the copy overlaps that op on CUDA)."""
+    """The backward graph taking each offloaded value as its host copy: ``to_device`` issued
+    ahead of its first use (:func:`_prefetch_point`), ``wait_copy`` right before it."""
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     host_inputs: list[tuple[fx.Node, fx.Node]] = []
@@ -337,21 +226,20 @@ def _offload_backward(backward: Graph, renamed: dict[str, str]) -> Graph:
             host_inputs.append((ph, n))
         else:
             env[n] = g.node_copy(n, lambda a: env[a])
-    order = list(g.nodes)
     for ph, original in host_inputs:
-        users = [u for u in ph.users]
-        first = min(users, key=order.index) if users else None
-        at = first if first is not None else next(n for n in order if n.op == "output")
-        before = order[max(order.index(at) - 1, 0)]
-        anchor = before if before.op != "placeholder" else at
-        with g.inserting_before(anchor):
-            back = g.call_function(OFFLOAD_OPS[1], (ph, original.meta["val"].device))
-        back.meta.update(
-            {"val": original.meta["val"], PHASE: Phase.BACKWARD, SOURCE: original.meta.get(SOURCE)}
-        )
-        for u in users:
-            u.replace_input_with(ph, back)
         order = list(g.nodes)
+        users = list(ph.users)
+        first = min(users, key=order.index) if users else order[-1]
+        val = original.meta["val"]
+        meta = {PHASE: Phase.BACKWARD, SOURCE: original.meta.get(SOURCE)}
+        with g.inserting_before(_prefetch_point(order, first)):
+            back = g.call_function(OFFLOAD_OPS[1], (ph, val.device))
+        back.meta.update(meta, val=val)
+        with g.inserting_before(first):
+            ready = g.call_function(OFFLOAD_OPS[2], (back,))
+        ready.meta.update(meta, val=_fake(OFFLOAD_OPS[2], val))
+        for u in users:
+            u.replace_input_with(ph, ready)
     g.lint()
     return Graph(g, backward.in_flat, backward.out_flat, root=backward.graph_module)
 
@@ -370,13 +258,14 @@ def insert_transfers(forward: Graph, backward: Graph, names: Sequence[str]) -> t
         to_host_default: "f32[3]" = functrans.to_host.default(exp)
         sum_1: "f32[]" = aten.sum.dim_IntList(sin, [])
         return (sum_1, to_host_default)
-    >>> print(bwd)  # and comes back one op before its first backward use
+    >>> print(bwd)  # and comes back for its first backward use (cos)
     def forward(to_host_default: "f32[3]", tangents_1: "f32[]"):
-        to_device_default: "f32[3]" = functrans.to_device.default(to_host_default, device('cpu'))
         expand: "f32[3]" = aten.expand.default(tangents_1, [3])
-        cos: "f32[3]" = aten.cos.default(to_device_default)
+        to_device_default: "f32[3]" = functrans.to_device.default(to_host_default, device('cpu'))
+        wait_copy_default: "f32[3]" = functrans.wait_copy.default(to_device_default)
+        cos: "f32[3]" = aten.cos.default(wait_copy_default)
         mul: "f32[3]" = aten.mul.Tensor(expand, cos)
-        mul_1: "f32[3]" = aten.mul.Tensor(mul, to_device_default)
+        mul_1: "f32[3]" = aten.mul.Tensor(mul, wait_copy_default)
         return (mul_1,)
     """
     if not names:

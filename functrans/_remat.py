@@ -6,15 +6,16 @@
 - Eager (ordinary autograd): ``f`` runs under torch's non-reentrant checkpoint (saved-tensor
   hooks at the autograd layer: RNG state restored, recomputation stopped early once everything
   backward needs is produced) with our dispatch modes at the op layer: forward keeps only the
-  outputs the policy saves, keyed by (op, call index); recomputation serves them back. The
-  same policy object decides in both modes.
+  outputs the policy saves, keyed by (op, call index); recomputation serves them back. Outputs
+  it offloads (``MUST_OFFLOAD``) are copied to host memory once when the region ends and back
+  in each recomputation. The same policy object decides in both modes.
 """
 
 from __future__ import annotations
 
 import functools
 import operator
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, ParamSpec, Protocol, TypeVar, cast, overload
 
@@ -29,7 +30,7 @@ from torch.fx.experimental.proxy_tensor import (
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
-from . import policies
+from . import _transfer, policies
 from ._module_view import ModuleView
 from ._passes import _IDENTITY_OPS
 from ._pytree import NAMESPACE
@@ -46,14 +47,29 @@ _M = TypeVar("_M", bound=torch.nn.Module)
 
 class _Entry(NamedTuple):
     """An op's outputs as the policy saved them (detached aliases: no copy), with each tensor
-    output's version counter when the op returned."""
+    output's version counter when the op returned. An offloaded entry holds the host copy of
+    its one tensor and the device it goes back to."""
 
     value: Any
     versions: tuple[int, ...]
+    device: torch.device | None = None  # set: ``value`` is a host copy
+
+    def served(self) -> Any:
+        """The value a recomputation gets: the saved one, or a device copy of the host copy
+        (one per recomputation: a second backward copies it again)."""
+        if self.device is None:
+            return self.value
+        transfer = _transfer._TRANSFER[-1]
+        back = transfer.to_device(self.value, self.device)
+        transfer.wait(back)  # the op's output is read right away
+        return back
 
 
 def _tensors(out: Any) -> list[torch.Tensor]:
     return [t for t in optree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+
+
+_Where = tuple[torch.device, int]  # a storage: its device and address
 
 
 class _Cache:
@@ -63,15 +79,28 @@ class _Cache:
     in-place op (``x.sin().mul_(2)``, a write through a view of it, or of its base) changes it.
     Every write bumps the tensor's version counter, which views share; an entry whose counter
     moved is stale and its op is recomputed instead (what traced mode's functionalized graph
-    does). Nothing is copied: the common case, no mutation, costs no memory.
+    does). Nothing is copied on the device: the common case, no mutation, costs no memory.
+    Offloaded outputs are copied to host memory once, when the forward ends (:meth:`offload`).
     """
 
     def __init__(self) -> None:
         self.store: dict[tuple[Any, int], _Entry] = {}
+        self.offloads: list[tuple[Any, int]] = []  # keys to copy to host at the forward's end
+        self.held: set[_Where] = set()  # storages of the region's inputs and outputs
+        self.ended = False  # the forward ended: what the caller holds is known
 
-    def put(self, key: tuple[Any, int], out: Any) -> None:
+    def put(self, key: tuple[Any, int], out: Any, offload: bool = False) -> None:
         value = tree_map(_detach, out)
         self.store[key] = _Entry(value, tuple(t._version for t in _tensors(value)))
+        if offload:
+            self.offloads.append(key)
+
+    def hold(self, *trees: Any) -> None:
+        """Note the tensors of ``trees`` (the region's inputs and outputs): the caller holds
+        them on the device, so values in their storages are not offloaded. Recomputations
+        rerun the region: only the forward's call counts."""
+        if not self.ended:
+            self.held |= {p for p in map(_storage, _tensors(trees)) if p is not None}
 
     def get(self, key: tuple[Any, int]) -> _Entry | None:
         """The entry, or None when nothing was saved or it was mutated since."""
@@ -84,6 +113,46 @@ class _Cache:
         """Forget the entries the rest of the forward mutated: backward recomputes them, and
         their tensors are freed here unless the region still holds them."""
         self.store = {k: e for k, e in self.store.items() if _unchanged(e)}
+
+    def offload(self) -> None:
+        """Copy the entries the policy offloads to host memory, once, in forward order, and
+        drop their device tensors. Run after :meth:`drop_mutated`: a value the region changed
+        is recomputed, never copied stale. One an offload rule refuses stays on the device."""
+        saved = Counter(_storage(t) for e in self.store.values() for t in _tensors(e.value))
+        busy = self.held | {p for p, n in saved.items() if p is not None and n > 1}
+        for key in self.offloads:
+            entry = self.store.get(key)
+            if entry is not None and not _why_not_offload(entry.value, busy):
+                host = _transfer._TRANSFER[-1].to_host(entry.value)
+                self.store[key] = _Entry(host, (host._version,), entry.value.device)
+        self.offloads, self.held, self.ended = [], set(), True
+
+
+def _storage(t: torch.Tensor) -> _Where | None:
+    """Where ``t``'s memory is, or None for a tensor without its own (a wrapper subclass)."""
+    try:
+        return t.device, t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def _why_not_offload(value: Any, busy: set[_Where]) -> str:
+    """Why a saved output stays on the device ("" if it may go to host memory): traced mode's
+    rules (:func:`functrans._offload.why_not_offload`, and no other saved value in its storage)
+    for an eager value. ``busy``: storages something else keeps on the device. Views and
+    outputs that alias an argument are never saved (:func:`_aliases`)."""
+    if not isinstance(value, torch.Tensor):
+        return "it is not one tensor (a multi-output op)"
+    if type(value) is not torch.Tensor or value.layout is not torch.strided:
+        return "it is not a dense tensor"
+    if not value.is_contiguous():
+        return "it is not contiguous"
+    if _storage(value) in busy:
+        return (
+            "its storage stays on the device (an input or output of the region holds it, or "
+            "another saved value)"
+        )
+    return ""
 
 
 def _unchanged(entry: _Entry) -> bool:
@@ -117,14 +186,18 @@ class _Record(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's cl
     def __exit__(self, *exc: object) -> None:
         super().__exit__(*exc)  # type: ignore[no-untyped-call]  # torch's class is untyped
         self.cache.drop_mutated()
+        if exc[0] is None:  # a failed forward has no backward
+            with torch.no_grad():
+                self.cache.offload()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         key = (func, self.calls[func])
         self.calls[func] += 1
-        if self.decide(func, *args, **kwargs) in _SAVES and not _aliases(func):
-            self.cache.put(key, out)
+        decision = self.decide(func, *args, **kwargs)
+        if decision in _SAVES and not _aliases(func):
+            self.cache.put(key, out, offload=decision is Policy.MUST_OFFLOAD)
         return out
 
 
@@ -148,11 +221,11 @@ class _Replay(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's cl
         self.calls[func] += 1
         entry = self.cache.get(key)  # None too when mutated after the region (user code)
         if entry is not None:
-            return entry.value
+            return entry.served()
         return func(*args, **(kwargs or {}))
 
 
-_SAVES = (Policy.MUST_SAVE, Policy.PREFER_SAVE)
+_SAVES = (Policy.MUST_SAVE, Policy.PREFER_SAVE, Policy.MUST_OFFLOAD)
 _SAVE_NOTHING = policies.normalize(policies.nothing_saveable)
 
 
@@ -193,12 +266,18 @@ def _eager(f: Callable[_P, _R], decide: Callable[..., Policy], args: Any, kwargs
         out = checkpoint(f, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
         return out
 
+    cache = _Cache()  # checkpoint asks for the contexts once per call
+
+    def region(*a: Any, **k: Any) -> Any:
+        result = f(*a, **k)
+        cache.hold(a, k, result)  # the caller holds these: never offloaded
+        return result
+
     def contexts() -> tuple[_Record, _Replay]:
-        cache = _Cache()
         return _Record(decide, cache), _Replay(cache)
 
     out = checkpoint(
-        f, *args, use_reentrant=False, context_fn=contexts, preserve_rng_state=True, **kwargs
+        region, *args, use_reentrant=False, context_fn=contexts, preserve_rng_state=True, **kwargs
     )
     return out
 

@@ -90,13 +90,8 @@ from ._memory import MemoryStep as MemoryStep
 from ._memory import peak_bytes as peak_bytes
 from ._memory import simulate as simulate
 from ._offload import HOST as HOST
-from ._offload import OFFLOAD_OPS as OFFLOAD_OPS
 from ._offload import Cut as Cut
 from ._offload import Offload as Offload
-from ._offload import PinnedHost as PinnedHost
-from ._offload import Transfer as Transfer
-from ._offload import is_transfer as is_transfer
-from ._offload import use_transfer as use_transfer
 from ._offload import why_not_offload as why_not_offload
 from ._partition import Strategy as Strategy
 from ._plugins import PluginError as PluginError
@@ -113,6 +108,11 @@ from ._tags import REMAT as REMAT
 from ._tags import Policy as Policy
 from ._tags import policy_of as policy_of
 from ._trace import retrace as retrace
+from ._transfer import OFFLOAD_OPS as OFFLOAD_OPS
+from ._transfer import PinnedHost as PinnedHost
+from ._transfer import Transfer as Transfer
+from ._transfer import is_transfer as is_transfer
+from ._transfer import use_transfer as use_transfer
 from ._validate import check_names as check_names
 from ._validate import check_number as check_number
 from ._validate import check_option as check_option

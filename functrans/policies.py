@@ -4,7 +4,10 @@ A policy (:class:`PolicyFn`) is a callable ``(op, *args, **kwargs) -> Policy | b
 for every ATen op in the region (``True`` means save: ``Policy.MUST_SAVE``; ``False`` means
 recompute: ``Policy.MUST_RECOMPUTE``). torch's ``CheckpointPolicy`` values and plain lists of ops
 are accepted wherever a policy is (:data:`PolicyLike`). The built-ins carry JAX's names and
-meanings.
+meanings. ``Policy.MUST_OFFLOAD`` saves a value in host memory instead of on the device (never
+recomputed; copied out once after the forward, back in each backward that needs it):
+:func:`save_and_offload_only_these_names` and :func:`offload_dot_with_no_batch_dims` answer it,
+and so does torch's ``CheckpointPolicy.MUST_CPU_OFFLOAD``.
 
 >>> import torch
 >>> from functrans import policies
@@ -23,6 +26,7 @@ import torch
 from ._cost import COLLECTIVE_NAMESPACES, COMPUTE_INTENSIVE
 from ._errors import FunctransError
 from ._tags import Policy, PolicyFn, PolicyLike
+from ._validate import describe
 
 __all__ = [
     "InvalidPolicyError",
@@ -34,7 +38,9 @@ __all__ = [
     "everything_saveable",
     "normalize",
     "nothing_saveable",
+    "offload_dot_with_no_batch_dims",
     "reshard_after_forward",
+    "save_and_offload_only_these_names",
     "save_any_names_but_these",
     "save_from_both_policies",
     "save_only_these_names",
@@ -113,6 +119,30 @@ def dots_with_no_batch_dims_saveable(op: Any, *args: Any, **kwargs: Any) -> bool
     return where is not None and _batch_of_one(_operand(args, kwargs, where))
 
 
+def offload_dot_with_no_batch_dims(
+    offload_src: str = "device", offload_dst: str = "pinned_host"
+) -> PolicyFn:
+    """Offload (``MUST_OFFLOAD``) the outputs :func:`dots_with_no_batch_dims_saveable` saves;
+    recompute everything else (JAX's policy of the same name: the large weight products of a
+    transformer go to host memory, the rest is recomputed from them). ``offload_src`` and
+    ``offload_dst`` are JAX's memory kinds; only device to host is supported.
+
+    >>> import torch
+    >>> policy = offload_dot_with_no_batch_dims()
+    >>> policy(torch.ops.aten.mm.default).name, policy(torch.ops.aten.sin.default).name
+    ('MUST_OFFLOAD', 'MUST_RECOMPUTE')
+    """
+    _check_offload("offload_dot_with_no_batch_dims", offload_src, offload_dst)
+
+    def policy(op: Any, *args: Any, **kwargs: Any) -> Policy:
+        # the products the saving policy keeps are the ones worth a copy rather than a rerun
+        if dots_with_no_batch_dims_saveable(op, *args, **kwargs):
+            return Policy.MUST_OFFLOAD
+        return Policy.MUST_RECOMPUTE
+
+    return policy
+
+
 def save_only_these_names(*names: str) -> PolicyFn:
     """Save exactly the values named with ``checkpoint_name`` in ``names``."""
     wanted = frozenset(names)
@@ -121,6 +151,94 @@ def save_only_these_names(*names: str) -> PolicyFn:
         return op is _name_op() and args[1] in wanted
 
     return policy
+
+
+def save_and_offload_only_these_names(
+    *,
+    names_which_can_be_saved: Iterable[str] = (),
+    names_which_can_be_offloaded: Iterable[str] = (),
+    offload_src: str = "device",
+    offload_dst: str = "pinned_host",
+) -> PolicyFn:
+    """Save the values named (``checkpoint_name``) in ``names_which_can_be_saved`` on the
+    device, keep those named in ``names_which_can_be_offloaded`` in host memory
+    (``MUST_OFFLOAD``), recompute everything else (JAX's policy of the same name). A name in
+    both lists, a bare string for a list, or memory kinds other than device to host are refused.
+
+    >>> import torch, functrans as ft
+    >>> policy = save_and_offload_only_these_names(
+    ...     names_which_can_be_saved=["q"], names_which_can_be_offloaded=["h"]
+    ... )
+    >>> name, x = NAME_OP(), torch.ones(2)
+    >>> [policy(name, x, n).name for n in ("q", "h", "other")]
+    ['MUST_SAVE', 'MUST_OFFLOAD', 'MUST_RECOMPUTE']
+    >>> save_and_offload_only_these_names(
+    ...     names_which_can_be_saved=["h"], names_which_can_be_offloaded=["h"]
+    ... )
+    Traceback (most recent call last):
+    ...
+    functrans.policies.InvalidPolicyError: save_and_offload_only_these_names: 'h' is in both ...
+    """
+    where = "save_and_offload_only_these_names"
+    saved = _names(where, "names_which_can_be_saved", names_which_can_be_saved)
+    offloaded = _names(where, "names_which_can_be_offloaded", names_which_can_be_offloaded)
+    both = sorted(saved & offloaded)
+    if both:
+        raise InvalidPolicyError(
+            f"{where}: {', '.join(map(repr, both))} {'is' if len(both) == 1 else 'are'} in both "
+            f"names_which_can_be_saved={sorted(saved)} and names_which_can_be_offloaded="
+            f"{sorted(offloaded)}; a name is either saved on the device or offloaded to host "
+            "memory: list it in one of them"
+        )
+    _check_offload(where, offload_src, offload_dst)
+
+    def policy(op: Any, *args: Any, **kwargs: Any) -> Policy:
+        if op is _name_op() and args[1] in saved:
+            return Policy.MUST_SAVE
+        if op is _name_op() and args[1] in offloaded:
+            return Policy.MUST_OFFLOAD
+        return Policy.MUST_RECOMPUTE  # neither kept nor offloaded unless named in a list
+
+    return policy
+
+
+def _names(where: str, argument: str, names: Any) -> frozenset[str]:
+    """The names of a name list, or raise naming ``argument`` (a bare string is one name
+    spelled as a list of letters: refused, not split)."""
+    if isinstance(names, (str, bytes)) or not isinstance(names, Iterable):
+        hint = f" (one name: {argument}=[{names!r}])" if isinstance(names, str) else ""
+        raise InvalidPolicyError(
+            f"{where}: {argument}={describe(names)} is not accepted; {argument} must be a list, "
+            f"tuple or set of the names (str) given to checkpoint_name{hint}"
+        )
+    names = tuple(names)
+    for i, name in enumerate(names):
+        if not isinstance(name, str):
+            raise InvalidPolicyError(
+                f"{where}: element {i} of {argument} is {describe(name)}, not a name; "
+                f"{argument} must hold the names (str) given to checkpoint_name"
+            )
+    return frozenset(names)
+
+
+#: JAX's memory kinds that offloading moves between: device memory to (pinned) host memory.
+_OFFLOAD_SRC, _OFFLOAD_DST = ("device",), ("pinned_host",)
+
+
+def _check_offload(where: str, src: Any, dst: Any) -> None:
+    """Raise unless ``src``/``dst`` name the one direction functrans offloads in. How the copy
+    is made (pinned or not, which stream) is the :class:`~functrans.extend.Transfer`'s choice."""
+    for argument, value, accepted in (
+        ("offload_src", src, _OFFLOAD_SRC),
+        ("offload_dst", dst, _OFFLOAD_DST),
+    ):
+        if not (isinstance(value, str) and value in accepted):
+            raise InvalidPolicyError(
+                f"{where}: {argument}={describe(value)} is not accepted; {argument} must be "
+                f"{' or '.join(map(repr, accepted))} (functrans offloads saved values from "
+                "device memory to host memory; functrans.extend.use_transfer changes how "
+                "they are copied)"
+            )
 
 
 def save_any_names_but_these(*names: str) -> PolicyFn:
@@ -182,10 +300,26 @@ def save_from_both_policies(a: PolicyLike, b: PolicyLike) -> PolicyFn:
     return policy
 
 
-_SAVE_ORDER = [Policy.MUST_SAVE, Policy.PREFER_SAVE, Policy.PREFER_RECOMPUTE, Policy.MUST_RECOMPUTE]
+#: strongest saving first: where two policies differ, the combination takes the earlier answer
+#: (MUST_OFFLOAD guarantees the value is kept, a preference does not: it ranks above PREFER_SAVE)
+_SAVE_ORDER = [
+    Policy.MUST_SAVE,
+    Policy.MUST_OFFLOAD,
+    Policy.PREFER_SAVE,
+    Policy.PREFER_RECOMPUTE,
+    Policy.MUST_RECOMPUTE,
+]
 
 
 def _from_torch(value: Any) -> Policy | None:
+    """torch's ``CheckpointPolicy`` as a :class:`Policy`. ``MUST_CPU_OFFLOAD`` and
+    ``PREFER_CPU_OFFLOAD`` are honoured: ``MUST_OFFLOAD``, the value kept in host memory (torch's
+    eager selective checkpointing silently recomputes them instead).
+
+    >>> from torch.utils.checkpoint import CheckpointPolicy
+    >>> _from_torch(CheckpointPolicy.PREFER_CPU_OFFLOAD)
+    <Policy.MUST_OFFLOAD: 'must_offload'>
+    """
     from torch.utils.checkpoint import CheckpointPolicy
 
     if isinstance(value, CheckpointPolicy):
@@ -194,6 +328,9 @@ def _from_torch(value: Any) -> Policy | None:
             CheckpointPolicy.PREFER_SAVE: Policy.PREFER_SAVE,
             CheckpointPolicy.MUST_RECOMPUTE: Policy.MUST_RECOMPUTE,
             CheckpointPolicy.PREFER_RECOMPUTE: Policy.PREFER_RECOMPUTE,
+            # no PREFER_OFFLOAD: no strategy trades offloading against saving yet
+            CheckpointPolicy.MUST_CPU_OFFLOAD: Policy.MUST_OFFLOAD,
+            CheckpointPolicy.PREFER_CPU_OFFLOAD: Policy.MUST_OFFLOAD,
         }.get(value)
     return None
 
@@ -245,9 +382,21 @@ def _check_ops(ops: Iterable[Any], where: str) -> None:
 _BUILT_INS = frozenset(
     {"everything_saveable", "nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable"}
 )
-_FACTORIES = frozenset(
-    {"save_only_these_names", "save_any_names_but_these", "save_ops", "save_from_both_policies"}
+#: the functions that make a policy (a policy's name here, or one of them passed uncalled, is
+#: refused with a hint to call it)
+_FACTORY_FNS = (
+    save_only_these_names,
+    save_any_names_but_these,
+    save_and_offload_only_these_names,
+    offload_dot_with_no_batch_dims,
+    save_ops,
+    save_from_both_policies,
 )
+_FACTORIES = frozenset(f.__name__ for f in _FACTORY_FNS)
+
+
+def _is_factory(policy: object) -> bool:
+    return any(policy is f for f in _FACTORY_FNS)
 
 
 def _refuse(policy: Any) -> InvalidPolicyError:
@@ -266,6 +415,12 @@ def _refuse(policy: Any) -> InvalidPolicyError:
         return InvalidPolicyError(f"{what} is a string, not a policy; {_ACCEPTED}")
     if isinstance(policy, Mapping):
         return InvalidPolicyError(f"{what} is a {type(policy).__name__}; {_ACCEPTED}")
+    if _is_factory(policy):
+        name = policy.__name__
+        return InvalidPolicyError(
+            f"policy=functrans.policies.{name} makes a policy, it is not one: pass "
+            f"functrans.policies.{name}(...), the policy it makes; {_ACCEPTED}"
+        )
     return InvalidPolicyError(f"{what} is not a remat policy; {_ACCEPTED}")
 
 
@@ -288,7 +443,7 @@ def normalize(policy: PolicyLike) -> Callable[..., Policy]:
     if _from_torch(policy) is not None or isinstance(policy, Policy):
         fixed = decision(policy, "*")
         return lambda op, *a, **k: fixed
-    if isinstance(policy, (str, bytes, Mapping)):
+    if isinstance(policy, (str, bytes, Mapping)) or _is_factory(policy):
         raise _refuse(policy)
     if isinstance(policy, Iterable) and not callable(policy):
         ops = tuple(policy)

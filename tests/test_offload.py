@@ -12,14 +12,22 @@ import torch.nn.functional as F
 from expecttest import assert_expected_inline
 from functrans.partitioners._ilp import solve_ilp
 from functrans.partitioners.memory_budget import MemoryBudget, offload_terms
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import functrans as ft
 from functrans import FunctransError, InvalidPartitionError, Offload
-from functrans.extend import Cut, PinnedHost, cut_problem, use_transfer, why_not_offload
+from functrans.extend import (
+    OFFLOAD_OPS,
+    Cut,
+    PinnedHost,
+    cut_problem,
+    use_transfer,
+    why_not_offload,
+)
 from functrans.testing import check_partition, programs
 from functrans.testing._check import compare
+from functrans.testing._program import InputSpec, Program, Step
 
 INF = Offload(bandwidth=math.inf)
 
@@ -48,28 +56,41 @@ def offload_everything(jg: ft.JointGraph) -> Cut:
 
 
 def test_golden_offloaded_graphs() -> None:
-    jg = ft.joint(lambda x: x.exp().sin().sum())(torch.ones(3))
-    p = ft.partition(jg, lambda jg: Cut(offloaded=("exp",)))
+    # exp goes out after its last forward use (mm); it comes back ahead of the last op that
+    # computes before its first backward use (mul_1: the copy runs meanwhile), and is waited
+    # for right before that use
+    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return (x.exp() @ w).tanh().sum()
+
+    jg = ft.joint(f)(torch.ones(2, 3), torch.ones(3, 4))
+    p = ft.partition(jg, lambda jg: Cut(saved=("tanh",), offloaded=("exp",)))
     assert_expected_inline(
         str(p.forward),
         """\
-def forward(primals_1: "f32[3]"):
-    exp: "f32[3]" = aten.exp.default(primals_1)
-    sin: "f32[3]" = aten.sin.default(exp)
-    to_host_default: "f32[3]" = functrans.to_host.default(exp)
-    sum_1: "f32[]" = aten.sum.dim_IntList(sin, [])
-    return (sum_1, to_host_default)""",
+def forward(primals_1: "f32[2, 3]", primals_2: "f32[3, 4]"):
+    exp: "f32[2, 3]" = aten.exp.default(primals_1)
+    mm: "f32[2, 4]" = aten.mm.default(exp, primals_2)
+    to_host_default: "f32[2, 3]" = functrans.to_host.default(exp)
+    tanh: "f32[2, 4]" = aten.tanh.default(mm)
+    sum_1: "f32[]" = aten.sum.dim_IntList(tanh, [])
+    return (sum_1, primals_2, to_host_default, tanh)""",
     )
     assert_expected_inline(
         str(p.backward),
         """\
-def forward(to_host_default: "f32[3]", tangents_1: "f32[]"):
-    to_device_default: "f32[3]" = functrans.to_device.default(to_host_default, device('cpu'))
-    expand: "f32[3]" = aten.expand.default(tangents_1, [3])
-    cos: "f32[3]" = aten.cos.default(to_device_default)
-    mul: "f32[3]" = aten.mul.Tensor(expand, cos)
-    mul_1: "f32[3]" = aten.mul.Tensor(mul, to_device_default)
-    return (mul_1,)""",
+def forward(primals_2: "f32[3, 4]", to_host_default: "f32[2, 3]", tanh: "f32[2, 4]", tangents_1: "f32[]"):
+    expand: "f32[2, 4]" = aten.expand.default(tangents_1, [2, 4])
+    mul: "f32[2, 4]" = aten.mul.Tensor(tanh, tanh)
+    sub: "f32[2, 4]" = aten.sub.Tensor(1, mul)
+    to_device_default: "f32[2, 3]" = functrans.to_device.default(to_host_default, device('cpu'))
+    mul_1: "f32[2, 4]" = aten.mul.Tensor(expand, sub)
+    wait_copy_default: "f32[2, 3]" = functrans.wait_copy.default(to_device_default)
+    permute: "f32[3, 2]" = aten.permute.default(wait_copy_default, [1, 0])
+    mm_1: "f32[3, 4]" = aten.mm.default(permute, mul_1)
+    permute_1: "f32[4, 3]" = aten.permute.default(primals_2, [1, 0])
+    mm_2: "f32[2, 3]" = aten.mm.default(mul_1, permute_1)
+    mul_2: "f32[2, 3]" = aten.mul.Tensor(mm_2, wait_copy_default)
+    return (mul_2, mm_1)""",
     )
     p.forward.verify()
     p.backward.verify()
@@ -108,6 +129,18 @@ def test_the_rules_follow_torch() -> None:
     assert not {v.name for v in p.offloaded} & {"exp", "permute", "getitem_1", "getitem_2"}
 
 
+def test_a_value_an_output_views_stays() -> None:
+    # found by a review: returning a view of the value kept its buffer on the device anyway
+    def f(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = x @ w
+        return h.t(), h.sin().sum()
+
+    jg = ft.joint(f)(torch.randn(2, 3), torch.randn(3, 2))
+    (mm,) = [n for n in jg.forward_nodes() if n.target is torch.ops.aten.mm.default]
+    assert cut_problem(jg)[mm].why_not_offload == "an output of the function is a view of it"
+    assert mm not in {v.node for v in ft.partition(jg, offload_everything).offloaded}
+
+
 def test_a_value_whose_storage_a_saved_view_shares_stays() -> None:
     jg = ft.joint(lambda x: (x.exp() * x.exp().t()).sum())(torch.ones(4, 4))
     p = ft.partition(jg, lambda jg: Cut(saved=("permute",), offloaded=("exp",)))
@@ -122,6 +155,29 @@ def test_property_nothing_forbidden_is_offloaded_and_gradients_hold(prog, seed) 
     for v in p.offloaded:
         assert why_not_offload(v.node, outputs) == "", v.name
         assert v.node not in outputs and v.node.meta["val"].is_contiguous()
+    check_placement(p)
+
+
+def check_placement(p: ft.Partition) -> None:
+    """Each offloaded value goes out once, after its last forward use, and comes back once:
+    issued before its wait, waited for right before its first backward use."""
+    to_host, to_device, wait = OFFLOAD_OPS
+    fwd = list(p.forward.fx_graph.nodes)
+    outs = [n for n in fwd if n.target is to_host]
+    assert len(outs) == len(p.offloaded)
+    for out in outs:
+        (value,) = out.args
+        users = [u for u in value.users if u is not out and u.op != "output"]
+        assert all(fwd.index(u) < fwd.index(out) for u in users), f"{value} used after its copy"
+    bwd = list(p.backward.fx_graph.nodes)
+    backs = [n for n in bwd if n.target is to_device]
+    assert len(backs) == len(p.offloaded)
+    for back in backs:
+        (ready,) = back.users
+        assert ready.target is wait and bwd.index(back) < bwd.index(ready)
+        first = min(ready.users, key=bwd.index)
+        between = bwd[bwd.index(ready) + 1 : bwd.index(first)]
+        assert all(n.target in OFFLOAD_OPS for n in between), "the wait is not right before use"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -173,6 +229,7 @@ def test_poisoned_originals_do_not_reach_the_gradients(strategy, options) -> Non
             return outs, p.backward(saved, tangents)
 
     compare(mlp, args, jg, run, f"offloaded {[v.name for v in p.offloaded]}")
+    check_placement(p)
     # each offloaded value went out once after forward and came back once in backward
     assert transfer.out == transfer.back == len(p.offloaded)
 
@@ -238,8 +295,13 @@ def _recomputed_offloadable(p: ft.Partition) -> list[str]:
     return [n.name for n in p.recomputed if problem[n].can_offload and costs[problem.index[n]]]
 
 
+# shrunk by hypothesis: a random mask alone (infeasible budgets compare as inf)
+DROPOUT = Program((InputSpec((), torch.float32),), (Step("dropout", (0,), (), ()),), (1,))
+
+
 @settings(max_examples=15)
 @given(programs(max_steps=6, dtypes=(torch.float32,)))
+@example(DROPOUT)
 def test_property_solver_promises(prog) -> None:  # type: ignore[no-untyped-def]
     jg = ft.joint(prog)(*prog.example_inputs())
     low, budgets = _budgets(jg)
@@ -265,7 +327,7 @@ def test_property_solver_promises(prog) -> None:  # type: ignore[no-untyped-def]
 
 
 def _non_increasing(costs: list[float]) -> bool:
-    return all(x >= y - 1e-6 * max(1.0, abs(y)) for x, y in itertools.pairwise(costs))
+    return all(x >= y or x >= y - 1e-6 * max(1.0, abs(y)) for x, y in itertools.pairwise(costs))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,176 @@
+"""How offloaded values move: the graph ops ``functrans::to_host``, ``functrans::to_device``
+and ``functrans::wait_copy``, and :class:`Transfer`, the object that makes the copies.
+
+The ops are torch custom ops, so every executor runs them through the dispatcher and graphs
+print them plainly. They call the current :class:`Transfer` (:func:`use_transfer` swaps it;
+graphs read it when they run, not when they are traced). The default, :class:`PinnedHost`:
+
+- on CUDA, ``to_host`` copies to pinned host memory on a side stream after the compute
+  stream's work so far (the forward goes on meanwhile); ``to_device`` copies back on that
+  stream, issued ahead of the value's first use (a prefetch), and ``wait_copy``, right before
+  the first use, makes the compute stream wait for that copy only;
+- on the CPU, where host and device are one memory, both copies are plain copies and
+  ``wait_copy`` does nothing: what a test of the wiring needs.
+
+>>> import torch
+>>> x = torch.arange(3.0)
+>>> back = torch.ops.functrans.to_device(torch.ops.functrans.to_host(x), x.device)
+>>> torch.ops.functrans.wait_copy(back)
+tensor([0., 1., 2.])
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any, Protocol, TypeVar
+
+import torch
+import torch.fx as fx
+
+__all__ = ["OFFLOAD_OPS", "PinnedHost", "Transfer", "is_transfer", "use_transfer"]
+
+
+class Transfer(Protocol):
+    """How offloaded values are copied out and back (see :func:`use_transfer`). ``wait`` runs
+    right before a copied-back value's first use: it returns once the copy may be read.
+
+    >>> class Copy:
+    ...     def to_host(self, x):
+    ...         return x.to("cpu", copy=True)
+    ...     def to_device(self, x, device):
+    ...         return x.to(device, copy=True)
+    ...     def wait(self, x):
+    ...         pass
+    >>> t: Transfer = Copy()
+    """
+
+    def to_host(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def to_device(self, x: torch.Tensor, device: torch.device) -> torch.Tensor: ...
+
+    def wait(self, x: torch.Tensor) -> None: ...
+
+
+class PinnedHost:
+    """The default :class:`Transfer` (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._streams: dict[torch.device, Any] = {}
+        self._pending: dict[int, Any] = {}  # data_ptr of a copy back -> its completion event
+
+    def _stream(self, device: torch.device) -> Any:
+        if device not in self._streams:
+            new: Any = torch.cuda.Stream  # torch's class is untyped
+            self._streams[device] = new(device)
+        return self._streams[device]
+
+    def to_host(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "cuda":
+            return x.clone()
+        side = self._stream(x.device)
+        side.wait_stream(torch.cuda.current_stream(x.device))
+        out = torch.empty(x.shape, dtype=x.dtype, device="cpu", pin_memory=True)
+        with torch.cuda.stream(side):
+            out.copy_(x, non_blocking=True)
+        x.record_stream(side)  # the caching allocator must not reuse x before the copy ends
+        return out
+
+    def to_device(self, x: torch.Tensor, device: torch.device) -> torch.Tensor:
+        if device.type != "cuda":
+            return x.clone() if x.device == device else x.to(device)
+        side = self._stream(device)
+        out = torch.empty(x.shape, dtype=x.dtype, device=device)  # on the compute stream
+        with torch.cuda.stream(side):
+            out.copy_(x, non_blocking=True)  # after the copy out: same stream
+            event: Any = torch.cuda.Event  # torch's class is untyped
+            done = event()
+            done.record(side)
+        self._pending[out.data_ptr()] = done
+        return out
+
+    def wait(self, x: torch.Tensor) -> None:
+        done = self._pending.pop(x.data_ptr(), None)
+        if done is not None:
+            torch.cuda.current_stream(x.device).wait_event(done)
+
+
+_TRANSFER: list[Transfer] = [PinnedHost()]
+
+
+_T = TypeVar("_T", bound=Transfer)
+
+
+@contextlib.contextmanager
+def use_transfer(transfer: _T) -> Iterator[_T]:
+    """Copy offloaded values with ``transfer`` meanwhile.
+
+    >>> import torch
+    >>> class Counting(PinnedHost):
+    ...     out = 0
+    ...     def to_host(self, x):
+    ...         self.out += 1
+    ...         return super().to_host(x)
+    >>> with use_transfer(Counting()) as t:
+    ...     _ = torch.ops.functrans.to_host(torch.ones(2))
+    >>> t.out
+    1
+    """
+    _TRANSFER.append(transfer)
+    try:
+        yield transfer
+    finally:
+        _TRANSFER.remove(transfer)
+
+
+@torch.library.custom_op("functrans::to_host", mutates_args=())
+def _to_host(x: torch.Tensor) -> torch.Tensor:
+    return _TRANSFER[-1].to_host(x)
+
+
+@_to_host.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x, device="cpu")
+
+
+@torch.library.custom_op("functrans::to_device", mutates_args=())
+def _to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return _TRANSFER[-1].to_device(x, device)
+
+
+@_to_device.register_fake
+def _(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return torch.empty_like(x, device=device)
+
+
+# wait_copy returns its input (an alias, which custom_op forbids): defined with an aliasing
+# schema instead, so graphs and the liveness simulation see it as a view of the copy
+_library: Any = torch.library.Library  # torch's class is untyped
+_LIB = _library("functrans", "FRAGMENT")
+_LIB.define("wait_copy(Tensor(a) x) -> Tensor(a)")
+
+
+def _wait_copy(x: torch.Tensor) -> torch.Tensor:
+    _TRANSFER[-1].wait(x)
+    return x.view_as(x)
+
+
+def _wait_copy_meta(x: torch.Tensor) -> torch.Tensor:
+    return x.view_as(x)
+
+
+_LIB.impl("wait_copy", _wait_copy, "CompositeExplicitAutograd")
+_LIB.impl("wait_copy", _wait_copy_meta, "Meta")
+
+#: The graph ops that copy an offloaded value out (forward), back (backward, ahead of its
+#: first use), and wait for the copy back (right before its first use).
+OFFLOAD_OPS = (
+    torch.ops.functrans.to_host.default,
+    torch.ops.functrans.to_device.default,
+    torch.ops.functrans.wait_copy.default,
+)
+
+
+def is_transfer(node: fx.Node) -> bool:
+    """Whether ``node`` copies a value to or from host memory (or waits for a copy)."""
+    return node.op == "call_function" and node.target in OFFLOAD_OPS
