@@ -36,6 +36,12 @@ def checkpoint_name_op() -> Any:
     return torch.ops.functrans.checkpoint_name.default
 
 
+def _tracing() -> bool:
+    from ._trace import is_tracing  # late: _trace imports much of the core
+
+    return is_tracing()
+
+
 def checkpoint_name(x: _T, name: str) -> _T:
     """Name ``x`` (a tensor or pytree of tensors) for ``save_only_these_names`` and friends;
     the result has ``x``'s structure and type.
@@ -44,6 +50,11 @@ def checkpoint_name(x: _T, name: str) -> _T:
     >>> ft.checkpoint_name(torch.ones(2), "h")
     tensor([1., 1.])
     """
+    if torch._C._are_functorch_transforms_active() and not _tracing():
+        # eager torch.func grad/vmap/jvp cannot run a custom op's autograd formula, and under
+        # them eager remat runs its region as written (no policy is asked): the name has no
+        # reader. Traced (ft.jit of ft.vmap(ft.grad(...))), the op is recorded as usual.
+        return x
     op = checkpoint_name_op()
     tree: Any = x  # any pytree
     named = optree.tree_map(

@@ -547,3 +547,19 @@ def test_tiny_gpt_trains_like_plain_pytorch_with_offloaded_dots(mode):
         assert sorted(returned[s * n : (s + 1) * n]) == list(range(s * n, (s + 1) * n))
     if mode == "eager":  # forward order out; back block by block, the last block first
         assert returned[:n] == [4, 5, 6, 7, 0, 1, 2, 3]
+
+
+def test_checkpoint_name_under_torch_func_transforms():
+    # found by review: torch.func.grad refused the name op's autograd formula
+    def f(x):
+        return ft.checkpoint_name(x.sin(), "h").cos().sum()
+
+    x = torch.randn(2, 3)
+    expected = -torch.sin(torch.sin(x)) * torch.cos(x)
+    torch.testing.assert_close(torch.func.vmap(torch.func.grad(f))(x), expected)
+    torch.testing.assert_close(torch.func.grad(f)(x[0]), expected[0])
+    named = ft.remat(f, policy=policies.save_only_these_names("h"))
+    step = ft.jit(ft.vmap(ft.grad(named)))
+    torch.testing.assert_close(step(x), expected)
+    (p,) = step.partitions()
+    assert "sin" not in {n.name for n in p.recomputed}  # traced, the name still saves sin
