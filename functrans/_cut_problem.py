@@ -335,6 +335,8 @@ def _value(
     cls, tag = op_class(node), policy_of(node)
     if tag in _SAVE_TAGS and _is_view(node):
         tag = _base_tag(node)  # saving a view keeps its base: the view follows its base
+        if tag is Policy.MUST_OFFLOAD:  # ...unless the base goes to host: a saved view would
+            tag = Policy.PREFER_RECOMPUTE  # keep it on the device; re-view the copy instead
     if node in regathered:
         tag = Policy.MUST_RECOMPUTE
     rule = OP_RULES[cls]

@@ -187,8 +187,9 @@ class _Apply(torch.autograd.Function):
         if entry.saved_tensors is not None:
             tensors, sizes = iter(saved), iter(ctx.sizes)
             saved = [next(tensors) if t else next(sizes) for t in entry.saved_tensors]
-        with autocast_off():  # the backward graph holds its own casts
+        with autocast_off(), torch.no_grad():  # the backward graph holds its own casts
             flat_grads = entry.backward(*saved, *tangents)
+        flat_grads = _once(flat_grads)
         return (None, *flat_grads, *([None] * (entry.num_inputs - entry.num_diff)))
 
 
@@ -218,11 +219,39 @@ class _ApplySubclass(torch.autograd.Function):
             for g, w, m in zip(grads, wrappers, entry.out_meta, strict=True)
             if m.takes_tangent
         ]
-        with autocast_off():
+        with autocast_off(), torch.no_grad():
             flat_grads = entry.backward(*ctx.saved_tensors, *tangents)
+        flat_grads = _once(flat_grads)
         ins = ctx.ins[: entry.num_diff]
         wrapped = [g if w is None else w.rebuild(g) for g, w in zip(flat_grads, ins, strict=True)]
         return (None, *wrapped, *([None] * (entry.num_inputs - entry.num_diff)))
+
+
+_TWICE = (
+    b"functrans.jit: the backward of a compiled function is not differentiable again (this "
+    b"backward ran with create_graph=True: a gradient penalty, a Hessian). Take the inner "
+    b"gradient inside the jitted function (ft.jit(lambda x: penalty(ft.grad(f)(x)))), whose "
+    b"trace then holds the double backward, or run this part without ft.jit"
+)
+
+
+def _once(grads: Sequence[Any]) -> list[Any]:
+    """The gradients, made to raise if differentiated again. Under ``create_graph=True`` (grad
+    mode on in backward) eager would build a graph of its backward; the compiled one cannot,
+    and leaving the gradients detached would drop a gradient penalty's term silently. (torch's
+    ``once_differentiable`` marks them only when an incoming gradient requires grad, which
+    ``autograd.grad(loss, x, create_graph=True)``'s does not.)"""
+    grads = list(grads)
+    if not torch.is_grad_enabled():
+        return grads
+    at = [i for i, g in enumerate(grads) if isinstance(g, torch.Tensor) and g.is_floating_point()]
+    if not at:
+        return grads
+    raising = torch._C._functions.DelayedError(_TWICE, len(at))
+    marked = raising(*[grads[i].detach().requires_grad_() for i in at])
+    for i, g in zip(at, marked if isinstance(marked, tuple) else (marked,), strict=True):
+        grads[i] = g
+    return grads
 
 
 def _inner(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:

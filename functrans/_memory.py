@@ -34,7 +34,14 @@ _HOST = "functrans.host"
 @dataclass(frozen=True)
 class MemoryStep:
     """Live bytes right after one op ran: ``phase`` is ``"forward"`` or ``"backward"``,
-    ``op`` the node's name, ``target`` its op (``"aten.mm.default"``)."""
+    ``op`` the node's name, ``target`` its op (``"aten.mm.default"``).
+
+    >>> import torch, functrans as ft
+    >>> p = ft.partition(ft.joint(lambda x: torch.tanh(x).sum())(torch.ones(256)), "default")
+    >>> step = p.memory.timeline[0]
+    >>> step.phase, step.op, step.target, step.device_bytes, step.host_bytes
+    ('forward', 'tanh', 'aten.tanh.default', 2048, 0)
+    """
 
     phase: str
     op: str
@@ -49,7 +56,15 @@ _FOREVER = 1 << 62
 
 @dataclass(frozen=True)
 class MemoryProfile:
-    """Result of :func:`simulate` (all in bytes)."""
+    """Result of :func:`simulate` (all in bytes): peaks on the device over both passes and
+    each, live bytes between them, the host peak (offloaded values) and a per-op timeline.
+
+    >>> import torch, functrans as ft
+    >>> p = ft.partition(ft.joint(lambda x: torch.tanh(x).sum())(torch.ones(256)), "default")
+    >>> m = p.memory
+    >>> m.peak_bytes, m.host_peak_bytes, len(m.timeline)
+    (3076, 0, 6)
+    """
 
     peak_bytes: int  # device memory
     forward_peak: int

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import math
 import operator
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,9 +26,10 @@ import torch
 import torch.fx as fx
 
 from ._cost import flops, storage_of
+from ._errors import InvalidArgumentError
 from ._graph import PHASE, ROLE, SOURCE, Graph, Phase, Role
 from ._transfer import OFFLOAD_OPS
-from ._validate import check_number, check_option
+from ._validate import check_number, check_option, describe
 
 __all__ = ["HOST", "Cut", "Offload", "insert_transfers", "why_not_offload"]
 
@@ -53,8 +54,34 @@ class Cut:
     offloaded: tuple[str | fx.Node, ...] = ()
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "saved", tuple(self.saved))
-        object.__setattr__(self, "offloaded", tuple(self.offloaded))
+        for field in ("saved", "offloaded"):
+            object.__setattr__(self, field, _items(field, getattr(self, field)))
+        both = {_name(v) for v in self.saved} & {_name(v) for v in self.offloaded}
+        if both:
+            raise InvalidArgumentError(
+                f"Cut: {sorted(both)} are in both saved= and offloaded=; a value stays on the "
+                "device (saved) or goes to host memory (offloaded), not both"
+            )
+
+
+def _name(v: str | fx.Node) -> str:
+    return v if isinstance(v, str) else v.name
+
+
+def _items(field: str, value: object) -> tuple[str | fx.Node, ...]:
+    """``value`` as a tuple of nodes or names, or an error naming ``field`` and the value."""
+    accepted = f"{field} must be a list or tuple of nodes (torch.fx.Node) or node names (str)"
+    if isinstance(value, str):
+        raise InvalidArgumentError(
+            f"Cut: {field}={value!r} is a string; {accepted}, e.g. [{value!r}]"
+        )
+    if not isinstance(value, Iterable):
+        raise InvalidArgumentError(f"Cut: {field}={describe(value)} is not accepted; {accepted}")
+    items = tuple(value)
+    bad = [v for v in items if not isinstance(v, (str, fx.Node))]
+    if bad:
+        raise InvalidArgumentError(f"Cut: {field} holds {describe(bad[0])}; {accepted}")
+    return items
 
 
 @dataclass(frozen=True)

@@ -118,7 +118,8 @@ class Partition:
     recomputed: tuple[fx.Node, ...]
     recompute_flops: int
     #: values the shared save/recompute rules (:meth:`~functrans.extend.CutProblem.legalize`)
-    #: added to or removed from the strategy's choice: empty for a strategy that obeys them
+    #: added to or removed from the strategy's choice, and values it asked to offload that the
+    #: offload rules keep on the device: empty for a strategy that obeys them
     adjusted: tuple[fx.Node, ...] = ()
     #: the saved values kept in host memory between the passes (copied out after their last
     #: forward use, back before their first backward use): a strategy's :class:`Cut`, or a
@@ -353,7 +354,8 @@ def partition(joint: JointGraph, strategy: str | Strategy = "default", **options
             picked = resolve_nodes(joint, chosen)
             legal = cut_problem(joint).legalize(picked)
             s = split(joint, legal)
-            host = _offloaded(joint, s.saved, resolve_nodes(joint, cut.offloaded))
+            asked = resolve_nodes(joint, cut.offloaded)
+            host = _offloaded(joint, s.saved, asked)
         except InvalidPartitionError as e:
             raise InvalidPartitionError(
                 f"partition strategy {name!r} chose an invalid saved set: {e}"
@@ -368,7 +370,11 @@ def partition(joint: JointGraph, strategy: str | Strategy = "default", **options
         saved=saved,
         recomputed=s.recomputed,
         recompute_flops=sum(flops(n) for n in s.recomputed),
-        adjusted=tuple(n for n in joint.fx_graph.nodes if (n in picked) != (n in legal)),
+        adjusted=tuple(
+            n
+            for n in joint.fx_graph.nodes
+            if (n in picked) != (n in legal) or (n in asked and n not in host)
+        ),
         offloaded=tuple(v for v in saved if v.node in host),
     )
     log(

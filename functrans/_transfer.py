@@ -53,7 +53,15 @@ class Transfer(Protocol):
 
 
 class PinnedHost:
-    """The default :class:`Transfer` (see the module docstring)."""
+    """The default :class:`Transfer` (see the module docstring).
+
+    >>> import torch
+    >>> t = PinnedHost()
+    >>> x = torch.ones(2)
+    >>> host = t.to_host(x)  # on the CPU: a copy
+    >>> host is x, t.to_device(host, x.device).tolist()
+    (False, [1.0, 1.0])
+    """
 
     def __init__(self) -> None:
         self._streams: dict[torch.device, Any] = {}
@@ -152,15 +160,15 @@ _LIB.define("wait_copy(Tensor(a) x) -> Tensor(a)")
 
 def _wait_copy(x: torch.Tensor) -> torch.Tensor:
     _TRANSFER[-1].wait(x)
-    return x.view_as(x)
+    return x
 
 
-def _wait_copy_meta(x: torch.Tensor) -> torch.Tensor:
-    return x.view_as(x)
+def _wait_copy_fake(x: torch.Tensor) -> torch.Tensor:
+    return x  # the same tensor, also with symbolic sizes
 
 
 _LIB.impl("wait_copy", _wait_copy, "CompositeExplicitAutograd")
-_LIB.impl("wait_copy", _wait_copy_meta, "Meta")
+torch.library.register_fake("functrans::wait_copy", _wait_copy_fake, lib=_LIB)
 
 #: The graph ops that copy an offloaded value out (forward), back (backward, ahead of its
 #: first use), and wait for the copy back (right before its first use).
@@ -172,5 +180,13 @@ OFFLOAD_OPS = (
 
 
 def is_transfer(node: fx.Node) -> bool:
-    """Whether ``node`` copies a value to or from host memory (or waits for a copy)."""
+    """Whether ``node`` copies a value to or from host memory (or waits for a copy).
+
+    >>> import torch, functrans as ft
+    >>> from functrans.extend import Cut
+    >>> p = ft.partition(ft.joint(lambda x: x.exp().sin().sum())(torch.ones(3)),
+    ...                  lambda jg: Cut(offloaded=["exp"]))
+    >>> [n.name for n in p.backward.ops() if is_transfer(n)]
+    ['to_device_default', 'wait_copy_default']
+    """
     return node.op == "call_function" and node.target in OFFLOAD_OPS

@@ -18,7 +18,10 @@ Every class and function here documents itself with an example. The other names:
   :class:`OpClass`, which :func:`cut_problem` applies to each forward value;
 - ``CostModel``: the type of a recompute cost model, ``(fx.Node) -> float`` (e.g. :func:`flops`);
 - ``Strategy``: the type of a partition strategy, ``(JointGraph, **options) -> Iterable[str |
-  fx.Node]`` (the forward values to save).
+  fx.Node]`` (the forward values to save), or a :class:`Cut` (saved and offloaded values);
+- ``HOST``: node meta key, True on a value that lives in host memory (an offloaded copy and the
+  backward input that receives it); ``OFFLOAD_OPS``: the ops that copy a value out, copy it
+  back and wait for the copy (``functrans::to_host``, ``to_device``, ``wait_copy``).
 
 >>> import torch, functrans as ft
 >>> from functrans import policies
@@ -48,6 +51,12 @@ Every class and function here documents itself with an example. The other names:
 >>> cost: CostModel = flops
 >>> cost(mm)  # 2 * 2 * 2 * 2
 16
+>>> from functrans.extend import HOST, OFFLOAD_OPS, Cut
+>>> plain = ft.joint(f)(torch.ones(2, 2), torch.ones(2, 2))
+>>> p = ft.partition(plain, lambda jg: Cut(offloaded=["mm"]))
+>>> host = p.forward.output_nodes()[-1]
+>>> host.target in OFFLOAD_OPS, host.meta[HOST]
+(True, True)
 """
 
 from ._cost import COMPUTE_INTENSIVE as COMPUTE_INTENSIVE

@@ -80,6 +80,20 @@ def _constraints(p: CutProblem, kinds: int) -> tuple[coo_matrix, np.ndarray]:
             cols += [*(k * n + u for k in range(kinds)), n + v]
             vals += [*([1.0] * kinds), -1.0]
             lb.append(0.0)
+    if kinds == 3:  # a value is saved on the device or offloaded, not both
+        for value in p:
+            rows += [len(lb)] * 2
+            cols += [value.index, 2 * n + value.index]
+            vals += [-1.0, -1.0]
+            lb.append(-1.0)
+        # a saved view keeps its base on the device: never with the base offloaded
+        for value in p:
+            root = value.storage[0]
+            if root is not value.node and root in p.index:
+                rows += [len(lb)] * 2
+                cols += [2 * n + p.index[root], value.index]
+                vals += [-1.0, -1.0]
+                lb.append(-1.0)
     width = kinds * n + (2 if kinds == 3 else 0)
     return coo_matrix((vals, (rows, cols)), shape=(len(lb), width)), np.array(lb)
 

@@ -34,6 +34,7 @@ what is accepted.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -143,9 +144,7 @@ class MemoryBudget:
         if result is None:
             if max_bytes < low:
                 raise InvalidPartitionError(
-                    f"memory_budget: {max_bytes} activation bytes is below what must stay on "
-                    f"the device even with offload={offload} (values that may be neither "
-                    f"recomputed nor offloaded); full_remat keeps {low} bytes"
+                    _infeasible(problem, costs, max_bytes, low, terms, self)
                 )
             warnings.warn(
                 f"memory_budget: the ILP found no saved set within its time limit "
@@ -157,6 +156,33 @@ class MemoryBudget:
             saved=tuple(problem[i].node for i in result.saved),
             offloaded=tuple(problem[i].node for i in result.offloaded),
         )
+
+
+def _infeasible(
+    problem: CutProblem,
+    costs: Sequence[float],
+    max_bytes: int,
+    low: int,
+    terms: OffloadTerms,
+    options: MemoryBudget,
+) -> str:
+    """Why no saved set fits ``max_bytes`` with offload: the host limit, or the device."""
+    offload = options.offload
+    if math.isfinite(terms.host_bytes):
+        free = dataclasses.replace(terms, host_bytes=math.inf)
+        relaxed = solve_ilp(problem, costs, max_bytes, options.time_limit, free)
+        if relaxed is not None:
+            needed = sum(problem[i].bytes for i in relaxed.offloaded)
+            return (
+                f"memory_budget: {max_bytes} device bytes needs more host memory than "
+                f"host_bytes={terms.host_bytes:.0f} of offload={offload}: with no host limit it "
+                f"offloads {needed} bytes (full_remat keeps {low} bytes on the device)"
+            )
+    return (
+        f"memory_budget: {max_bytes} activation bytes is below what must stay on the device "
+        f"even with offload={offload} (values that may be neither recomputed nor offloaded: "
+        f"outputs' storage, views, multi-output parts); full_remat keeps {low} bytes"
+    )
 
 
 def offload_terms(

@@ -153,3 +153,32 @@ def test_jit_module_updates_batchnorm_running_stats_like_eager():
     with torch.no_grad():
         x = torch.randn(6, 3)
         torch.testing.assert_close(model(x), ref(x))
+
+
+def test_differentiating_a_compiled_backward_again_raises_not_drops_the_term() -> None:
+    # found by a user-style review: under create_graph=True (a WGAN-GP penalty) the compiled
+    # backward's gradients came out detached, and the penalty added no gradient, silently
+    x = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(4, 4, dtype=torch.float64)
+
+    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ w).pow(2).sum()
+
+    loss = ft.jit(f)(x, w)
+    (gx,) = torch.autograd.grad(loss, x, create_graph=True)
+    torch.testing.assert_close(gx, torch.autograd.grad(f(x, w), x)[0])  # first order: right
+    with pytest.raises(RuntimeError, match=r"not differentiable again.*create_graph=True"):
+        (loss + (gx**2).sum()).backward()
+
+    # what the message suggests: the inner gradient inside the jitted function
+    def penalized(x: torch.Tensor) -> torch.Tensor:
+        return f(x, w) + (ft.grad(f)(x, w) ** 2).sum()
+
+    x.grad = None
+    ft.jit(penalized)(x).backward()
+    got = x.grad
+    x.grad = None
+    loss = f(x, w)
+    (g,) = torch.autograd.grad(loss, x, create_graph=True)
+    (loss + (g**2).sum()).backward()
+    torch.testing.assert_close(got, x.grad)

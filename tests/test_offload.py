@@ -26,7 +26,7 @@ from functrans.extend import (
     why_not_offload,
 )
 from functrans.testing import check_partition, programs
-from functrans.testing._check import compare
+from functrans.testing._check import check_split, compare
 from functrans.testing._program import InputSpec, Program, Step
 
 INF = Offload(bandwidth=math.inf)
@@ -150,7 +150,11 @@ def test_a_value_whose_storage_a_saved_view_shares_stays() -> None:
 @given(programs(max_steps=6), st.integers(0, 2**31 - 1))
 def test_property_nothing_forbidden_is_offloaded_and_gradients_hold(prog, seed) -> None:  # type: ignore[no-untyped-def]
     args = prog.example_inputs(seed=seed % 1000)
-    p = check_partition(prog, args, offload_everything)
+    jg = ft.joint(prog)(*args)
+    p = ft.partition(jg, offload_everything)
+    check_split(prog, args, jg, p, "offload everything")
+    refused = {n for n in p.adjusted}  # asked for and kept on the device: the rules said so
+    assert not refused & {v.node for v in p.offloaded}
     outputs = frozenset(p.joint.forward_outputs())
     for v in p.offloaded:
         assert why_not_offload(v.node, outputs) == "", v.name
@@ -247,7 +251,8 @@ def test_offload_makes_budgets_below_full_remat_feasible() -> None:
     assert "bernoulli" in {v.op.split(".")[1] for v in p.offloaded} or any(
         v.node.meta["val"].dtype == torch.float32 for v in p.offloaded
     )
-    with pytest.raises(InvalidPartitionError, match="even with offload"):
+    # found by review: the message blamed the device when the host limit was what bound
+    with pytest.raises(InvalidPartitionError, match="needs more host memory than host_bytes=8"):
         ft.partition(jg, "memory_budget", max_bytes=0, offload=Offload(bandwidth=1e9, host_bytes=8))
 
 
@@ -299,9 +304,18 @@ def _recomputed_offloadable(p: ft.Partition) -> list[str]:
 DROPOUT = Program((InputSpec((), torch.float32),), (Step("dropout", (0,), (), ()),), (1,))
 
 
+# shrunk by hypothesis: an empty value was both saved and offloaded (a tie at 0 bytes)
+EMPTY = Program(
+    (InputSpec((0,), torch.float32),),
+    (Step("neg", (0,), (), (0,)), Step("sin", (1,), (), (0,))),
+    (2,),
+)
+
+
 @settings(max_examples=15)
 @given(programs(max_steps=6, dtypes=(torch.float32,)))
 @example(DROPOUT)
+@example(EMPTY)
 def test_property_solver_promises(prog) -> None:  # type: ignore[no-untyped-def]
     jg = ft.joint(prog)(*prog.example_inputs())
     low, budgets = _budgets(jg)
@@ -369,3 +383,42 @@ def test_training_with_offload_under_jit_matches_eager() -> None:
         torch.testing.assert_close(a, b)
     (p,) = step.partitions()
     assert p.offloaded and counting.out == counting.back == 3 * len(p.offloaded)
+
+
+def test_a_refused_offload_is_reported_and_bad_cuts_are_refused() -> None:
+    # found by review: a refused offload vanished silently; bad Cut arguments raised raw errors
+    jg = ft.joint(lambda x: (x.exp() * 2).t().sin().sum())(torch.ones(3, 3))
+    p = ft.partition(jg, lambda jg: Cut(offloaded=("permute", "primals_1")))
+    assert p.offloaded == () and {n.name for n in p.adjusted} == {"permute", "primals_1"}
+    with pytest.raises(AssertionError, match="asked to be offloaded but it is a view"):
+        check_partition(
+            lambda x: (x.exp() * 2).t().sin().sum(),
+            (torch.ones(3, 3),),
+            lambda jg: Cut(offloaded=("permute",)),
+        )
+    with pytest.raises(FunctransError, match=r"offloaded='mul' is a string.*e.g. \['mul'\]"):
+        Cut(offloaded="mul")  # type: ignore[arg-type]
+    with pytest.raises(FunctransError, match="offloaded=None is not accepted"):
+        Cut(offloaded=None)  # type: ignore[arg-type]
+    with pytest.raises(FunctransError, match=r"\['mul'\] are in both saved= and offloaded="):
+        Cut(saved=("mul",), offloaded=("mul",))
+
+
+def test_offload_with_symbolic_shapes() -> None:
+    # found by review: the wait op's meta kernel refused symbolic sizes, so offload forced a
+    # compile per shape (and a raw RuntimeError from ft.partition)
+    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ w).sin().sum()
+
+    jg = ft.joint(f, dynamic={"x": {0: "batch"}})(torch.randn(8, 4), torch.randn(4, 4))
+    p = ft.partition(jg, "memory_budget", budget=0.0, offload=INF)
+    assert p.offloaded and p.offloaded[0].bytes_expr == "16*s0"
+    w = torch.randn(4, 4, requires_grad=True)
+    step = ft.jit(f, partition="memory_budget", budget=0.0, offload=INF)
+    for batch in (4, 2, 3, 5):
+        x = torch.randn(batch, 4)
+        (got,) = torch.autograd.grad(step(x, w), w)
+        (want,) = torch.autograd.grad(f(x, w), w)
+        torch.testing.assert_close(got, want)
+    assert step.cache_info().misses == 2  # a static entry, then one symbolic entry
+    assert all(q.offloaded for q in step.partitions())

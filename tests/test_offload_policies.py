@@ -445,7 +445,11 @@ def test_offload_rules_agree_on_outputs_views_and_multi_output_ops():
     tagged, offloaded, unread = traced_offloads(region, x, w)
     copied_out, copied_back = eager_offloads(region, x, w)
     sub, div = ("aten.sub.Tensor", (B, T, D), ""), ("aten.div.Tensor", (B, T, D), "")
-    assert copied_back == offloaded == [sub, div]
+    assert copied_back == [sub, div]
+    # traced mode also offloads the matmul, which backward reads through a view it re-derives
+    # from the copy; eager caches matmul's _unsafe_view beside it (no alias annotation), which
+    # shares its storage, so eager keeps both on the device
+    assert offloaded == [("aten.mm.default", (B * T, 4 * D), ""), sub, div]
     extra = set(copied_out) - set(copied_back)
     assert extra == {("aten.sin.default", (B, T, D), ""), ("aten.sum.dim_IntList", (B, T, 1), "")}
     assert extra <= set(unread)
@@ -465,7 +469,11 @@ def test_torch_must_cpu_offload_through_remat_in_both_modes():
         torch.testing.assert_close((g[0], *g[1].values()), want, rtol=0, atol=1e-12)
         _, offloaded, _ = traced_offloads(f, x, w)
         _, copied_back = eager_offloads(f, x, w)
-        assert offloaded and set(offloaded) <= set(copied_back)
+        # traced mode may offload more: a base whose views backward reads goes to host and the
+        # views are re-derived from its copy (here the attention's reshape copies); eager keeps
+        # such a base on the device when a cached value shares its storage
+        extra = set(offloaded) - set(copied_back)
+        assert offloaded and {label[0] for label in extra} <= {"aten.clone.default"}
 
 
 # --- a user's training loop ------------------------------------------------------------------

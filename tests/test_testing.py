@@ -37,10 +37,14 @@ def _corrupt_backward(joint):
     return _save_random_outputs(joint)
 
 
+_KEPT = (Policy.MUST_SAVE, Policy.MUST_OFFLOAD)
+
+
 def _save_random_outputs(joint):
-    """Correct: saves only what must never be recomputed (random ops and MUST_SAVE values)."""
+    """Correct: saves only what must never be recomputed (random ops, MUST_SAVE and
+    MUST_OFFLOAD values)."""
     keep = [n for n in joint.forward_nodes() if op_class(n) is OpClass.RANDOM]
-    return keep + [n for n in joint.forward_nodes() if policy_of(n) is Policy.MUST_SAVE]
+    return keep + [n for n in joint.forward_nodes() if policy_of(n) in _KEPT]
 
 
 def test_register_partitioner_tests_passes_a_correct_strategy():

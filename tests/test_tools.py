@@ -88,3 +88,29 @@ def test_explain_command(tmp_path):
     ).stdout
     assert "===== joint graph =====" in out and "partition 'memory_budget'" in out
     assert "peak" in out and (tmp_path / "p.dot").exists()
+
+
+def test_explain_offload_and_bad_targets_in_one_line(tmp_path, capsys):
+    # found by review: a missing function or strategy printed a traceback; no way to offload
+    from functrans.__main__ import main
+
+    src = tmp_path / "ex.py"
+    src.write_text(
+        "import torch\n"
+        "def example():\n"
+        "    f = lambda x, w: torch.nn.functional.dropout(torch.tanh(x @ w), 0.2).sum()\n"
+        "    return f, (torch.ones(8, 16), torch.ones(16, 16, requires_grad=True))\n"
+    )
+    assert main(["explain", f"{src}:example", "--offload", "inf"]) == 0
+    assert "offloaded to host:" in capsys.readouterr().out
+    for argv, message in [
+        ([f"{src}:nosuch"], "has no 'nosuch'; its functions: example"),
+        ([f"{tmp_path}/missing.py:f"], "missing.py is not a file"),
+        ([f"{src}:example", "--html", str(tmp_path / "r.html"), "--compare", "nosuch"], "unknown"),
+        ([f"{src}:example", "--budget", "-1"], "budget=-1.0 (float) is not accepted"),
+    ]:
+        with pytest.raises(SystemExit) as exit_:
+            main(["explain", *argv])
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err

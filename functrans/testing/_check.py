@@ -15,7 +15,7 @@ import torch
 from hypothesis import strategies as st
 
 from .._cost import OpClass, op_class
-from .._cut_problem import cut_problem
+from .._cut_problem import ForwardValue, cut_problem
 from .._dynamic import shape_env_of
 from .._graph import JointGraph, Phase
 from .._joint import joint
@@ -285,7 +285,7 @@ def partition_and_check(
         problem = cut_problem(jg)
         values = [problem[n] for n in p.adjusted]
         what = "ignored remat tags" if any(v.tag for v in values) else "broke the op rules"
-        why = "; ".join(f"{v.describe()}: {v.why_not_save or v.why_not_recompute}" for v in values)
+        why = "; ".join(f"{v.describe()}: {_why_adjusted(v)}" for v in values)
         raise AssertionError(
             f"strategy {strategy!r} {options or ''} {what}: its saved set breaks the shared "
             f"save/recompute rules and partition() adjusted {[v.node.name for v in values]} "
@@ -293,6 +293,15 @@ def partition_and_check(
         )
     check_split(f, args, jg, p, f"strategy: {strategy!r} {options or ''}", eager)
     return p
+
+
+def _why_adjusted(v: ForwardValue) -> str:
+    return (
+        v.why_not_save
+        or v.why_not_recompute
+        or (f"it was asked to be offloaded but {v.why_not_offload}" if v.why_not_offload else "")
+        or "it was asked to be offloaded but a saved value shares its storage (a view of it)"
+    )
 
 
 @st.composite

@@ -108,9 +108,10 @@ def register_partitioner_tests(
     >>> from functrans import partitioners
     >>> from functrans.extend import OpClass, op_class
     >>> from functrans.extend import Policy, policy_of
+    >>> kept = (Policy.MUST_SAVE, Policy.MUST_OFFLOAD)  # tags that forbid recomputing
     >>> def inputs_only(jg):  # save what must not be recomputed; split adds the inputs
     ...     keep = [n for n in jg.forward_nodes() if op_class(n) is OpClass.RANDOM]
-    ...     return keep + [n for n in jg.forward_nodes() if policy_of(n) is Policy.MUST_SAVE]
+    ...     return keep + [n for n in jg.forward_nodes() if policy_of(n) in kept]
     >>> _ = partitioners.register("inputs_only", inputs_only, replace=True)
     >>> test_inputs_only = register_partitioner_tests("inputs_only")
     >>> settings(max_examples=3, deadline=None)(test_inputs_only)()  # or let pytest run it
