@@ -92,7 +92,8 @@ class Offload:
     - ``bandwidth``: bytes per second each way between device and host (``0``: never
       offload, today's save/recompute choice exactly; ``math.inf``: copies are free, so
       nothing offloadable is recomputed). Default 25 GB/s (PCIe 5 x16 in practice).
-    - ``host_bytes``: host memory the offloaded values may take (None: no limit).
+    - ``host_bytes``: host memory the offloaded values may take (None: no limit; a whole
+      float such as ``16e9`` is taken as an int).
     - ``compute_rate``: how fast the cost model's units run, per second (FLOP/s for the
       default FLOP cost; default 1e14, a large GPU at realistic utilisation). It converts copy
       time into the units recomputation is priced in.
@@ -124,6 +125,8 @@ class Offload:
             allow_inf=True,
             meaning="bytes per second each way; 0 never offloads",
         )
+        if isinstance(self.host_bytes, float) and self.host_bytes.is_integer():
+            object.__setattr__(self, "host_bytes", int(self.host_bytes))  # host_bytes=16e9
         if self.host_bytes is not None:
             check_number(
                 where,

@@ -262,6 +262,7 @@ def test_offload_options_are_checked() -> None:
         ft.partition(jg, "memory_budget", budget=0.5, solver="greedy", offload=INF)
     with pytest.raises(FunctransError, match=r"offload=3 .* must be an Offload"):
         ft.partition(jg, "memory_budget", budget=0.5, offload=3)
+    assert Offload(host_bytes=16e9).host_bytes == 16 * 10**9  # found by review: refused
     for bad in ({"bandwidth": -1.0}, {"host_bytes": 1.5}, {"overlap": 2.0}, {"compute_rate": 0}):
         with pytest.raises(FunctransError, match=f"Offload: {next(iter(bad))}="):
             Offload(**bad)  # type: ignore[arg-type]
