@@ -35,8 +35,9 @@ browser:
 		$(SUDO) env DEBIAN_FRONTEND=noninteractive \
 		apt-get install -y --no-install-recommends chromium; }
 
+# two workers (pytest-xdist): the suite is mostly single-threaded Python, one per core
 unit: $(STAMP) browser
-	FUNCTRANS_REQUIRE_BROWSER=1 $(VPY) -m pytest -q
+	FUNCTRANS_REQUIRE_BROWSER=1 $(VPY) -m pytest -q -n 2
 
 test: lint typecheck unit
 
