@@ -27,7 +27,8 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VPY) -m mypy
 
-# tests/test_report.py renders the HTML report in Debian's Chromium: installed here when missing
+# tests/test_report_browser.py renders the HTML report in Debian's Chromium, installed here
+# when missing
 # (as root, else through sudo); FUNCTRANS_REQUIRE_BROWSER=1 makes its absence a failure.
 SUDO    := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 browser:

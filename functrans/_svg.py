@@ -1,12 +1,17 @@
 """The cut as inline SVG, laid out in Python (no graphviz): the forward nodes of a partition's
 joint graph in layers, each node coloured by what the partition does with it.
 
-Layout (:func:`layered_layout`), the simplest layered drawing that reads well:
+Layout (:func:`layered_layout`), the simplest layered drawing that reads well and stays compact:
 
-- layering by longest path from the sources, so every edge points down (``y`` grows);
+- layering by longest path from the sources, so every edge points down (``y`` grows); then
+  each node moves down to just above its nearest user (sinks, such as values only backward
+  reads, follow their inputs instead), so an input or a weight's transpose sits next to the op
+  that reads it rather than in one wide top row;
 - order within a layer by barycentre: two sweeps down and one up, each node placed at the mean
   position of its neighbours in the layers already ordered (ties keep graph order);
-- a layer's boxes sit ``gap`` apart, the layer centred on the widest one: boxes never overlap.
+- a layer's boxes sit ``gap`` apart, at most :data:`COLS` to a row (a wider layer wraps onto
+  the next rows), each row centred: boxes never overlap, the drawing is at most ``COLS`` boxes
+  wide, and the page scales it down further where the window is narrower.
 
 Each node is an SVG ``<g data-node="NAME" class="KIND">`` (``KIND`` one of :data:`KINDS`) with
 a ``<title>`` (name, op, type, bytes, the user's source line) that browsers show on hover.
@@ -26,7 +31,17 @@ from ._format import format_value_type, op_name
 from ._graph import PATH, SOURCE, JointGraph
 from ._partition import Partition, format_bytes
 
-__all__ = ["COLOURS", "KINDS", "Box", "Layout", "cut_svg", "esc", "layered_layout", "node_kinds"]
+__all__ = [
+    "COLOURS",
+    "KINDS",
+    "Box",
+    "Layout",
+    "cut_svg",
+    "esc",
+    "layered_layout",
+    "legend_html",
+    "node_kinds",
+]
 
 _K = TypeVar("_K", bound=Hashable)
 
@@ -43,11 +58,13 @@ COLOURS = {
 _LEGEND = {
     "offloaded": "saved in host memory (offloaded)",
     "saved": "saved on the device",
-    "recomputed": "recomputed in backward",
-    "input": "input (saved inputs have a thick border)",
+    "recomputed": "recomputed in backward (dashed)",
+    "input": "input (a thick border: saved for backward)",
     "op": "forward op",
 }
-BOX_W, BOX_H, GAP_X, GAP_Y, MARGIN = 150, 38, 16, 30, 12
+BOX_W, BOX_H, GAP_X, GAP_Y, MARGIN = 150, 38, 16, 24, 12
+#: at most this many boxes a row, a wider layer wraps: six boxes (986 px) fit a 1000 px page
+COLS = 6
 
 
 def esc(text: object) -> str:
@@ -90,7 +107,10 @@ class Layout(Generic[_K]):
 
 
 def _layers(nodes: Sequence[_K], edges: Sequence[tuple[_K, _K]]) -> dict[_K, int]:
-    """Longest-path layering (Kahn's order); raises on a cycle."""
+    """Longest-path layering (Kahn's order; raises on a cycle), then every node that has
+    successors moved down to just above its nearest one that is not a sink (in reverse order,
+    so each has moved already), and each sink to just below its lowest predecessor: an input
+    or a weight's transpose sits next to the op that reads it, not in the top row."""
     preds: dict[_K, list[_K]] = {n: [] for n in nodes}
     succs: dict[_K, list[_K]] = {n: [] for n in nodes}
     for a, b in edges:
@@ -99,17 +119,26 @@ def _layers(nodes: Sequence[_K], edges: Sequence[tuple[_K, _K]]) -> dict[_K, int
     missing = {n: len(preds[n]) for n in nodes}
     ready = [n for n in nodes if missing[n] == 0]
     layer = dict.fromkeys(ready, 0)
+    done: list[_K] = []
     while ready:
         n = ready.pop()
+        done.append(n)
         for s in succs[n]:
             layer[s] = max(layer.get(s, 0), layer[n] + 1)
             missing[s] -= 1
             if missing[s] == 0:
                 ready.append(s)
-    if len(layer) != len(nodes) or any(missing.values()):
+    if len(done) != len(nodes):
         raise InvalidArgumentError(
             f"layered_layout: edges={list(edges)[:5]!r}... form a cycle; expected a DAG"
         )
+    for n in reversed(done):  # a sink does not hold its predecessors up: it follows them
+        ahead = [layer[s] for s in succs[n] if succs[s]]
+        if ahead:
+            layer[n] = min(ahead) - 1
+    for n in done:
+        if not succs[n]:
+            layer[n] = max((layer[m] + 1 for m in preds[n]), default=0)
     return layer
 
 
@@ -140,18 +169,25 @@ def layered_layout(
     *,
     box: tuple[float, float] = (BOX_W, BOX_H),
     gap: tuple[float, float] = (GAP_X, GAP_Y),
+    cols: int = COLS,
 ) -> Layout[_K]:
-    """Lay out a DAG top to bottom: every node a ``box``-sized rectangle, edges pointing down.
+    """Lay out a DAG top to bottom: every node a ``box``-sized rectangle, edges pointing down,
+    at most ``cols`` boxes a row (a wider layer wraps onto more rows).
 
     Edges whose ends are not both in ``nodes`` are dropped.
 
     >>> lay = layered_layout(["a", "b", "c"], [("a", "c"), ("b", "c")])
     >>> [lay.boxes[n].layer for n in "abc"], lay.boxes["a"].y < lay.boxes["c"].y
     ([0, 0, 1], True)
+    >>> wide = layered_layout(range(7), [(i, 6) for i in range(6)], cols=4)
+    >>> len({b.y for b in wide.boxes.values()}), wide.width == 4 * BOX_W + 3 * GAP_X
+    (3, True)
     """
     keep = set(nodes)
     if len(keep) != len(nodes):
         raise InvalidArgumentError(f"layered_layout: nodes={list(nodes)!r} repeat a node")
+    if cols < 1:
+        raise InvalidArgumentError(f"layered_layout: cols={cols!r}; expected at least 1")
     inner = tuple((a, b) for a, b in edges if a in keep and b in keep and a != b)
     layer = _layers(nodes, inner)
     rows: list[list[_K]] = [[] for _ in range(max(layer.values(), default=-1) + 1)]
@@ -159,15 +195,17 @@ def layered_layout(
         rows[layer[n]].append(n)
     _order(rows, inner)
     (w, h), (gx, gy) = box, gap
-    widest = max((len(r) for r in rows), default=0)
+    widest = min(max((len(r) for r in rows), default=0), cols)
     width = widest * (w + gx) - gx if widest else 0.0
-    boxes = {}
+    boxes, y = {}, 0.0
     for i, row in enumerate(rows):
-        left = (width - (len(row) * (w + gx) - gx)) / 2
-        for j, n in enumerate(row):
-            boxes[n] = Box(left + j * (w + gx), i * (h + gy), w, h, i)
-    height = len(rows) * (h + gy) - gy if rows else 0.0
-    return Layout(boxes, inner, float(width), float(height))
+        for k in range(0, len(row), cols):
+            line = row[k : k + cols]
+            left = (width - (len(line) * (w + gx) - gx)) / 2
+            for j, n in enumerate(line):
+                boxes[n] = Box(left + j * (w + gx), y, w, h, i)
+            y += h + gy
+    return Layout(boxes, inner, float(width), max(y - gy, 0.0))
 
 
 def node_kinds(p: Partition) -> dict[fx.Node, str]:
@@ -198,7 +236,8 @@ def _label(n: fx.Node) -> tuple[str, str]:
     """Two lines: the user's name (argument path for inputs) and the op and type."""
     name = str(n.meta.get(PATH) or n.name)
     if n.op == "call_function":
-        what = op_name(n.target).removeprefix("aten.").removesuffix(".default")
+        full = op_name(n.target)  # aten.mul.Tensor: the overload is in the tooltip, not here
+        what = full.split(".")[1] if full.startswith("aten.") else full
     else:
         what = "input" if n.op == "placeholder" else n.op
     return name, f"{what} {format_value_type(n.meta.get('val'))}"
@@ -213,7 +252,8 @@ def _clip(text: str, limit: int = 21, keep_end: bool = False) -> str:
 
 def _node_svg(n: fx.Node, b: Box, kind: str, saved: dict[fx.Node, str]) -> str:
     first, second = _label(n)
-    tip = [f"{n.name} ({kind})", first if first != n.name else "", second]
+    op = op_name(n.target) if n.op == "call_function" else ""
+    tip = [f"{n.name} ({kind})", first if first != n.name else "", op, second]
     if n in saved:
         tip.append(f"saved: {saved[n]}")
     tip.append(str(n.meta.get(SOURCE) or "no source line"))
@@ -231,25 +271,29 @@ def _node_svg(n: fx.Node, b: Box, kind: str, saved: dict[fx.Node, str]) -> str:
     )
 
 
-def legend_svg() -> str:
-    """A one-row SVG legend of the node colours."""
-    items, x = [], 4
-    for kind in KINDS:
-        items.append(
-            f'<g class="legend-{kind}"><rect x="{x}" y="4" width="16" height="16" '
-            f'fill="{COLOURS[kind]}" stroke="#333"/><text x="{x + 22}" y="17">'
-            f"{esc(_LEGEND[kind])}</text></g>"
-        )
-        x += 22 + 7 * len(_LEGEND[kind]) + 24  # about 7 px a character at 12 px
-    return (
-        f'<svg class="legend" xmlns="http://www.w3.org/2000/svg" width="{x}" '
-        f'height="24" font-family="sans-serif" font-size="12">{"".join(items)}</svg>'
+def legend_html() -> str:
+    """The node colours as one HTML line, which wraps with the page (swatch, then meaning).
+
+    >>> '<span class="legend-saved"><span class="swatch" style="background:#f0a830">' in (
+    ...     legend_html())
+    True
+    """
+    items = "".join(
+        f'<span class="legend-{kind}"><span class="swatch" style="background:{COLOURS[kind]}">'
+        f"</span> {esc(_LEGEND[kind])}</span>"
+        for kind in KINDS
     )
+    return f'<p class="legend">{items}</p>'
 
 
 def _edge_svg(a: Box, b: Box) -> str:
+    """A curve from the bottom of ``a`` to the top of ``b``, leaving and arriving vertically."""
     x1, y1, x2, y2 = a.x + a.w / 2, a.y + a.h, b.x + b.w / 2, b.y
-    return f'<line x1="{x1:.1f}" y1="{y1:.1f}" x2="{x2:.1f}" y2="{y2:.1f}"/>'
+    bend = min((y2 - y1) / 2, 2 * GAP_Y)
+    return (
+        f'<path d="M{x1:.1f},{y1:.1f} C{x1:.1f},{y1 + bend:.1f} {x2:.1f},{y2 - bend:.1f} '
+        f'{x2:.1f},{y2:.1f}"/>'
+    )
 
 
 def forward_layout(joint: JointGraph) -> Layout[fx.Node]:
@@ -283,6 +327,7 @@ def cut_svg(p: Partition) -> str:
     w, h = lay.width + 2 * MARGIN, lay.height + 2 * MARGIN
     return (
         f'<svg class="cut" xmlns="http://www.w3.org/2000/svg" width="{w:.0f}" height="{h:.0f}" '
+        'style="max-width:100%;height:auto" '
         f'viewBox="{-MARGIN} {-MARGIN} {w:.0f} {h:.0f}" font-family="monospace" font-size="11">'
-        f'<g class="edges" stroke="#777" stroke-width="1.2">{edges}</g>{nodes}</svg>'
+        f'<g class="edges" fill="none" stroke="#777" stroke-width="1.2">{edges}</g>{nodes}</svg>'
     )

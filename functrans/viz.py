@@ -14,13 +14,14 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from ._charts import peak_index
+from ._charts import series as memory_series
 from ._dot import to_dot
 from ._errors import FunctransError
 from ._graph import Graph
 from ._pareto import ParetoPoint
 from ._partition import Partition, format_bytes, partition
-from ._report import check_path, labelled, page, peak_index
-from ._report import series as memory_series
+from ._report import check_path, labelled, page
 
 __all__ = ["draw", "plot_memory", "plot_pareto", "report"]
 
@@ -183,9 +184,11 @@ def report(
 ) -> Path:
     """Write a self-contained HTML page (no network, no scripts, no graphviz) about one or more
     partitions (a partition, a sequence, or a mapping label -> partition): a summary row each,
-    the memory timeline, with several partitions the Pareto front (activation bytes against
-    recompute FLOPs), and per partition its cut drawn as SVG (every forward node a ``<g
-    data-node=NAME class=KIND>``, its source line on hover) and its saved-values table.
+    the memory timeline, with several partitions the trade-off panel (device activation bytes
+    against recompute FLOPs; partitions that offload are marked apart and compared on host
+    bytes and copies too), and per partition its inputs, its cut drawn as SVG (every forward
+    node a ``<g data-node=NAME class=KIND>``, its source line on hover) and its saved-values
+    table, whose bytes add up to the summary's.
 
     >>> import torch, tempfile, os, functrans as ft
     >>> p = ft.partition(ft.joint(lambda x: x.exp().sin().sum())(torch.ones(8)), "min_cut")

@@ -1,43 +1,32 @@
-"""The memory report: layout, table, escaping, plot_memory, ``explain --html``, and the page in
-a real headless Chromium (Debian's package; ``make unit`` installs it and sets
-FUNCTRANS_REQUIRE_BROWSER=1, so a missing browser fails there instead of skipping)."""
+# ruff: noqa: F811  (the fixtures imported from _report_fixtures are test arguments)
+"""The memory report: layout, table, escaping, charts, plot_memory and ``explain --html``
+(the page in a real browser: tests/test_report_browser.py)."""
 
-import os
 import random
+import re
 import shutil
-import subprocess
-import tempfile
 from html.parser import HTMLParser
 
 import numpy as np
 import pytest
 import torch
+from _report_fixtures import block, gpt, offload_parts, parts  # noqa: F401  # fixtures
 
 import functrans as ft
-from functrans._report import saved_table, series
-from functrans._svg import COLOURS, cut_svg, forward_layout, layered_layout, node_kinds
-from functrans.extend import Cut
+from functrans._charts import CHAR_W, pareto_svg, place_labels, points, series
+from functrans._report import saved_table
+from functrans._svg import (
+    BOX_W,
+    COLS,
+    GAP_X,
+    cut_svg,
+    forward_layout,
+    layered_layout,
+    node_kinds,
+)
 
 CHROMIUM = shutil.which("chromium")
 TIMEOUT = 60
-
-
-def block(params, x):
-    h = torch.tanh(x @ params["w"])
-    h = torch.nn.functional.layer_norm(h, (8,), params["g"], params["b"])
-    return (h.exp() * params["g"]).sum()
-
-
-@pytest.fixture(scope="module")
-def parts():
-    args = ({"w": torch.randn(8, 8), "g": torch.ones(8), "b": torch.zeros(8)}, torch.randn(4, 8))
-    jg = ft.joint(block)(*args)
-    return {
-        "default": ft.partition(jg, "default"),
-        "min_cut": ft.partition(jg, "min_cut"),
-        "full_remat": ft.partition(jg, "full_remat"),
-        "offload": ft.partition(jg, lambda jg: Cut(saved=("tanh",), offloaded=("exp",))),
-    }
 
 
 def _check_layout(lay, nodes, edges):
@@ -65,6 +54,27 @@ def test_layout_places_every_forward_node_apart_with_edges_down(parts):
         _check_layout(layered_layout(list(range(n)), edges), range(n), edges)
 
 
+def test_cut_of_a_gpt_block_is_compact(gpt):
+    """The review saw a top row of every input and a wide, mostly blank drawing: inputs now sit
+    just above their nearest user, rows wrap at COLS boxes, and boxes fill the drawing."""
+    p = gpt["default"]
+    lay, forward = forward_layout(p.joint), p.joint.forward_nodes()
+    assert 100 <= len(forward) <= 200
+    assert lay.width <= COLS * (BOX_W + GAP_X) < 1000  # fits the page, no sideways scroll
+    assert (
+        max(sum(b.y == y for b in lay.boxes.values()) for y in {b.y for b in lay.boxes.values()})
+        <= COLS
+    )
+    area = sum(b.w * b.h for b in lay.boxes.values())
+    assert area / (lay.width * lay.height) > 0.2, (lay.width, lay.height)
+    assert sum(b.y + b.h <= 900 for b in lay.boxes.values()) >= 40  # the first screenful
+    top = [n for n, b in lay.boxes.items() if b.layer == 0]
+    assert sum(n.op == "placeholder" for n in top) <= 3
+    for n in p.joint.primals():
+        users = [lay.boxes[u].layer for u in n.users if u in lay.boxes]
+        assert not users or lay.boxes[n].layer == min(users) - 1, n
+
+
 def test_layout_rejects_cycles_and_repeats():
     with pytest.raises(ft.FunctransError, match="cycle"):
         layered_layout(["a", "b"], [("a", "b"), ("b", "a")])
@@ -87,13 +97,128 @@ def test_cut_svg_has_a_node_per_forward_value_with_its_kind(parts):
     assert "h = torch.tanh(x @ params[&quot;w&quot;])" in svg  # source line on hover
 
 
+class _Cells(HTMLParser):
+    """The rows of an HTML table as lists of cell texts, with each row's class."""
+
+    def __init__(self):
+        super().__init__()
+        self.rows, self._cell = [], None
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "tr":
+            self.rows.append((dict(attrs).get("class"), []))
+        elif tag in ("td", "th"):
+            self._cell = ""
+
+    def handle_data(self, data):
+        if self._cell is not None:
+            self._cell += data
+
+    def handle_endtag(self, tag):
+        if tag in ("td", "th"):
+            self.rows[-1][1].append(self._cell)
+            self._cell = None
+
+
+def _saved_rows(p):
+    cells = _Cells()
+    cells.feed(saved_table(p))
+    head, *rows, (total_kind, total) = cells.rows
+    assert head[1][4:7] == ["activation bytes", "host bytes", "not counted"]
+    assert total_kind == "total"
+    return rows, total
+
+
 def test_saved_table_lists_each_saved_value_and_where_it_lives(parts):
     p = parts["offload"]
     table = saved_table(p)
-    assert table.count("<tr") == len(p.saved) + 1
-    assert '<tr class="host"><td>exp</td><td>aten.exp.default</td><td>[4, 8]</td>' in table
-    assert "<td>float32</td><td>128</td><td>host</td>" in table
-    assert "<td>tanh</td>" in table and "device (input)" in table
+    assert table.count("<tr") == len(p.saved) + 2  # the header and the totals
+    assert '<tr class="host"><td>exp</td><td>exp</td><td>[4, 8]</td><td>float32</td>' in table
+    assert "<td>float32</td><td></td><td>128</td><td></td>" in table  # host bytes column
+    assert "<td>tanh</td>" in table and "(input)</td>" in table
+    assert "primals_3 = params[&#x27;w&#x27;]" in table  # an input under its argument path
+
+
+def test_saved_table_bytes_add_up_to_the_summary(parts, offload_parts):
+    """Inputs (and views of them) show their bytes as not counted, so the activation column
+    adds up to activation_bytes and the host column to offloaded_bytes, as the totals say."""
+    for p in [*parts.values(), *offload_parts.values()]:
+        rows, total = _saved_rows(p)
+        kinds = {v.name: k for v, (k, _) in zip(p.saved, rows, strict=True)}
+        column = [[int(r[i].split(" = ")[-1]) for _, r in rows if r[i]] for i in (4, 5)]
+        assert sum(column[0]) == p.activation_bytes == int(total[2])
+        assert sum(column[1]) == p.offloaded_bytes == int(total[3])
+        for v, (kind, r) in zip(p.saved, rows, strict=True):
+            if v.is_input and kind != "host" and v.node not in p.shared_storage():
+                assert kind == "input" and r[6] == f"{v.storage_bytes} (input)" and not r[4]
+        assert sum(k == "input" for k in kinds.values()) > 0
+
+
+def _pareto_points(svg):
+    """``{label: (class, dominated, title, label text)}`` of a Pareto panel's points."""
+    found = re.findall(
+        r'<g class="point (\w+)" data-partition="([^"]*)" data-dominated="(\w+)"><title>([^<]*)'
+        r"</title>.*?<text[^>]*>([^<]*)</text></g>",
+        svg,
+    )
+    return {label: (kind, dom, title, text) for kind, label, dom, title, text in found}
+
+
+def test_pareto_does_not_let_offloading_dominate(offload_parts, parts):
+    """Offloading everything (0 device bytes, host bytes and copies instead) must not make
+    full_remat look dominated: points are compared on device bytes, FLOPs, host and copies."""
+    items = list(offload_parts.items())
+    pts = {q.label: q for q in points(items)}
+    off, remat = pts["mb0+offload"], pts["full_remat"]
+    assert off.offloads and off.device == remat.device == 0 and off.flops < remat.flops
+    assert not off.dominates(remat) and not remat.dominates(off)
+    svg = pareto_svg(items)
+    drawn = _pareto_points(svg)
+    assert drawn["full_remat"][:2] == ("device", "no")
+    kind, dominated, title, text = drawn["mb0+offload"]
+    assert (kind, dominated) == ("offload", "no") and "<polygon" in svg
+    assert "host peak" in title and "copied" in title and "host" in text and "copied" in text
+    assert "never hides one that does not" in svg  # the caption says how points compare
+    # among partitions that keep everything on the device, domination is the usual one
+    drawn = _pareto_points(
+        pareto_svg([(k, parts[k]) for k in ("default", "min_cut", "full_remat")])
+    )
+    assert {k: v[1] for k, v in drawn.items()} == {
+        "default": "no",
+        "min_cut": "no",
+        "full_remat": "no",
+    }
+    worse = pareto_svg(
+        [("a", parts["min_cut"]), ("b", parts["full_remat"]), ("c", parts["min_cut"])]
+    )
+    assert 'data-partition="a" data-dominated="no"' in worse  # equal points do not dominate
+
+
+def _boxes(spots, placed):
+    for (_, _, text), (x, y, anchor) in zip(spots, placed, strict=True):
+        width = CHAR_W * len(text)
+        left = x if anchor == "start" else x - width
+        yield (left, y - 11, left + width, y + 3)
+
+
+def test_pareto_labels_at_one_spot_do_not_overlap():
+    """Two partitions on (nearly) one spot used to print as one string ("mb0+offloadfull_remat")."""
+    rng = random.Random(0)
+    for _ in range(200):
+        n = rng.randrange(1, 7)
+        spots = [
+            (
+                rng.choice([92, 95, 300, 690]),
+                rng.choice([40, 42, 200, 330]),
+                "x" * rng.randrange(2, 40),
+            )
+            for _ in range(n)
+        ]
+        boxes = list(_boxes(spots, place_labels(spots, 720, 380)))
+        for i, a in enumerate(boxes):
+            assert a[0] >= 0 and a[2] <= 720 and a[1] >= 0 and a[3] <= 380, (spots, a)
+            for b in boxes[i + 1 :]:
+                assert not (a[0] < b[2] and b[0] < a[2] and a[1] < b[3] and b[1] < a[3]), spots
 
 
 def hostile(params, x):
@@ -166,95 +291,3 @@ def test_explain_html_writes_the_report(tmp_path, capsys):
 
 
 # --- a real browser -------------------------------------------------------------------------
-
-
-def _chromium(*args):
-    """Run headless Chromium; returns (stdout, stderr)."""
-    if CHROMIUM is None:
-        if os.environ.get("FUNCTRANS_REQUIRE_BROWSER"):
-            pytest.fail("FUNCTRANS_REQUIRE_BROWSER is set but `chromium` is not on PATH")
-        pytest.skip(
-            "chromium is not installed (apt-get install -y --no-install-recommends chromium)"
-        )
-    with tempfile.TemporaryDirectory() as profile:
-        flags = [
-            "--headless",
-            "--no-sandbox",
-            "--disable-gpu",
-            "--disable-quic",
-            "--no-first-run",
-            "--disable-background-networking",
-            "--disable-component-update",
-            "--disable-sync",
-            "--hide-scrollbars",
-            f"--user-data-dir={profile}",
-        ]
-        done = subprocess.run(
-            [CHROMIUM, *flags, *args], capture_output=True, text=True, timeout=TIMEOUT
-        )
-    assert done.returncode == 0, done.stderr[-2000:]
-    return done.stdout, done.stderr
-
-
-def _console(url):
-    """The DOM Chromium rendered at ``url`` and the page's console messages (errors thrown
-    by scripts are logged as ``"Uncaught ..."`` CONSOLE lines)."""
-    dom, err = _chromium("--enable-logging=stderr", "--v=0", "--dump-dom", url)
-    lines = [ln for ln in err.splitlines() if "CONSOLE" in ln or "Uncaught" in ln]
-    return dom, lines
-
-
-class _Nodes(HTMLParser):
-    def __init__(self):
-        super().__init__()
-        self.nodes, self.svgs = {}, 0
-
-    def handle_starttag(self, tag, attrs):
-        a = dict(attrs)
-        self.svgs += tag == "svg"
-        if tag == "g" and "data-node" in a:
-            self.nodes[a["data-node"]] = a.get("class")
-
-
-def _colours(png):
-    import matplotlib.image
-
-    img = (matplotlib.image.imread(png)[..., :3] * 255).round().astype(int)
-    packed = np.unique((img[..., 0] << 16) | (img[..., 1] << 8) | img[..., 2])
-    return img, {(int(c) >> 16, (int(c) >> 8) & 255, int(c) & 255) for c in packed}
-
-
-def _hex(colour):
-    return tuple(int(colour[i : i + 2], 16) for i in (1, 3, 5))
-
-
-def test_report_renders_in_headless_chromium(parts, tmp_path):
-    page = ft.viz.report(parts, tmp_path / "report.html")
-    url = page.resolve().as_uri()
-    dom, console = _console(url)
-    assert console == []
-    found = _Nodes()
-    found.feed(dom)
-    assert found.svgs >= 2 + len(parts)  # timeline, front, legend, a cut per partition
-    for p in parts.values():
-        for v in p.saved:
-            assert v.name in found.nodes
-    assert found.nodes["exp"] == "offloaded"  # the last section is the offloading one
-    # what a reader sees first: the summary and the timeline, non-blank and in colour
-    _chromium("--screenshot=" + str(tmp_path / "top.png"), "--window-size=1200,900", url)
-    img, colours = _colours(tmp_path / "top.png")
-    assert img.shape[:2] == (900, 1200) and len(colours) > 50
-    assert (img.sum(axis=2) < 600).mean() > 0.01  # more than 1% of pixels are not near-white
-    # the whole page: every node colour of the cuts is painted
-    _chromium("--screenshot=" + str(tmp_path / "all.png"), "--window-size=1200,6000", url)
-    _, colours = _colours(tmp_path / "all.png")
-    for kind, colour in COLOURS.items():
-        assert _hex(colour) in colours, kind
-
-
-def test_console_check_sees_script_errors(tmp_path):
-    """The console check above is not vacuous: a page that throws is caught."""
-    bad = tmp_path / "bad.html"
-    bad.write_text("<!doctype html><body><script>throw new Error('boom')</script></body>")
-    _, console = _console(bad.resolve().as_uri())
-    assert any("Uncaught Error: boom" in line for line in console)
