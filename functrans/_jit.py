@@ -39,17 +39,16 @@ from ._disk_cache import DiskKey
 from ._dynamic import Dims, DynamicSpecError, JitDynamic, ShapeGuard, resolve, shape_env_of
 from ._errors import TraceError, UnsupportedOpError
 from ._func import GRAD_SPEC, PER_EXAMPLE, GradSpec, PerExample, VmapOfGrad, plan_per_example
+from ._jit_apply import Apply, ApplySubclass, Entry, OutMeta, apply_graphs, inner_tensors
 from ._jit_cache import Cache, Signature, Slot, changed_dims, leaves_order, rank_key
 from ._joint import joint
 from ._logs import log
 from ._partition import Partition, Strategy, partition
 from ._pytree import (
     Flat,
-    Wrapper,
     exact_key,
     flatten_leaves,
     leaves_of,
-    rebuild_leaves,
     unflatten,
     wrap_static,
 )
@@ -58,7 +57,6 @@ from ._state import (
     FunctionValues,
     ModuleFlags,
     State,
-    autocast_off,
     capture,
     grad_enabled,
     module_state,
@@ -97,200 +95,6 @@ class CacheInfo:
     trace_s: float = 0.0
     partition_s: float = 0.0
     compile_s: float = 0.0
-
-
-@dataclass(frozen=True, slots=True)
-class _OutMeta:
-    """One flat output of a compiled forward, as its backward needs it."""
-
-    shape: torch.Size
-    dtype: torch.dtype
-    device: torch.device
-    takes_tangent: bool  # floating outputs; integers and booleans are not differentiable
-    # requires grad as in eager: not an output made under no_grad() or detached in the function
-    differentiable: bool
-
-    @classmethod
-    def of(cls, val: torch.Tensor, takes_tangent: bool, differentiable: bool) -> _OutMeta:
-        return cls(val.shape, val.dtype, val.device, takes_tangent, differentiable)
-
-    def zeros(self, shape: torch.Size | None = None) -> torch.Tensor:
-        """The tangent autograd passes as None: zeros of this output's type (of ``shape``
-        where the output's sizes are symbolic)."""
-        size = self.shape if shape is None else shape
-        return torch.zeros(size, dtype=self.dtype, device=self.device)
-
-
-@dataclass(frozen=True)
-class _Entry:
-    """One compiled specialization: flat-tensor callables plus how to rebuild the outputs."""
-
-    forward: Callable[..., list[Any]]
-    backward: Callable[..., list[Any]] | None  # None: an inference entry (forward only)
-    out_flat: Flat
-    out_meta: tuple[_OutMeta, ...]
-    num_diff: int  # the first num_diff inputs are differentiated
-    num_inputs: int
-    partition: Partition | None
-    copies: dict[int, int]  # flat output -> flat input it is an unmodified copy of
-    #: inputs or outputs are tensor subclasses (DTensor): taken apart around the graphs
-    subclass: bool = False
-    #: a dynamic entry's guards (None: static shapes)
-    shape: ShapeGuard | None = None
-    #: which saved values are tensors (None: all; a dynamic forward also saves sizes)
-    saved_tensors: tuple[bool, ...] | None = None
-
-    @functools.cached_property
-    def frozen(self) -> tuple[int, ...]:
-        """The outputs that do not require grad (integers, booleans, values made under
-        ``torch.no_grad()``): marked non-differentiable, as eager autograd leaves them."""
-        return tuple(i for i, m in enumerate(self.out_meta) if not m.differentiable)
-
-
-class _Apply(torch.autograd.Function):
-    """Runs a compiled forward graph; its backward runs the compiled backward graph."""
-
-    @staticmethod
-    def forward(ctx: Any, entry: _Entry, *tensors: torch.Tensor) -> Any:
-        n = len(entry.out_meta)
-        flat = entry.forward(*tensors)
-        ctx.entry = entry
-        if entry.saved_tensors is None:
-            ctx.save_for_backward(*flat[n:])
-        else:  # sizes of a dynamic entry travel beside the tensors
-            mask = entry.saved_tensors
-            ctx.save_for_backward(*[v for v, t in zip(flat[n:], mask, strict=True) if t])
-            ctx.sizes = [v for v, t in zip(flat[n:], mask, strict=True) if not t]
-        if entry.shape is not None:
-            ctx.shapes = [o.shape for o in flat[:n]]
-        if entry.frozen:
-            ctx.mark_non_differentiable(*[flat[i] for i in entry.frozen])
-        return tuple(flat[:n])
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
-        entry: _Entry = ctx.entry
-        assert entry.backward is not None
-        if entry.shape is None:
-            tangents = [
-                g.contiguous() if g is not None else m.zeros()
-                for g, m in zip(grads, entry.out_meta, strict=True)
-                if m.takes_tangent
-            ]
-        else:  # zeros of the output's size at this call
-            tangents = [
-                g.contiguous() if g is not None else m.zeros(shape)
-                for g, m, shape in zip(grads, entry.out_meta, ctx.shapes, strict=True)
-                if m.takes_tangent
-            ]
-        saved = ctx.saved_tensors
-        if entry.saved_tensors is not None:
-            tensors, sizes = iter(saved), iter(ctx.sizes)
-            saved = [next(tensors) if t else next(sizes) for t in entry.saved_tensors]
-        with autocast_off(), torch.no_grad():  # the backward graph holds its own casts
-            flat_grads = entry.backward(*saved, *tangents)
-        flat_grads = _once(flat_grads)
-        return (None, *flat_grads, *([None] * (entry.num_inputs - entry.num_diff)))
-
-
-class _ApplySubclass(torch.autograd.Function):
-    """:class:`_Apply` for tensor-subclass (DTensor) inputs and outputs: autograd sees the
-    subclass tensors themselves; the compiled graphs take and give their inner tensors."""
-
-    @staticmethod
-    def forward(ctx: Any, entry: _Entry, *tensors: torch.Tensor) -> Any:
-        n = len(entry.out_meta)
-        ctx.ins = [Wrapper.of(t) for t in tensors]
-        flat = entry.forward(*_inner(tensors))
-        ctx.entry = entry
-        ctx.save_for_backward(*flat[n:])
-        outs = rebuild_leaves(entry.out_flat, flat[:n])
-        if entry.frozen:
-            ctx.mark_non_differentiable(*[outs[i] for i in entry.frozen])
-        return tuple(outs)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
-        entry: _Entry = ctx.entry
-        assert entry.backward is not None
-        wrappers = entry.out_flat.wrappers or (None,) * len(grads)
-        tangents = [
-            _inner_tangent(g, w, m)
-            for g, w, m in zip(grads, wrappers, entry.out_meta, strict=True)
-            if m.takes_tangent
-        ]
-        with autocast_off(), torch.no_grad():
-            flat_grads = entry.backward(*ctx.saved_tensors, *tangents)
-        flat_grads = _once(flat_grads)
-        ins = ctx.ins[: entry.num_diff]
-        wrapped = [g if w is None else w.rebuild(g) for g, w in zip(flat_grads, ins, strict=True)]
-        return (None, *wrapped, *([None] * (entry.num_inputs - entry.num_diff)))
-
-
-_TWICE = (
-    b"functrans.jit: the backward of a compiled function is not differentiable again (this "
-    b"backward ran with create_graph=True: a gradient penalty, a Hessian). Take the inner "
-    b"gradient inside the jitted function (ft.jit(lambda x: penalty(ft.grad(f)(x)))), whose "
-    b"trace then holds the double backward, or run this part without ft.jit"
-)
-
-
-def _once(grads: Sequence[Any]) -> list[Any]:
-    """The gradients, made to raise if differentiated again. Under ``create_graph=True`` (grad
-    mode on in backward) eager would build a graph of its backward; the compiled one cannot,
-    and leaving the gradients detached would drop a gradient penalty's term silently. (torch's
-    ``once_differentiable`` marks them only when an incoming gradient requires grad, which
-    ``autograd.grad(loss, x, create_graph=True)``'s does not.)"""
-    grads = list(grads)
-    if not torch.is_grad_enabled():
-        return grads
-    at = [i for i, g in enumerate(grads) if isinstance(g, torch.Tensor) and g.is_floating_point()]
-    if not at:
-        return grads
-    raising = torch._C._functions.DelayedError(_TWICE, len(at))
-    marked = raising(*[grads[i].detach().requires_grad_() for i in at])
-    for i, g in zip(at, marked if isinstance(marked, tuple) else (marked,), strict=True):
-        grads[i] = g
-    return grads
-
-
-def _inner(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """The inner tensors of subclass tensors (DTensor: its local tensor); plain ones as is."""
-    out = []
-    for t in tensors:
-        w = Wrapper.of(t)
-        out.append(t if w is None else w.inner(t))
-    return out
-
-
-def _inner_tangent(g: torch.Tensor | None, wrapper: Wrapper | None, meta: _OutMeta) -> Any:
-    """The graph's tangent from autograd's gradient of an output: zeros for None, the inner
-    tensor for a subclass (a DTensor laid out as the traced cotangent first: Replicate where the
-    output is Partial)."""
-    if g is None:
-        return meta.zeros()
-    if wrapper is not None and hasattr(g, "redistribute"):
-        from torch.distributed.tensor import Replicate
-
-        placements = list(getattr(g, "placements", ()))
-        wanted = [Replicate() if p.is_partial() else p for p in _dtensor_placements(wrapper)]
-        if placements != wanted:
-            g = g.redistribute(getattr(g, "device_mesh"), wanted)  # noqa: B009
-    if wrapper is not None:
-        found = Wrapper.of(g)
-        g = g if found is None else found.inner(g)
-    return g.contiguous()
-
-
-def _dtensor_placements(wrapper: Wrapper) -> tuple[Any, ...]:
-    """A DTensor wrapper's placements (its flatten context starts with them)."""
-    ctx = wrapper.ctx
-    return tuple(ctx[0]) if isinstance(ctx, tuple) and ctx else ()
-
-
-# Function.apply without its Python layer, for guarded calls (functorch transforms never reach
-# them: those calls run the function as written)
-_apply: Callable[..., Any] = super(torch.autograd.Function, _Apply).apply
 
 
 @dataclass(frozen=True)
@@ -357,7 +161,7 @@ class Jitted(Generic[_P, _R]):
         does), the names of the modules behind them."""
         self._f, self._opts = f, options
         self._owner = f"jit({getattr(f, '__qualname__', type(f).__name__)})"
-        self._cache: Cache[_Entry] = Cache(self._owner, options.cache_size)
+        self._cache: Cache[Entry] = Cache(self._owner, options.cache_size)
         self._lock = threading.RLock()
         self._times = CacheInfo()
         self._captures: tuple[Path, ...] = ()  # captured tensors lifted to inputs
@@ -404,7 +208,7 @@ class Jitted(Generic[_P, _R]):
 
     def run_or_none(
         self, args: Any, kwargs: Any, module_flags: ModuleFlags
-    ) -> tuple[list[Any], _Entry, Sequence[torch.Tensor]] | None:
+    ) -> tuple[list[Any], Entry, Sequence[torch.Tensor]] | None:
         """For callers that check :func:`inline` and read the module flags themselves: flat
         outputs, the entry that computed them and the inputs in the entry's order; None where
         the call must run as written (tensor subclasses)."""
@@ -415,7 +219,7 @@ class Jitted(Generic[_P, _R]):
 
     def _run(
         self, args: Any, kwargs: Any, module_flags: ModuleFlags | None
-    ) -> tuple[list[Any], _Entry, Sequence[torch.Tensor]]:
+    ) -> tuple[list[Any], Entry, Sequence[torch.Tensor]]:
         """Flat outputs, the entry that computed them and the inputs in the entry's order.
 
         This is every call's path: each line here costs on every step of a training loop."""
@@ -436,18 +240,18 @@ class Jitted(Generic[_P, _R]):
             if found is not None:
                 slot, ordered = found
                 self._cache.touch(slot)
-                apply = _apply
+                apply = apply_graphs
             else:
                 try:
                     slot, ordered = self._lookup(tree, state)
                 except _Retry:
                     continue
-                apply = _Apply.apply
+                apply = Apply.apply
             entry = slot.entry
             if entry.subclass:
-                apply = _ApplySubclass.apply
+                apply = ApplySubclass.apply
                 if entry.backward is None:
-                    ordered = _inner(ordered)
+                    ordered = inner_tensors(ordered)
             if state.autocast_cpu is not None or state.autocast_cuda is not None:  # no_autocast
                 with no_autocast(state):
                     return _execute(apply, entry, ordered), entry, ordered
@@ -482,7 +286,7 @@ class Jitted(Generic[_P, _R]):
             self._captures, self._captured, self._modules = (), Reader(()), None
             self._cache.clear()
 
-    def _lookup(self, tree: Any, state: State) -> tuple[Slot[_Entry], list[torch.Tensor]]:
+    def _lookup(self, tree: Any, state: State) -> tuple[Slot[Entry], list[torch.Tensor]]:
         """The exact path: the entry by its full key (compiled on a miss); the guarded path
         above is the same lookup, cheaper, for trees :class:`Guards` can describe."""
         leaves, spec = leaves_of(tree)
@@ -562,7 +366,7 @@ class Jitted(Generic[_P, _R]):
 
     def _compile(
         self, flat: Flat, tensors: list[torch.Tensor], state: State, key: Any
-    ) -> Slot[_Entry]:
+    ) -> Slot[Entry]:
         training = grad_enabled(state) and any(t.requires_grad for t in tensors)
         diff = [
             i
@@ -661,7 +465,7 @@ class Jitted(Generic[_P, _R]):
         training: bool,
         disk: Callable[..., DiskKey],
         dims: Dims | None,
-    ) -> tuple[_Entry, torch.fx.GraphModule]:
+    ) -> tuple[Entry, torch.fx.GraphModule]:
         """:meth:`_build` with ``dims`` symbolic; where the backend compiles static shapes
         only, or the symbolic trace fails, a static entry (and a ``dynamic`` log line)."""
         if dims is None:
@@ -860,12 +664,12 @@ class Jitted(Generic[_P, _R]):
         training: bool,
         disk: Callable[..., DiskKey],
         dims: Dims | None = None,
-    ) -> tuple[_Entry, torch.fx.GraphModule]:
+    ) -> tuple[Entry, torch.fx.GraphModule]:
         backend = importlib.import_module("functrans.codegen").get_backend(self._opts.backend)
         decompositions = self._opts.decompositions
         if decompositions == "auto":
             decompositions = getattr(backend, "decompositions", "core")
-        inputs = _inner([*example[0], *example[1]])
+        inputs = inner_tensors([*example[0], *example[1]])
         subclass = any(type(t) not in _PLAIN_TYPES for t in [*example[0], *example[1]])
         t0 = time.perf_counter()
         if not training:
@@ -886,11 +690,11 @@ class Jitted(Generic[_P, _R]):
             self._times.trace_s += t1 - t0
             self._times.compile_s += time.perf_counter() - t1
             vals = [n for n in g.output_nodes()]
-            entry = _Entry(
+            entry = Entry(
                 forward=fwd,
                 backward=None,
                 out_flat=g.out_flat,
-                out_meta=tuple(_OutMeta.of(v.meta["val"], False, False) for v in vals),
+                out_meta=tuple(OutMeta.of(v.meta["val"], False, False) for v in vals),
                 num_diff=0,
                 num_inputs=len(inputs),
                 partition=getattr(traced, "__functrans_partition__", None),
@@ -927,12 +731,12 @@ class Jitted(Generic[_P, _R]):
         wants = _tangent_mask(jg)
         tangents = set(jg.tangents())
         primals = [n for n in jg.placeholders() if n not in tangents]
-        entry = _Entry(
+        entry = Entry(
             forward=fwd,
             backward=bwd,
             out_flat=jg.fn_out,
             out_meta=tuple(
-                _OutMeta.of(v.meta["val"], w, w and d)
+                OutMeta.of(v.meta["val"], w, w and d)
                 for v, w, d in zip(jg.forward_outputs(), wants, jg.differentiable, strict=True)
             ),
             num_diff=len(example[0]),
@@ -989,7 +793,7 @@ def _without_grad(forward: Callable[..., list[Any]]) -> Callable[..., list[Any]]
     return run
 
 
-def _execute(apply: Callable[..., Any], entry: _Entry, ordered: Sequence[torch.Tensor]) -> Any:
+def _execute(apply: Callable[..., Any], entry: Entry, ordered: Sequence[torch.Tensor]) -> Any:
     if entry.backward is None:
         return entry.forward(*ordered)
     return list(apply(entry, *ordered))

@@ -1,0 +1,226 @@
+"""A compiled :mod:`functrans._jit` entry and the autograd Functions that run it.
+
+:class:`Entry` holds one specialization's flat-tensor callables; :class:`Apply` runs its
+forward graph as one autograd node that saves exactly the partition's saved values, and its
+backward graph in backward (:class:`ApplySubclass` for tensor-subclass inputs such as DTensor).
+A compiled backward is not differentiable again: under ``create_graph=True`` its gradients raise
+when differentiated (:func:`_once`), rather than dropping a gradient penalty's term.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ._dynamic import ShapeGuard
+from ._partition import Partition
+from ._pytree import Flat, Wrapper, rebuild_leaves
+from ._state import autocast_off
+
+__all__ = [
+    "Apply",
+    "ApplySubclass",
+    "Entry",
+    "OutMeta",
+    "apply_graphs",
+    "inner_tangent",
+    "inner_tensors",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class OutMeta:
+    """One flat output of a compiled forward, as its backward needs it."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+    takes_tangent: bool  # floating outputs; integers and booleans are not differentiable
+    # requires grad as in eager: not an output made under no_grad() or detached in the function
+    differentiable: bool
+
+    @classmethod
+    def of(cls, val: torch.Tensor, takes_tangent: bool, differentiable: bool) -> OutMeta:
+        return cls(val.shape, val.dtype, val.device, takes_tangent, differentiable)
+
+    def zeros(self, shape: torch.Size | None = None) -> torch.Tensor:
+        """The tangent autograd passes as None: zeros of this output's type (of ``shape``
+        where the output's sizes are symbolic)."""
+        size = self.shape if shape is None else shape
+        return torch.zeros(size, dtype=self.dtype, device=self.device)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One compiled specialization: flat-tensor callables plus how to rebuild the outputs."""
+
+    forward: Callable[..., list[Any]]
+    backward: Callable[..., list[Any]] | None  # None: an inference entry (forward only)
+    out_flat: Flat
+    out_meta: tuple[OutMeta, ...]
+    num_diff: int  # the first num_diff inputs are differentiated
+    num_inputs: int
+    partition: Partition | None
+    copies: dict[int, int]  # flat output -> flat input it is an unmodified copy of
+    #: inputs or outputs are tensor subclasses (DTensor): taken apart around the graphs
+    subclass: bool = False
+    #: a dynamic entry's guards (None: static shapes)
+    shape: ShapeGuard | None = None
+    #: which saved values are tensors (None: all; a dynamic forward also saves sizes)
+    saved_tensors: tuple[bool, ...] | None = None
+
+    @functools.cached_property
+    def frozen(self) -> tuple[int, ...]:
+        """The outputs that do not require grad (integers, booleans, values made under
+        ``torch.no_grad()``): marked non-differentiable, as eager autograd leaves them."""
+        return tuple(i for i, m in enumerate(self.out_meta) if not m.differentiable)
+
+
+class Apply(torch.autograd.Function):
+    """Runs a compiled forward graph; its backward runs the compiled backward graph."""
+
+    @staticmethod
+    def forward(ctx: Any, entry: Entry, *tensors: torch.Tensor) -> Any:
+        n = len(entry.out_meta)
+        flat = entry.forward(*tensors)
+        ctx.entry = entry
+        if entry.saved_tensors is None:
+            ctx.save_for_backward(*flat[n:])
+        else:  # sizes of a dynamic entry travel beside the tensors
+            mask = entry.saved_tensors
+            ctx.save_for_backward(*[v for v, t in zip(flat[n:], mask, strict=True) if t])
+            ctx.sizes = [v for v, t in zip(flat[n:], mask, strict=True) if not t]
+        if entry.shape is not None:
+            ctx.shapes = [o.shape for o in flat[:n]]
+        if entry.frozen:
+            ctx.mark_non_differentiable(*[flat[i] for i in entry.frozen])
+        return tuple(flat[:n])
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
+        entry: Entry = ctx.entry
+        assert entry.backward is not None
+        if entry.shape is None:
+            tangents = [
+                g.contiguous() if g is not None else m.zeros()
+                for g, m in zip(grads, entry.out_meta, strict=True)
+                if m.takes_tangent
+            ]
+        else:  # zeros of the output's size at this call
+            tangents = [
+                g.contiguous() if g is not None else m.zeros(shape)
+                for g, m, shape in zip(grads, entry.out_meta, ctx.shapes, strict=True)
+                if m.takes_tangent
+            ]
+        saved = ctx.saved_tensors
+        if entry.saved_tensors is not None:
+            tensors, sizes = iter(saved), iter(ctx.sizes)
+            saved = [next(tensors) if t else next(sizes) for t in entry.saved_tensors]
+        with autocast_off(), torch.no_grad():  # the backward graph holds its own casts
+            flat_grads = entry.backward(*saved, *tangents)
+        flat_grads = _once(flat_grads)
+        return (None, *flat_grads, *([None] * (entry.num_inputs - entry.num_diff)))
+
+
+class ApplySubclass(torch.autograd.Function):
+    """:class:`Apply` for tensor-subclass (DTensor) inputs and outputs: autograd sees the
+    subclass tensors themselves; the compiled graphs take and give their inner tensors."""
+
+    @staticmethod
+    def forward(ctx: Any, entry: Entry, *tensors: torch.Tensor) -> Any:
+        n = len(entry.out_meta)
+        ctx.ins = [Wrapper.of(t) for t in tensors]
+        flat = entry.forward(*inner_tensors(tensors))
+        ctx.entry = entry
+        ctx.save_for_backward(*flat[n:])
+        outs = rebuild_leaves(entry.out_flat, flat[:n])
+        if entry.frozen:
+            ctx.mark_non_differentiable(*[outs[i] for i in entry.frozen])
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
+        entry: Entry = ctx.entry
+        assert entry.backward is not None
+        wrappers = entry.out_flat.wrappers or (None,) * len(grads)
+        tangents = [
+            inner_tangent(g, w, m)
+            for g, w, m in zip(grads, wrappers, entry.out_meta, strict=True)
+            if m.takes_tangent
+        ]
+        with autocast_off(), torch.no_grad():
+            flat_grads = entry.backward(*ctx.saved_tensors, *tangents)
+        flat_grads = _once(flat_grads)
+        ins = ctx.ins[: entry.num_diff]
+        wrapped = [g if w is None else w.rebuild(g) for g, w in zip(flat_grads, ins, strict=True)]
+        return (None, *wrapped, *([None] * (entry.num_inputs - entry.num_diff)))
+
+
+_TWICE = (
+    b"functrans.jit: the backward of a compiled function is not differentiable again (this "
+    b"backward ran with create_graph=True: a gradient penalty, a Hessian). Take the inner "
+    b"gradient inside the jitted function (ft.jit(lambda x: penalty(ft.grad(f)(x)))), whose "
+    b"trace then holds the double backward, or run this part without ft.jit"
+)
+
+
+def _once(grads: Sequence[Any]) -> list[Any]:
+    """The gradients, made to raise if differentiated again. Under ``create_graph=True`` (grad
+    mode on in backward) eager would build a graph of its backward; the compiled one cannot,
+    and leaving the gradients detached would drop a gradient penalty's term silently. (torch's
+    ``once_differentiable`` marks them only when an incoming gradient requires grad, which
+    ``autograd.grad(loss, x, create_graph=True)``'s does not.)"""
+    grads = list(grads)
+    if not torch.is_grad_enabled():
+        return grads
+    at = [i for i, g in enumerate(grads) if isinstance(g, torch.Tensor) and g.is_floating_point()]
+    if not at:
+        return grads
+    raising = torch._C._functions.DelayedError(_TWICE, len(at))
+    marked = raising(*[grads[i].detach().requires_grad_() for i in at])
+    for i, g in zip(at, marked if isinstance(marked, tuple) else (marked,), strict=True):
+        grads[i] = g
+    return grads
+
+
+def inner_tensors(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The inner tensors of subclass tensors (DTensor: its local tensor); plain ones as is."""
+    out = []
+    for t in tensors:
+        w = Wrapper.of(t)
+        out.append(t if w is None else w.inner(t))
+    return out
+
+
+def inner_tangent(g: torch.Tensor | None, wrapper: Wrapper | None, meta: OutMeta) -> Any:
+    """The graph's tangent from autograd's gradient of an output: zeros for None, the inner
+    tensor for a subclass (a DTensor laid out as the traced cotangent first: Replicate where the
+    output is Partial)."""
+    if g is None:
+        return meta.zeros()
+    if wrapper is not None and hasattr(g, "redistribute"):
+        from torch.distributed.tensor import Replicate
+
+        placements = list(getattr(g, "placements", ()))
+        wanted = [Replicate() if p.is_partial() else p for p in dtensor_placements(wrapper)]
+        if placements != wanted:
+            g = g.redistribute(getattr(g, "device_mesh"), wanted)  # noqa: B009
+    if wrapper is not None:
+        found = Wrapper.of(g)
+        g = g if found is None else found.inner(g)
+    return g.contiguous()
+
+
+def dtensor_placements(wrapper: Wrapper) -> tuple[Any, ...]:
+    """A DTensor wrapper's placements (its flatten context starts with them)."""
+    ctx = wrapper.ctx
+    return tuple(ctx[0]) if isinstance(ctx, tuple) and ctx else ()
+
+
+# Function.apply without its Python layer, for guarded calls (functorch transforms never reach
+# them: those calls run the function as written)
+apply_graphs: Callable[..., Any] = super(torch.autograd.Function, Apply).apply
