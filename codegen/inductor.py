@@ -61,16 +61,29 @@ class InductorBackend:
     """
 
     def compile(self, graph: Graph, example_inputs: Sequence[torch.Tensor]) -> Callable[..., Any]:
-        from torch._inductor.compile_fx import compile_fx_inner
-
-        decomposed = decompose_for_inductor(graph.graph_module, example_inputs)
-        compiled = compile_fx_inner(decomposed, list(example_inputs))
+        """Compile now with ``example_inputs``; without them (``jit`` hands a backward graph
+        none: its inputs exist only once forward ran) on the first call, with its tensors."""
+        module = graph.graph_module
+        placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
+        compiled = None
+        if len(example_inputs) == len(placeholders):
+            compiled = _inductor(module, example_inputs)
 
         def run(*tensors: torch.Tensor) -> list[Any]:
+            nonlocal compiled
+            if compiled is None:
+                compiled = _inductor(module, tensors)
             # Inductor's boxed calling convention: one list, which the callee empties.
             return list(compiled(list(tensors)))
 
         return run
+
+
+def _inductor(module: fx.GraphModule, example_inputs: Sequence[torch.Tensor]) -> Any:
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    decomposed = decompose_for_inductor(module, example_inputs)
+    return compile_fx_inner(decomposed, list(example_inputs))
 
 
 register_backend("inductor", InductorBackend())

@@ -164,3 +164,24 @@ def test_zoo_backward_graph() -> None:
     externs = {name for name, _ in report.extern_calls}
     assert externs == {"torch.ops.aten.convolution_backward.default"}
     assert 0 < report.total_bytes < aten_bytes(part.backward)
+
+
+def test_jit_trains_with_inductor_and_offload():
+    # found this session: jit handed the backward graph no example inputs, which Inductor's
+    # re-trace needs (a raw TypeError on the first backward); it now compiles on first call
+    import math
+
+    def f(x, w):
+        return torch.tanh(x @ w).sin().sum()
+
+    w = torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(4, 8)
+    (want,) = torch.autograd.grad(f(x, w), w)
+    for options in (
+        {},
+        {"partition": "memory_budget", "budget": 0.0, "offload": ft.Offload(bandwidth=math.inf)},
+    ):
+        step = ft.jit(f, backend="inductor", dynamic=False, **options)
+        (got,) = torch.autograd.grad(step(x, w), w)
+        torch.testing.assert_close(got, want)
+    assert step.partitions()[0].offloaded
