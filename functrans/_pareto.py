@@ -35,8 +35,10 @@ _HINTS = {
 def pareto(joint: JointGraph, points: int = 21, **options: Any) -> list[ParetoPoint]:
     """Partition ``joint`` with ``memory_budget`` at ``points`` budgets from 0 to 1.
 
-    ``options`` go to the strategy (``solver``, ``cost``, ``time_limit``); ``points`` is an int
-    >= 2.
+    ``options`` go to the strategy (``solver``, ``cost``, ``time_limit``, ``at``, ``offload``:
+    with an :class:`~functrans.Offload`, each point's ``activation_bytes`` are what stays on the
+    device and its ``partition.offloaded_bytes`` what waits in host memory); ``points`` is an
+    int >= 2.
 
     >>> import torch, functrans as ft
     >>> jg = ft.joint(lambda x, w: torch.tanh(x @ w).sum())(torch.ones(8, 8), torch.ones(8, 8))
@@ -44,7 +46,8 @@ def pareto(joint: JointGraph, points: int = 21, **options: Any) -> list[ParetoPo
     [(0.0, 0), (0.5, 0), (1.0, 256)]
     """
     check_number("pareto", "points", points, at_least=2, integer=True)
-    check_names("pareto", options, ("solver", "cost", "time_limit"), hints=_HINTS)
+    accepted = ("solver", "cost", "time_limit", "at", "offload")
+    check_names("pareto", options, accepted, hints=_HINTS)
     out = []
     for b in np.linspace(0.0, 1.0, points):
         p = partition(joint, "memory_budget", budget=float(b), **options)

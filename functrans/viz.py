@@ -57,11 +57,13 @@ def plot_pareto(
     plt = _pyplot()
     path = Path(path)
     fig, ax = plt.subplots(figsize=(6, 4))
+    host = max((p.partition.offloaded_bytes for p in points), default=0)
     ax.plot(
         [p.activation_bytes for p in points],
         [p.recompute_flops for p in points],
         "o-",
-        label="functrans memory_budget",
+        label="functrans memory_budget"
+        + (f" + offload (up to {format_bytes(host)} on host)" if host else ""),
     )
     for label, series in (others or {}).items():
         ax.plot([a for a, _ in series], [r for _, r in series], "s--", label=label)
@@ -70,7 +72,7 @@ def plot_pareto(
         for name, marker in (("default", "^"), ("min_cut", "*"), ("full_remat", "v")):
             p = partition(joint, name)
             ax.plot([p.activation_bytes], [p.recompute_flops], marker, markersize=11, label=name)
-    ax.set_xlabel("activation bytes saved for backward")
+    ax.set_xlabel("activation bytes kept on the device for backward")
     ax.set_ylabel("recompute FLOPs")
     ax.set_title(title or "memory / recompute trade-off")
     ax.legend(fontsize=8)

@@ -423,3 +423,17 @@ def test_offload_with_symbolic_shapes() -> None:
         torch.testing.assert_close(got, want)
     assert step.cache_info().misses == 2  # a static entry, then one symbolic entry
     assert all(q.offloaded for q in step.partitions())
+
+
+def test_pareto_sweeps_with_offload(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return F.dropout(torch.tanh(x @ w), 0.3).sum()
+
+    jg = ft.joint(f)(torch.ones(8, 8), torch.ones(8, 8, requires_grad=True))
+    plain = ft.pareto(jg, points=3)
+    moved = ft.pareto(jg, points=3, offload=INF)
+    assert all(m.activation_bytes <= p.activation_bytes for m, p in zip(moved, plain, strict=True))
+    assert all(p.recompute_flops == 0 for p in moved)  # free copies: nothing recomputed
+    assert any(p.partition.offloaded for p in moved)
+    out = ft.viz.plot_pareto(moved, tmp_path / "front.svg")
+    assert "on host" in out.read_text()
