@@ -59,9 +59,8 @@ class _Entry(NamedTuple):
         (one per recomputation: a second backward copies it again)."""
         if self.device is None:
             return self.value
-        transfer = _transfer._TRANSFER[-1]
-        back = transfer.to_device(self.value, self.device)
-        transfer.wait(back)  # the op's output is read right away
+        back = _transfer.copy_back(self.value, self.device)
+        _transfer.wait(back)  # the op's output is read right away
         return back
 
 
@@ -123,7 +122,7 @@ class _Cache:
         for key in self.offloads:
             entry = self.store.get(key)
             if entry is not None and not _why_not_offload(entry.value, busy):
-                host = _transfer._TRANSFER[-1].to_host(entry.value)
+                host = _transfer.copy_out(entry.value)
                 self.store[key] = _Entry(host, (host._version,), entry.value.device)
         self.offloads, self.held, self.ended = [], set(), True
 

@@ -22,13 +22,29 @@ tensor([0., 1., 2.])
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from collections.abc import Iterator
 from typing import Any, Protocol, TypeVar
 
 import torch
 import torch.fx as fx
+from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["OFFLOAD_OPS", "PinnedHost", "Transfer", "is_transfer", "use_transfer"]
+from ._errors import FunctransError, InvalidArgumentError
+from ._validate import describe
+
+__all__ = [
+    "OFFLOAD_OPS",
+    "PinnedHost",
+    "Transfer",
+    "copy_back",
+    "copy_out",
+    "current",
+    "is_transfer",
+    "maker",
+    "use_transfer",
+    "wait",
+]
 
 
 class Transfer(Protocol):
@@ -103,7 +119,27 @@ class PinnedHost:
             torch.cuda.current_stream(x.device).wait_event(done)
 
 
-_TRANSFER: list[Transfer] = [PinnedHost()]
+_DEFAULT = PinnedHost()
+#: the transfers :func:`use_transfer` entered in this thread (or task), innermost last
+_STACK: contextvars.ContextVar[tuple[Transfer, ...]] = contextvars.ContextVar(
+    "functrans_transfers", default=()
+)
+#: which transfer made each copy: a copy goes back through the transfer that made it, whichever
+#: is current when backward runs (another thread, or after the ``use_transfer`` block)
+_MADE_BY: Any = WeakIdKeyDictionary()
+
+
+def current() -> Transfer:
+    """The transfer new copies go through: the innermost :func:`use_transfer` of this thread,
+    else :class:`PinnedHost`."""
+    stack = _STACK.get()
+    return stack[-1] if stack else _DEFAULT
+
+
+def maker(x: torch.Tensor) -> Transfer:
+    """The transfer that made the copy ``x`` (the current one for a tensor it did not make)."""
+    found: Transfer | None = _MADE_BY.get(x)
+    return found if found is not None else current()
 
 
 _T = TypeVar("_T", bound=Transfer)
@@ -111,7 +147,9 @@ _T = TypeVar("_T", bound=Transfer)
 
 @contextlib.contextmanager
 def use_transfer(transfer: _T) -> Iterator[_T]:
-    """Copy offloaded values with ``transfer`` meanwhile.
+    """Copy offloaded values with ``transfer`` in this thread meanwhile (graphs read it when
+    they run, not when they are traced). A copy comes back through the transfer that made it,
+    so a backward run after the block (or in autograd's own thread) still uses ``transfer``.
 
     >>> import torch
     >>> class Counting(PinnedHost):
@@ -124,16 +162,64 @@ def use_transfer(transfer: _T) -> Iterator[_T]:
     >>> t.out
     1
     """
-    _TRANSFER.append(transfer)
+    missing = [
+        m for m in ("to_host", "to_device", "wait") if not callable(getattr(transfer, m, None))
+    ]
+    if missing:
+        raise InvalidArgumentError(
+            f"use_transfer: transfer={describe(transfer)} has no {', '.join(missing)} method; a "
+            "Transfer has to_host(x), to_device(x, device) and wait(x) (e.g. a subclass of "
+            "functrans.extend.PinnedHost)"
+        )
+    token = _STACK.set((*_STACK.get(), transfer))
     try:
         yield transfer
     finally:
-        _TRANSFER.remove(transfer)
+        _STACK.reset(token)
+
+
+def _on(t: torch.Tensor, device: torch.device) -> bool:
+    """``t`` is on ``device`` (any index of its kind when ``device`` names none)."""
+    return t.device.type == device.type and device.index in (None, t.device.index)
+
+
+def _checked(transfer: Transfer, method: str, x: torch.Tensor, out: Any, device: Any) -> Any:
+    """``out``, the copy ``transfer.method`` made of ``x``, or an error naming the transfer."""
+    if not isinstance(out, torch.Tensor):
+        got = f"a {type(out).__name__}"
+    elif out.shape != x.shape or out.dtype != x.dtype or not _on(out, torch.device(device)):
+        got = f"{out.dtype} {list(out.shape)} on {out.device}"
+    else:
+        _MADE_BY[out] = transfer
+        return out
+    raise FunctransError(
+        f"transfer {type(transfer).__name__}.{method} returned {got} for a {x.dtype} "
+        f"{list(x.shape)} tensor; a copy must be a tensor of the same shape and dtype on "
+        f"{torch.device(device)}"
+    )
+
+
+def copy_out(x: torch.Tensor) -> torch.Tensor:
+    """``x`` copied to host memory by the current transfer (remembered as the copy's maker)."""
+    transfer = current()
+    return _checked(transfer, "to_host", x, transfer.to_host(x), "cpu")  # type: ignore[no-any-return]
+
+
+def copy_back(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The host copy ``x`` copied back to ``device`` by the transfer that made it."""
+    transfer = maker(x)
+    out = transfer.to_device(x, device)
+    return _checked(transfer, "to_device", x, out, device)  # type: ignore[no-any-return]
+
+
+def wait(x: torch.Tensor) -> None:
+    """Return once the copy back ``x`` may be read (its maker's ``wait``)."""
+    maker(x).wait(x)
 
 
 @torch.library.custom_op("functrans::to_host", mutates_args=())
 def _to_host(x: torch.Tensor) -> torch.Tensor:
-    return _TRANSFER[-1].to_host(x)
+    return copy_out(x)
 
 
 @_to_host.register_fake
@@ -143,7 +229,7 @@ def _(x: torch.Tensor) -> torch.Tensor:
 
 @torch.library.custom_op("functrans::to_device", mutates_args=())
 def _to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
-    return _TRANSFER[-1].to_device(x, device)
+    return copy_back(x, device)
 
 
 @_to_device.register_fake
@@ -159,7 +245,7 @@ _LIB.define("wait_copy(Tensor(a) x) -> Tensor(a)")
 
 
 def _wait_copy(x: torch.Tensor) -> torch.Tensor:
-    _TRANSFER[-1].wait(x)
+    wait(x)
     return x
 
 

@@ -437,3 +437,69 @@ def test_pareto_sweeps_with_offload(tmp_path) -> None:  # type: ignore[no-untype
     assert any(p.partition.offloaded for p in moved)
     out = ft.viz.plot_pareto(moved, tmp_path / "front.svg")
     assert "on host" in out.read_text()
+
+
+class Scaled(PinnedHost):
+    """Stores copies scaled (a stand-in for a compressing transfer): only its own to_device
+    can read them back."""
+
+    def to_host(self, x: torch.Tensor) -> torch.Tensor:
+        return super().to_host(x) * 2
+
+    def to_device(self, x: torch.Tensor, device: torch.device) -> torch.Tensor:
+        return super().to_device(x / 2, device)
+
+
+def test_a_copy_comes_back_through_the_transfer_that_made_it() -> None:
+    # found by review: backward after the use_transfer block (the usual pattern) decoded the
+    # copies with the default transfer, and use_transfer leaked across threads
+    import threading
+
+    w, x = torch.randn(16, 16), torch.randn(4, 16)
+
+    def f(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return torch.sin(torch.tanh(x @ w) @ w).sum()
+
+    want = torch.func.grad(f)(w, x)
+    step = ft.jit(f, partition="memory_budget", budget=0.0, offload=INF)
+    leaf = w.clone().requires_grad_()
+    with use_transfer(Scaled()):
+        loss = step(leaf, x)
+    loss.backward()
+    torch.testing.assert_close(leaf.grad, want)
+
+    counts: dict[str, int] = {}
+
+    class Counting(PinnedHost):
+        def __init__(self, name: str) -> None:
+            super().__init__()
+            self.name = name
+
+        def to_host(self, x: torch.Tensor) -> torch.Tensor:
+            counts[self.name] = counts.get(self.name, 0) + 1
+            return super().to_host(x)
+
+    def run(name: str, calls: int) -> None:
+        with use_transfer(Counting(name)):
+            for _ in range(calls):
+                step(w.clone().requires_grad_(), x).backward()
+
+    threads = [threading.Thread(target=run, args=(n, c)) for n, c in (("a", 3), ("b", 5))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    per_call = len(step.partitions()[0].offloaded)
+    assert counts == {"a": 3 * per_call, "b": 5 * per_call}
+
+
+def test_a_transfer_that_breaks_its_contract_is_named() -> None:
+    class Wrong(PinnedHost):
+        def to_host(self, x: torch.Tensor) -> torch.Tensor:
+            return x.reshape(-1).clone()
+
+    refused = pytest.raises(FunctransError, match=r"transfer=.* has no to_host, to_device, wait")
+    with refused, use_transfer(object()):  # type: ignore[type-var]
+        pass
+    with use_transfer(Wrong()), pytest.raises(FunctransError, match=r"Wrong.to_host returned"):
+        torch.ops.functrans.to_host(torch.ones(2, 3))
