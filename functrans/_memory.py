@@ -24,11 +24,10 @@ from typing import Any
 import torch.fx as fx
 
 from ._cost import nbytes, storage_of
+from ._graph import RECOMPUTED
+from ._offload import HOST
 
 __all__ = ["MemoryProfile", "MemoryStep", "peak_bytes", "simulate"]
-
-#: node meta marking a value in host memory (functrans._offload.HOST; not imported: no cycle)
-_HOST = "functrans.host"
 
 
 @dataclass(frozen=True)
@@ -116,7 +115,7 @@ def _storages(graph: fx.Graph, tl: _Timeline, t: int, env: dict[str, Any], tag: 
             break
         if node.op == "placeholder":
             keys[node] = env.get(node.name) or tl.new(
-                (tag, node.name), nbytes(node.meta.get("val")), t, bool(node.meta.get(_HOST))
+                (tag, node.name), nbytes(node.meta.get("val")), t, bool(node.meta.get(HOST))
             )
             continue
         t += 1
@@ -138,7 +137,7 @@ def _key_of(node: fx.Node, keys: dict[fx.Node, Any], tl: _Timeline, t: int, tag:
     val = node.meta.get("val")
     if isinstance(val, (tuple, list)):
         return [tl.new((tag, node.name, i), nbytes(v), t) for i, v in enumerate(val)]
-    return tl.new((tag, node.name), nbytes(val), t, bool(node.meta.get(_HOST)))
+    return tl.new((tag, node.name), nbytes(val), t, bool(node.meta.get(HOST)))
 
 
 def simulate(forward: fx.Graph, backward: fx.Graph) -> MemoryProfile:
@@ -195,7 +194,7 @@ def _steps(
                     str(n.target),
                     device[t],
                     host[t],
-                    bool(n.meta.get("functrans.recomputed")),
+                    bool(n.meta.get(RECOMPUTED)),
                 )
             )
     return tuple(out)

@@ -7,7 +7,9 @@ time, so the core never imports them) or are passed directly as callables
 
 from __future__ import annotations
 
+import functools
 import importlib
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -161,9 +163,10 @@ class Partition:
                 total = total + val.numel() * val.element_size()
         return str(total)
 
-    @property
+    @functools.cached_property
     def memory(self) -> MemoryProfile:
-        """Liveness simulation of forward then backward (see :mod:`functrans._memory`)."""
+        """Liveness simulation of forward then backward (see :mod:`functrans._memory`), run
+        once: the peaks, the report and the plots all read it."""
         return simulate(self.forward.fx_graph, self.backward.fx_graph)
 
     @property
@@ -266,16 +269,15 @@ def _offloaded(joint: JointGraph, saved: Iterable[fx.Node], asked: set[fx.Node])
     their storage (a view saved beside them would keep the buffer on the device anyway)."""
     problem = cut_problem(joint)
     saved = list(saved)
-    storages: dict[Any, int] = {}
-    for n in saved:
-        storages[storage_of(n)[0]] = storages.get(storage_of(n)[0], 0) + 1
-    out = []
-    for n in saved:
-        if n not in problem or not problem[n].can_offload or storages[storage_of(n)[0]] > 1:
-            continue
-        if n in asked or problem[n].tag is Policy.MUST_OFFLOAD:
-            out.append(n)
-    return out
+    holders = Counter(storage_of(n)[0] for n in saved)
+    return [
+        n
+        for n in saved
+        if n in problem
+        and problem[n].can_offload
+        and holders[storage_of(n)[0]] == 1
+        and (n in asked or problem[n].tag is Policy.MUST_OFFLOAD)
+    ]
 
 
 def _type(s: SavedValue) -> str:
