@@ -503,3 +503,24 @@ def test_a_transfer_that_breaks_its_contract_is_named() -> None:
         pass
     with use_transfer(Wrong()), pytest.raises(FunctransError, match=r"Wrong.to_host returned"):
         torch.ops.functrans.to_host(torch.ones(2, 3))
+
+
+def test_offload_under_jit_across_autocast_and_eval() -> None:
+    # a researcher's loop: train steps under bf16 autocast, then eval without grad, with the
+    # same jitted module; each state gets its own entry, offloading where it trains
+    torch.manual_seed(0)
+    model, ref = Block(), Block()
+    ref.load_state_dict(model.state_dict())
+    step = ft.jit(model, partition="memory_budget", budget=0.0, offload=INF)
+    x = torch.randn(16, 32)
+    for m in (model, ref):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            torch.manual_seed(1)
+            (step if m is model else ref)(x).backward()
+    for a, b in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=2e-2, atol=2e-3)  # bf16 rounding
+    assert all(p.offloaded for p in step.partitions())
+    model.eval()
+    ref.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(step(x), ref(x))  # dropout off: a new, inference entry
