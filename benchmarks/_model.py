@@ -16,10 +16,12 @@ from typing import Any
 
 import torch
 
-__all__ = ["Builder", "LossFn", "Model", "Params", "pick"]
+__all__ = ["Builder", "LossFn", "Model", "Params", "Wrap", "pick"]
 
 Params = dict[str, Any]
 LossFn = Callable[[Params, Any], torch.Tensor]
+#: how a stack calls each block: ``wrap(block, block_params, x) -> x``
+Wrap = Callable[..., torch.Tensor]
 Builder = Callable[..., tuple[Params, Any]]
 
 
@@ -32,6 +34,10 @@ class Model:
     make: Builder
     supports_float64: bool = True  # False where the model computes in float32 internally
     module: torch.nn.Module | None = None  # HF models: fn calls it with params swapped in
+    #: stacks of blocks: ``blockwise(wrap)`` is ``fn`` with each block called as
+    #: ``wrap(block, block_params, x)`` (``wrap=torch.utils.checkpoint.checkpoint`` checkpoints
+    #: every block, as users do by hand)
+    blockwise: Callable[[Wrap], LossFn] | None = None
 
 
 def pick(size: str, small: Any, bench: Any) -> Any:

@@ -342,7 +342,7 @@ def attribution(case: Case, steps: int) -> dict[str, Any]:
     with torch.no_grad():
         saved = entry.forward(*ordered)[len(entry.out_meta) :]
         fwd_ms = _median_ms(lambda: entry.forward(*ordered), steps)
-        bwd_ms = _median_ms(lambda: entry.backward(*saved, torch.ones(())), steps)
+        bwd_ms = _median_ms(lambda: entry.backward([*saved, torch.ones(())]), steps)
     p = entry.partition
 
     def n_ops(g: Any) -> int:

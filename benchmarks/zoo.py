@@ -18,6 +18,7 @@ torch.Size([])
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -39,17 +40,20 @@ from ._hf_zoo import (
     hf_llama,
     hf_mistral,
 )
-from ._model import Model, Params, pick
+from ._model import LossFn, Model, Params, Wrap, pick
 
 __all__ = [
     "HF_MODELS",
     "MISTRAL_WINDOW",
     "SDPA_NOTE",
+    "STACKS",
     "ZOO",
     "Model",
     "conv_block",
     "forward_flops",
     "gpt_block",
+    "gpt_layer",
+    "gpt_stack",
     "has_transformers",
     "hf_bert",
     "hf_gpt2",
@@ -57,7 +61,11 @@ __all__ = [
     "hf_llama",
     "hf_mistral",
     "llama_block",
+    "llama_layer",
+    "llama_stack",
+    "mlp_blocks",
     "mlp_stack",
+    "rotary_tables",
 ]
 
 
@@ -146,17 +154,32 @@ def _block_sizes(size: str) -> tuple[int, int, int]:
     return pick(size, (1, 8, 32), (2, 32, 64))  # type: ignore[no-any-return]
 
 
+def gpt_layer(params: Params, x: torch.Tensor, head_dim: int = HEAD_DIM) -> torch.Tensor:
+    """One pre-LayerNorm GPT layer: causal self-attention and a GELU MLP, both residual."""
+    d = x.shape[-1]
+    n_heads = d // head_dim
+    h = F.layer_norm(x, (d,), params["ln1"]["w"], params["ln1"]["b"])
+    q, k, v = (_heads(F.linear(h, params[n]), n_heads) for n in ("wq", "wk", "wv"))
+    x = x + F.linear(_merge(_causal_attention(q, k, v)), **_wb(params["proj"]))
+    h = F.layer_norm(x, (d,), params["ln2"]["w"], params["ln2"]["b"])
+    return x + F.linear(F.gelu(F.linear(h, **_wb(params["fc1"]))), **_wb(params["fc2"]))
+
+
+def _gpt_params(gen: torch.Generator, d: int, dtype: torch.dtype) -> Params:
+    params: Params = {n: _randn(gen, d, d, dtype=dtype, scale=d**-0.5) for n in ("wq", "wk")}
+    params["wv"] = _randn(gen, d, d, dtype=dtype, scale=d**-0.5)
+    params["proj"] = _linear(gen, d, d, dtype)
+    params["fc1"] = _linear(gen, d, 4 * d, dtype)
+    params["fc2"] = _linear(gen, 4 * d, d, dtype)
+    params["ln1"], params["ln2"] = _norm(gen, d, dtype), _norm(gen, d, dtype)
+    return params
+
+
 def gpt_block() -> Model:
     """Pre-LayerNorm GPT block: causal self-attention and a GELU MLP, both residual."""
 
     def fn(params: Params, x: torch.Tensor) -> torch.Tensor:
-        d = x.shape[-1]
-        n_heads = d // HEAD_DIM
-        h = F.layer_norm(x, (d,), params["ln1"]["w"], params["ln1"]["b"])
-        q, k, v = (_heads(F.linear(h, params[n]), n_heads) for n in ("wq", "wk", "wv"))
-        x = x + F.linear(_merge(_causal_attention(q, k, v)), **_wb(params["proj"]))
-        h = F.layer_norm(x, (d,), params["ln2"]["w"], params["ln2"]["b"])
-        x = x + F.linear(F.gelu(F.linear(h, **_wb(params["fc1"]))), **_wb(params["fc2"]))
+        x = gpt_layer(params, x)
         return (x * x).mean()
 
     def make(
@@ -164,13 +187,7 @@ def gpt_block() -> Model:
     ) -> tuple[Params, torch.Tensor]:
         b, t, d = _block_sizes(size)
         gen = torch.Generator().manual_seed(seed)
-        params: Params = {n: _randn(gen, d, d, dtype=dtype, scale=d**-0.5) for n in ("wq", "wk")}
-        params["wv"] = _randn(gen, d, d, dtype=dtype, scale=d**-0.5)
-        params["proj"] = _linear(gen, d, d, dtype)
-        params["fc1"] = _linear(gen, d, 4 * d, dtype)
-        params["fc2"] = _linear(gen, 4 * d, d, dtype)
-        params["ln1"], params["ln2"] = _norm(gen, d, dtype), _norm(gen, d, dtype)
-        return params, _randn(gen, b, t, d, dtype=dtype)
+        return _gpt_params(gen, d, dtype), _randn(gen, b, t, d, dtype=dtype)
 
     return Model("gpt_block", fn, make)
 
@@ -186,6 +203,41 @@ def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
+def rotary_tables(x: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary ``cos``/``sin`` tables for ``x``'s sequence length, from positions alone."""
+    t, dh = x.shape[-2], head_dim
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, dh, 2, dtype=x.dtype, device=x.device) / dh))
+    angles = torch.arange(t, dtype=x.dtype, device=x.device)[:, None] * inv_freq[None, :]
+    emb = torch.cat((angles, angles), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def llama_layer(
+    params: Params, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int
+) -> torch.Tensor:
+    """One Llama layer: RMSNorm, rotary causal self-attention, SiLU-gated MLP, residuals."""
+    n_heads = x.shape[-1] // head_dim
+    h = _rms_norm(x, params["norm1"])
+    q, k, v = (_heads(F.linear(h, params[n]), n_heads) for n in ("wq", "wk", "wv"))
+    q, k = _rotary(q, cos, sin), _rotary(k, cos, sin)
+    x = x + F.linear(_merge(_causal_attention(q, k, v)), params["wo"])
+    h = _rms_norm(x, params["norm2"])
+    gated = F.silu(F.linear(h, params["w_gate"])) * F.linear(h, params["w_up"])
+    return x + F.linear(gated, params["w_down"])
+
+
+def _llama_params(gen: torch.Generator, d: int, ffn: int, dtype: torch.dtype) -> Params:
+    params: Params = {
+        n: _randn(gen, d, d, dtype=dtype, scale=d**-0.5) for n in ("wq", "wk", "wv", "wo")
+    }
+    params["w_gate"] = _randn(gen, ffn, d, dtype=dtype, scale=d**-0.5)
+    params["w_up"] = _randn(gen, ffn, d, dtype=dtype, scale=d**-0.5)
+    params["w_down"] = _randn(gen, d, ffn, dtype=dtype, scale=ffn**-0.5)
+    params["norm1"] = _norm(gen, d, dtype, bias=False)["w"]
+    params["norm2"] = _norm(gen, d, dtype, bias=False)["w"]
+    return params
+
+
 def llama_block() -> Model:
     """Llama block: RMSNorm, rotary causal self-attention, SiLU-gated MLP, residuals.
 
@@ -193,19 +245,8 @@ def llama_block() -> Model:
     """
 
     def fn(params: Params, x: torch.Tensor) -> torch.Tensor:
-        _, t, d = x.shape
-        n_heads, dh = d // HEAD_DIM, HEAD_DIM
-        inv_freq = 1.0 / (10000.0 ** (torch.arange(0, dh, 2, dtype=x.dtype, device=x.device) / dh))
-        angles = torch.arange(t, dtype=x.dtype, device=x.device)[:, None] * inv_freq[None, :]
-        emb = torch.cat((angles, angles), dim=-1)
-        cos, sin = emb.cos(), emb.sin()
-        h = _rms_norm(x, params["norm1"])
-        q, k, v = (_heads(F.linear(h, params[n]), n_heads) for n in ("wq", "wk", "wv"))
-        q, k = _rotary(q, cos, sin), _rotary(k, cos, sin)
-        x = x + F.linear(_merge(_causal_attention(q, k, v)), params["wo"])
-        h = _rms_norm(x, params["norm2"])
-        gated = F.silu(F.linear(h, params["w_gate"])) * F.linear(h, params["w_up"])
-        x = x + F.linear(gated, params["w_down"])
+        cos, sin = rotary_tables(x, HEAD_DIM)
+        x = llama_layer(params, x, cos, sin, HEAD_DIM)
         return (x * x).mean()
 
     def make(
@@ -214,15 +255,7 @@ def llama_block() -> Model:
         b, t, d = _block_sizes(size)
         ffn = pick(size, 32, 172)
         gen = torch.Generator().manual_seed(seed)
-        params: Params = {
-            n: _randn(gen, d, d, dtype=dtype, scale=d**-0.5) for n in ("wq", "wk", "wv", "wo")
-        }
-        params["w_gate"] = _randn(gen, ffn, d, dtype=dtype, scale=d**-0.5)
-        params["w_up"] = _randn(gen, ffn, d, dtype=dtype, scale=d**-0.5)
-        params["w_down"] = _randn(gen, d, ffn, dtype=dtype, scale=ffn**-0.5)
-        params["norm1"] = _norm(gen, d, dtype, bias=False)["w"]
-        params["norm2"] = _norm(gen, d, dtype, bias=False)["w"]
-        return params, _randn(gen, b, t, d, dtype=dtype)
+        return _llama_params(gen, d, ffn, dtype), _randn(gen, b, t, d, dtype=dtype)
 
     return Model("llama_block", fn, make)
 
@@ -265,6 +298,112 @@ def conv_block() -> Model:
         return params, {"image": image, "stats": stats}
 
     return Model("conv_block", fn, make)
+
+
+# ---------------------------------------------------------------------------------------------
+# Stacks of blocks, for the peak-memory benchmarks: sized so activations outweigh parameters
+
+
+def _call(block: Callable[..., torch.Tensor], params: Params, x: torch.Tensor) -> Any:
+    return block(params, x)
+
+
+def gpt_stack(n_blocks: int = 4) -> Model:
+    """``n_blocks`` GPT layers (width 256, 4 heads of 64), loss ``mean(x²)``; ``blockwise``
+    calls each layer through a wrapper (per-block checkpointing)."""
+    block = functools.partial(gpt_layer, head_dim=64)
+
+    def blockwise(wrap: Wrap) -> LossFn:
+        def fn(params: Params, x: torch.Tensor) -> torch.Tensor:
+            for p in params["blocks"]:
+                x = wrap(block, p, x)
+            return (x * x).mean()
+
+        return fn
+
+    def make(
+        size: str = "small", dtype: torch.dtype = torch.float32, seed: int = 0
+    ) -> tuple[Params, torch.Tensor]:
+        b, t, d = pick(size, (2, 16, 128), (8, 128, 256))
+        gen = torch.Generator().manual_seed(seed)
+        blocks = [_gpt_params(gen, d, dtype) for _ in range(n_blocks)]
+        return {"blocks": blocks}, _randn(gen, b, t, d, dtype=dtype)
+
+    return Model(f"gpt_stack_{n_blocks}", blockwise(_call), make, blockwise=blockwise)
+
+
+def _llama_stack_layer(
+    params: Params, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
+    return llama_layer(params, x, cos, sin, 32)
+
+
+def llama_stack(n_blocks: int = 4) -> Model:
+    """``n_blocks`` Llama layers (width 128, 4 heads of 32, MLP 344) sharing one rotary
+    table; ``blockwise`` calls each layer through a wrapper."""
+
+    def blockwise(wrap: Wrap) -> LossFn:
+        def fn(params: Params, x: torch.Tensor) -> torch.Tensor:
+            cos, sin = rotary_tables(x, 32)
+            for p in params["blocks"]:
+                x = wrap(functools.partial(_llama_stack_layer, cos=cos, sin=sin), p, x)
+            return (x * x).mean()
+
+        return fn
+
+    def make(
+        size: str = "small", dtype: torch.dtype = torch.float32, seed: int = 0
+    ) -> tuple[Params, torch.Tensor]:
+        b, t, d, ffn = pick(size, (2, 16, 64, 172), (8, 128, 128, 344))
+        gen = torch.Generator().manual_seed(seed)
+        blocks = [_llama_params(gen, d, ffn, dtype) for _ in range(n_blocks)]
+        return {"blocks": blocks}, _randn(gen, b, t, d, dtype=dtype)
+
+    return Model(f"llama_stack_{n_blocks}", blockwise(_call), make, blockwise=blockwise)
+
+
+def _mlp_layer(params: Params, x: torch.Tensor) -> torch.Tensor:
+    h = F.linear(F.gelu(F.linear(x, params["fc1"]["w"], params["fc1"]["b"])), **_wb(params["fc2"]))
+    return F.layer_norm(x + h, (x.shape[-1],), params["ln"]["w"], params["ln"]["b"])
+
+
+def mlp_blocks(n_blocks: int = 8) -> Model:
+    """:func:`mlp_stack`'s blocks (width 256, hidden 1024, 512 tokens at "bench") with
+    ``blockwise``."""
+
+    def blockwise(wrap: Wrap) -> LossFn:
+        def fn(params: Params, x: torch.Tensor) -> torch.Tensor:
+            for p in params["blocks"]:
+                x = wrap(_mlp_layer, p, x)
+            return (x * x).mean()
+
+        return fn
+
+    def make(
+        size: str = "small", dtype: torch.dtype = torch.float32, seed: int = 0
+    ) -> tuple[Params, torch.Tensor]:
+        tokens, d, ffn = pick(size, (16, 32, 64), (512, 256, 1024))
+        gen = torch.Generator().manual_seed(seed)
+        blocks = [
+            {
+                "fc1": _linear(gen, d, ffn, dtype),
+                "fc2": _linear(gen, ffn, d, dtype),
+                "ln": _norm(gen, d, dtype),
+            }
+            for _ in range(n_blocks)
+        ]
+        return {"blocks": blocks}, _randn(gen, tokens, d, dtype=dtype)
+
+    return Model(f"mlp_blocks_{n_blocks}", blockwise(_call), make, blockwise=blockwise)
+
+
+#: Stacks with ``blockwise``: the peak-memory benchmark's models (not in ``ZOO``).
+STACKS: dict[str, Callable[[], Model]] = {
+    "gpt_stack_4": lambda: gpt_stack(4),
+    "gpt_stack_8": lambda: gpt_stack(8),
+    "llama_stack_4": lambda: llama_stack(4),
+    "mlp_blocks_8": lambda: mlp_blocks(8),
+}
 
 
 ZOO: dict[str, Callable[[], Model]] = {

@@ -127,7 +127,8 @@ def native_module() -> Any | None:
 
 
 def native_function(gm: fx.GraphModule) -> Callable[..., list[Any]] | None:
-    """``gm`` as a native program (flat inputs, a list of outputs), or None when the extension
+    """``gm`` as a native program (flat inputs, a list of outputs; ``call_boxed(list)`` takes
+    the inputs as a list it empties, freeing each after its last use), or None when the extension
     is unavailable or the graph holds a node it does not run (non-ATen calls, graph values
     inside non-tensor lists, submodules)."""
     ext = native_module()
@@ -143,7 +144,7 @@ def native_function(gm: fx.GraphModule) -> Callable[..., list[Any]] | None:
         return list(out) if isinstance(out, (list, tuple)) else [out]
 
     program.set_fallback(fallback)
-    run: Callable[..., list[Any]] = program.run
+    run: Callable[..., list[Any]] = program  # also program.call_boxed(list): the boxed call
     return run
 
 

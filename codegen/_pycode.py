@@ -4,14 +4,19 @@
 and runs behind ``nn.Module.__call__``; on graphs of hundreds of small ops that overhead is a
 visible share of a training step. Here every call target and constant is bound once as a
 global of the generated function, ``getitem`` is plain indexing, and each value is deleted
-right after its last use (so memory is freed as early as in the FX code).
+right after its last use, inputs included: the function takes its inputs as one list, which it
+empties (the boxed convention of :mod:`functrans.extend`'s ``Boxed``), so a backward frees each
+saved value as soon as its last reader ran.
 
 >>> import torch, functrans as ft
 >>> g = ft.trace(lambda x: (x.sin() * 2).sum())(torch.ones(3))
 >>> run = flat_function(g.graph_module)
->>> print(run.__functrans_source__)
-def run(a0):
+>>> print(run.source)
+def run(args):
+    (a0,) = args
+    args.clear()
     v1 = f0(a0)
+    del a0
     v2 = f1(v1, 2)
     del v1
     v3 = f2(v2, [])
@@ -26,11 +31,12 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch.fx as fx
 
-__all__ = ["flat_function"]
+__all__ = ["FlatFunction", "flat_function"]
 
 _LITERALS = (int, float, bool, str, type(None))
 
@@ -74,8 +80,24 @@ def _last_uses(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
     return dies
 
 
-def flat_function(gm: fx.GraphModule) -> Callable[..., list[Any]]:
-    """``gm`` as a flat function of its placeholders returning its outputs as a list."""
+@dataclass(frozen=True)
+class FlatFunction:
+    """A graph as one generated Python function of a list of inputs (see the module
+    docstring); ``source`` is its code. Called with ``*args`` it runs on a list of them."""
+
+    run: Callable[[list[Any]], list[Any]]
+    source: str
+
+    def call_boxed(self, args: list[Any]) -> list[Any]:
+        return self.run(args)
+
+    def __call__(self, *args: Any) -> list[Any]:
+        return self.run(list(args))
+
+
+def flat_function(gm: fx.GraphModule) -> FlatFunction:
+    """``gm`` as a flat function of a list of its placeholders (which it empties) returning
+    its outputs as a list."""
     e = _Emitter(gm)
     params: list[str] = []
     body: list[str] = []
@@ -101,15 +123,16 @@ def flat_function(gm: fx.GraphModule) -> Callable[..., list[Any]]:
             body.append(f"v{i} = {e.bind(n.target, 'f')}({', '.join(args)})")
         else:
             raise NotImplementedError(f"{n.op} node {n.name} in a flat function")
-        dead = [e.names[a] for a in dies.get(n, []) if a.op != "placeholder"]
+        dead = [e.names[a] for a in dies.get(n, [])]
         if dead:
             body.append(f"del {', '.join(dead)}")
-    source = f"def run({', '.join(params)}):\n" + "".join(f"    {line}\n" for line in body)
+    unpack = [f"({''.join(p + ', ' for p in params).rstrip()}) = args"] if params else []
+    unused = [e.names[n] for n in gm.graph.nodes if n.op == "placeholder" and not n.users]
+    lines = [*unpack, "args.clear()", *([f"del {', '.join(unused)}"] if unused else []), *body]
+    source = "def run(args):\n" + "".join(f"    {line}\n" for line in lines)
     namespace = dict(e.globals)
     exec(compile(source, f"<functrans flat {id(gm):x}>", "exec"), namespace)
-    run: Callable[..., list[Any]] = namespace["run"]
-    run.__functrans_source__ = source.rstrip("\n")  # type: ignore[attr-defined]
-    return run
+    return FlatFunction(namespace["run"], source.rstrip("\n"))
 
 
 def _attr(gm: fx.GraphModule, target: str) -> Any:

@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from functrans.extend import Graph
+from functrans.extend import Boxed, Graph
 
 from . import register_backend
 from ._fastcall import copy_module, use_fast_calls
@@ -33,7 +33,10 @@ class AtenBackend:
       extension cannot be built, get ``"python"``;
     - ``"python"``: one flat Python function whose common ops go through torch's fast Python
       bindings (:mod:`functrans.codegen._fastcall`, :mod:`functrans.codegen._pycode`);
-    - ``"fx"``: ``graph.graph_module`` itself.
+    - ``"fx"``: ``graph.graph_module``'s code, generated for the boxed convention.
+
+    Each takes its inputs as one list it empties (``call_boxed``), freeing every input after
+    its last use, or as ``*args``.
 
     Transposes that undo each other are dropped first (:mod:`functrans.codegen._peephole`),
     except under ``"fx"``.
@@ -64,12 +67,22 @@ class AtenBackend:
             gm = cancel_transposes(copy_module(graph.graph_module))
             native = native_function(gm) if self.executor == "native" else None
             return native or flat_function(use_fast_calls(gm))
-        module = graph.graph_module
+        return Boxed(_boxed_module(graph.graph_module))
 
-        def run(*tensors: torch.Tensor) -> list[Any]:
-            return list(module(*tensors))
 
-        return run
+def _boxed_module(gm: torch.fx.GraphModule) -> Callable[[list[Any]], list[Any]]:
+    """A copy of ``gm`` whose code takes one list of inputs and empties it (FX's boxed code
+    generation), freeing each input after its last use as it frees intermediates."""
+    from torch.fx.graph import _BoxedCodeGen
+
+    module = copy_module(gm)
+    module.graph.set_codegen(_BoxedCodeGen())
+    module.recompile()
+
+    def run(args: list[Any]) -> list[Any]:
+        return list(module(args))
+
+    return run
 
 
 register_backend("aten", AtenBackend())

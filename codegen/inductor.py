@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from functrans.extend import Graph
+from functrans.extend import Boxed, Graph
 
 from . import register_backend
 
@@ -69,14 +69,14 @@ class InductorBackend:
         if len(example_inputs) == len(placeholders):
             compiled = _inductor(module, example_inputs)
 
-        def run(*tensors: torch.Tensor) -> list[Any]:
+        def run(args: list[Any]) -> list[Any]:
             nonlocal compiled
             if compiled is None:
-                compiled = _inductor(module, tensors)
+                compiled = _inductor(module, args)
             # Inductor's boxed calling convention: one list, which the callee empties.
-            return list(compiled(list(tensors)))
+            return list(compiled(args))
 
-        return run
+        return Boxed(run)
 
 
 def _inductor(module: fx.GraphModule, example_inputs: Sequence[torch.Tensor]) -> Any:

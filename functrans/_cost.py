@@ -270,8 +270,8 @@ Storage = tuple[fx.Node, int | None]
 
 def storage_of(node: fx.Node) -> Storage:
     """The storage ``node``'s value lives in: a view (and ``getitem`` of a view op's list of
-    views) lives in its base's; ``getitem`` of a multi-output op in that output's own; every
-    other node allocates its own.
+    views, and ``_unsafe_view``, which aliases its input too) lives in its base's; ``getitem``
+    of a multi-output op in that output's own; every other node allocates its own.
 
     >>> import torch, functrans as ft
     >>> g = ft.trace(lambda x: (x.exp().t(), x.t()))(torch.ones(2, 2))
@@ -285,9 +285,14 @@ def storage_of(node: fx.Node) -> Storage:
         multi = isinstance(src.meta.get("val"), (tuple, list)) and op_class(src) is not OpClass.VIEW
         if _is_getitem(node) and multi:  # one output of a multi-output op: its own storage
             return src, int(node.args[1])  # type: ignore[arg-type]
-        if op_class(node) is not OpClass.VIEW:
+        if op_class(node) is not OpClass.VIEW and node.target not in _ALIASING:
             return node, None
         node = src
+
+
+#: Ops that return their input's memory though torch does not mark them as views:
+#: ``_unsafe_view`` reshapes a fresh result (a matmul's) without copying it
+_ALIASING = frozenset({aten._unsafe_view.default})
 
 
 def nbytes_expr(val: Any) -> str | None:

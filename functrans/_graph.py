@@ -28,6 +28,7 @@ __all__ = [
     "JointGraph",
     "Phase",
     "Role",
+    "check_tensors",
     "verify",
 ]
 
@@ -150,7 +151,7 @@ class Graph:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         tensors = check_matches(self._in, (args, kwargs), type(self).__name__)
-        tensors = _check_tensors(self.placeholders(), tensors)
+        tensors = check_tensors(self.placeholders(), tensors)
         return unflatten(self._out, self.run_flat(*tensors))
 
     def __str__(self) -> str:
@@ -231,7 +232,7 @@ class JointGraph(Graph):
         return [n for n in self._graph.nodes if n.meta.get(PHASE) is Phase.BACKWARD]
 
 
-def _check_tensors(placeholders: list[fx.Node], tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+def check_tensors(placeholders: list[fx.Node], tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Check shapes and dtypes; hand over inputs in the memory layout they were traced with
     (views in the graph may depend on it)."""
     vals = [n.meta.get("val") for n in placeholders]
@@ -254,7 +255,7 @@ def _check_tensors(placeholders: list[fx.Node], tensors: list[torch.Tensor]) -> 
 def _check_symbolic(
     placeholders: list[fx.Node], vals: list[Any], tensors: list[torch.Tensor], env: Any
 ) -> list[torch.Tensor]:
-    """:func:`_check_tensors` for a graph with symbolic sizes: dtypes, then the guards its
+    """:func:`check_tensors` for a graph with symbolic sizes: dtypes, then the guards its
     trace recorded (static sizes and strides, relations between the symbolic ones)."""
     out = []
     for node, val, t in zip(placeholders, vals, tensors, strict=True):

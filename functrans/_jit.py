@@ -33,6 +33,7 @@ from typing import Any, Generic, ParamSpec, TypeVar
 import torch
 
 from . import _disk_cache as disk_cache
+from ._boxed import boxed
 from ._capture import Path, Reader, captured_constants, reach, swapped
 from ._decomp import Decompositions
 from ._disk_cache import DiskKey
@@ -719,7 +720,7 @@ class Jitted(Generic[_P, _R]):
         p = partition(jg, self._opts.partition, **self._opts.partition_options)
         t2 = time.perf_counter()
         fwd = backend.compile(p.forward, inputs)
-        bwd = backend.compile(p.backward, [])
+        bwd = boxed(backend.compile(p.backward, []))
         log(
             "codegen",
             f"forward and backward compiled by {self._opts.backend!r}",

@@ -59,7 +59,9 @@ class Entry:
     """One compiled specialization: flat-tensor callables plus how to rebuild the outputs."""
 
     forward: Callable[..., list[Any]]
-    backward: Callable[..., list[Any]] | None  # None: an inference entry (forward only)
+    #: the compiled backward in the boxed convention (:mod:`functrans._boxed`): one list of
+    #: saved values then tangents, which it empties; None: an inference entry (forward only)
+    backward: Callable[[list[Any]], list[Any]] | None
     out_flat: Flat
     out_meta: tuple[OutMeta, ...]
     num_diff: int  # the first num_diff inputs are differentiated
@@ -116,12 +118,11 @@ class Apply(torch.autograd.Function):
                 for g, m, shape in zip(grads, entry.out_meta, ctx.shapes, strict=True)
                 if m.takes_tangent
             ]
-        saved = ctx.saved_tensors
-        if entry.saved_tensors is not None:
-            tensors, sizes = iter(saved), iter(ctx.sizes)
-            saved = [next(tensors) if t else next(sizes) for t in entry.saved_tensors]
+        args = _consume_saved(ctx, entry)
+        args += tangents
+        del tangents
         with autocast_off(), torch.no_grad():  # the backward graph holds its own casts
-            flat_grads = entry.backward(*saved, *tangents)
+            flat_grads = entry.backward(args)  # frees each saved value after its last use
         flat_grads = _once(flat_grads)
         return (None, *flat_grads, *([None] * (entry.num_inputs - entry.num_diff)))
 
@@ -152,12 +153,29 @@ class ApplySubclass(torch.autograd.Function):
             for g, w, m in zip(grads, wrappers, entry.out_meta, strict=True)
             if m.takes_tangent
         ]
+        args = _consume_saved(ctx, entry)
+        args += tangents
+        del tangents
         with autocast_off(), torch.no_grad():
-            flat_grads = entry.backward(*ctx.saved_tensors, *tangents)
+            flat_grads = entry.backward(args)
         flat_grads = _once(flat_grads)
         ins = ctx.ins[: entry.num_diff]
         wrapped = [g if w is None else w.rebuild(g) for g, w in zip(flat_grads, ins, strict=True)]
         return (None, *wrapped, *([None] * (entry.num_inputs - entry.num_diff)))
+
+
+def _consume_saved(ctx: Any, entry: Entry) -> list[Any]:
+    """The saved values as a list the backward may empty, with the autograd context's own
+    references dropped (as eager autograd drops a node's saved tensors once it ran), so that
+    each is freed after its last use in backward. Under ``retain_graph=True`` the context keeps
+    them for the next backward."""
+    saved = list(ctx.saved_tensors)
+    ctx.maybe_clear_saved_tensors()  # a no-op under retain_graph=True
+    if entry.saved_tensors is None:
+        return saved
+    tensors, sizes = iter(saved), iter(ctx.sizes)
+    del saved
+    return [next(tensors) if t else next(sizes) for t in entry.saved_tensors]
 
 
 _TWICE = (

@@ -1,17 +1,30 @@
 """Liveness simulation: the peak memory of running a forward graph, then its backward graph.
 
-Model (what a caching allocator sees, ignoring fragmentation):
+The figure is what a step allocates above what its caller already holds, which is what an
+allocator profile of the step measures (:func:`functrans.testing.measure_peak`, within 2% on
+the zoo; ``tests/test_peak_memory.py``). The model follows what ``jit`` and a
+:class:`~functrans.Partition` driven directly do:
 
-- primal inputs are owned by the caller: live from the start to the end;
+- primal inputs are the caller's (parameters, the batch): live throughout, counted in neither
+  pass;
 - every other value is allocated when its op runs and freed after its last use; views share
-  their base's storage (a view costs nothing and keeps its base alive); multi-output ops allocate
-  one storage per output (the rule is :func:`functrans._cost.storage_of`, which the partition's
-  saved-bytes figures use too);
-- forward outputs live until the forward pass ends; saved values (forward outputs that the
-  backward graph takes as inputs, matched by name) live until their last use in backward;
-- tangents are allocated when backward starts; gradients live until it ends;
+  their base's storage (a view costs nothing and keeps its base alive); multi-output ops
+  allocate one storage per output (the rule is :func:`functrans._cost.storage_of`, which the
+  partition's saved-bytes figures use too);
+- forward outputs live to the end of backward (the caller holds the loss it calls backward on);
+  saved values (forward outputs that the backward graph takes as inputs, matched by name) live
+  until their last use in backward, as the backward frees each after its last use;
+- tangents are allocated when backward starts and live until it ends (autograd holds them for
+  the whole call); gradients live until it ends;
 - offloaded values (:mod:`functrans._offload`) live in host memory between their copy out and
   their copy back: their bytes count in :attr:`MemoryProfile.host_peak_bytes`, not on the device.
+
+- an op's scratch memory (a convolution's column buffer, :mod:`functrans._scratch`, measured
+  once per signature) is live while the op runs.
+
+What it does not see: a few bytes of scratch in other ops (Python scalars wrapped into
+tensors), and the allocator's rounding (a CUDA caching allocator rounds each block up to 512
+bytes).
 
 Works on any pair of FX graphs whose nodes carry ``meta["val"]`` (ours, or torch's partitions).
 """
@@ -26,6 +39,7 @@ import torch.fx as fx
 from ._cost import nbytes, storage_of
 from ._graph import RECOMPUTED
 from ._offload import HOST
+from ._scratch import scratch_bytes
 
 __all__ = ["MemoryProfile", "MemoryStep", "peak_bytes", "simulate"]
 
@@ -39,7 +53,7 @@ class MemoryStep:
     >>> p = ft.partition(ft.joint(lambda x: torch.tanh(x).sum())(torch.ones(256)), "default")
     >>> step = p.memory.timeline[0]
     >>> step.phase, step.op, step.target, step.device_bytes, step.host_bytes
-    ('forward', 'tanh', 'aten.tanh.default', 2048, 0)
+    ('forward', 'tanh', 'aten.tanh.default', 1024, 0)
     """
 
     phase: str
@@ -55,23 +69,30 @@ _FOREVER = 1 << 62
 
 @dataclass(frozen=True)
 class MemoryProfile:
-    """Result of :func:`simulate` (all in bytes): peaks on the device over both passes and
-    each, live bytes between them, the host peak (offloaded values) and a per-op timeline.
+    """Result of :func:`simulate` (all in bytes, above the inputs): peaks on the device over
+    both passes and each, live bytes between them, the host peak (offloaded values) and a
+    per-op timeline. On the CPU, where host and device memory are one allocator,
+    :attr:`combined_peak_bytes` is what a profile of the step measures.
 
     >>> import torch, functrans as ft
     >>> p = ft.partition(ft.joint(lambda x: torch.tanh(x).sum())(torch.ones(256)), "default")
     >>> m = p.memory
     >>> m.peak_bytes, m.host_peak_bytes, len(m.timeline)
-    (3076, 0, 6)
+    (2056, 0, 6)
     """
 
     peak_bytes: int  # device memory
     forward_peak: int
     backward_peak: int
-    boundary_bytes: int  # live between the passes: inputs, outputs and saved values
+    boundary_bytes: int  # live between the passes: outputs and saved values
     host_peak_bytes: int = 0  # host memory holding offloaded values
     #: live bytes after every op of forward, then backward (for plots)
     timeline: tuple[MemoryStep, ...] = field(default=(), repr=False, compare=False)
+
+    @property
+    def combined_peak_bytes(self) -> int:
+        """The peak of device and host bytes together (the figure when both are one memory)."""
+        return max((s.device_bytes + s.host_bytes for s in self.timeline), default=0)
 
 
 class _Timeline:
@@ -107,21 +128,28 @@ class _Timeline:
         return out
 
 
-def _storages(graph: fx.Graph, tl: _Timeline, t: int, env: dict[str, Any], tag: str) -> int:
-    """Walk ``graph``'s ops from time ``t``; record storages and uses; return the end time."""
+def _storages(
+    graph: fx.Graph, tl: _Timeline, t: int, env: dict[str, Any], tag: str, *, inputs_free: bool
+) -> int:
+    """Walk ``graph``'s ops from time ``t``; record storages and uses; return the end time.
+    Inputs not in ``env`` are new storages, of no bytes where ``inputs_free`` (the caller's)."""
     keys: dict[fx.Node, Any] = {}
     for node in graph.nodes:
         if node.op == "output":
             break
         if node.op == "placeholder":
+            size = 0 if inputs_free else nbytes(node.meta.get("val"))
             keys[node] = env.get(node.name) or tl.new(
-                (tag, node.name), nbytes(node.meta.get("val")), t, bool(node.meta.get(HOST))
+                (tag, node.name), size, t, bool(node.meta.get(HOST))
             )
             continue
         t += 1
         for inp in node.all_input_nodes:
             tl.touch(keys[inp], t)
         keys[node] = _key_of(node, keys, tl, t, tag)
+        scratch = scratch_bytes(node)
+        if scratch:  # working memory inside the op: live while it runs
+            tl.new((tag, node.name, "scratch"), scratch, t)
     out = next(n for n in reversed(graph.nodes) if n.op == "output")
     for o in out.all_input_nodes:  # results outlive the pass: they are handed over at t + 1
         tl.touch(keys[o], t + 1)
@@ -140,30 +168,37 @@ def _key_of(node: fx.Node, keys: dict[fx.Node, Any], tl: _Timeline, t: int, tag:
     return tl.new((tag, node.name), nbytes(val), t, bool(node.meta.get(HOST)))
 
 
-def simulate(forward: fx.Graph, backward: fx.Graph) -> MemoryProfile:
-    """Simulate ``forward`` then ``backward`` and report peak live bytes.
+def simulate(
+    forward: fx.Graph, backward: fx.Graph, num_outputs: int | None = None
+) -> MemoryProfile:
+    """Simulate ``forward`` then ``backward`` and report peak live bytes above the inputs.
+
+    ``num_outputs``: how many of the forward graph's outputs are the function's (the rest are
+    saved values); None takes every output the backward graph does not read as the function's.
 
     >>> import torch, functrans as ft
     >>> jg = ft.joint(lambda x: torch.tanh(x).sum())(torch.ones(256))
     >>> p = ft.partition(jg, "default")
     >>> simulate(p.forward.fx_graph, p.backward.fx_graph)  # 1 KiB tensors, a 4-byte loss
-    MemoryProfile(peak_bytes=3076, forward_peak=2052, backward_peak=3076, boundary_bytes=2052,
+    MemoryProfile(peak_bytes=2056, forward_peak=1028, backward_peak=2056, boundary_bytes=1028,
                   host_peak_bytes=0)
     """
     tl = _Timeline()
     env: dict[str, Any] = {}
-    fwd_inputs = [n for n in forward.nodes if n.op == "placeholder"]
-    t_fwd = _storages(forward, tl, 0, env, "f")
-    for n in fwd_inputs:
-        tl.touch(env[n.name], _FOREVER)
+    t_fwd = _storages(forward, tl, 0, env, "f", inputs_free=True)
     fwd_env = dict(env)
+    for o in _user_outputs(forward, backward, num_outputs):  # the caller keeps them
+        tl.touch(fwd_env[o.name], _FOREVER)
     saved = {
         n.name: fwd_env[n.name]
         for n in backward.nodes
         if n.op == "placeholder" and n.name in fwd_env
     }
     env = dict(saved)
-    t_end = _storages(backward, tl, t_fwd + 2, env, "b")
+    t_end = _storages(backward, tl, t_fwd + 2, env, "b", inputs_free=False)
+    for n in backward.nodes:  # tangents: held by autograd (or the caller) for the whole call
+        if n.op == "placeholder" and n.name not in fwd_env:
+            tl.touch(env[n.name], _FOREVER)
     for k in tl.end:
         tl.end[k] = min(tl.end[k], t_end)
     device, host = tl.live(t_end), tl.live(t_end, host=True)
@@ -175,6 +210,15 @@ def simulate(forward: fx.Graph, backward: fx.Graph) -> MemoryProfile:
         host_peak_bytes=max(host),
         timeline=_steps(forward, backward, t_fwd, device, host),
     )
+
+
+def _user_outputs(forward: fx.Graph, backward: fx.Graph, num_outputs: int | None) -> list[fx.Node]:
+    out = next(n for n in reversed(forward.nodes) if n.op == "output")
+    raw = list(out.args[0])  # type: ignore[arg-type]
+    if num_outputs is not None:
+        return [v for v in raw[:num_outputs] if isinstance(v, fx.Node)]
+    saved = {n.name for n in backward.nodes if n.op == "placeholder"}
+    return [v for v in raw if isinstance(v, fx.Node) and v.name not in saved]
 
 
 def _steps(
@@ -209,6 +253,6 @@ def peak_bytes(forward: fx.Graph, backward: fx.Graph) -> int:
     >>> from functrans.extend import peak_bytes
     >>> p = ft.partition(ft.joint(lambda x: torch.tanh(x).sum())(torch.ones(256)), "default")
     >>> peak_bytes(p.forward.fx_graph, p.backward.fx_graph)  # 1 KiB tensors, a 4-byte loss
-    3076
+    2056
     """
     return simulate(forward, backward).peak_bytes

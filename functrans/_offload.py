@@ -271,7 +271,7 @@ def _offload_backward(backward: Graph, renamed: dict[str, str]) -> Graph:
         for u in users:
             u.replace_input_with(ph, ready)
     g.lint()
-    return Graph(g, backward.in_flat, backward.out_flat, root=backward.graph_module)
+    return type(backward)(g, backward.in_flat, backward.out_flat, root=backward.graph_module)
 
 
 def insert_transfers(forward: Graph, backward: Graph, names: Sequence[str]) -> tuple[Graph, Graph]:

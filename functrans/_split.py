@@ -11,17 +11,78 @@ from __future__ import annotations
 import operator
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch.fx as fx
 
 from ._cut_problem import cut_problem
-from ._errors import InvalidPartitionError
-from ._graph import PHASE, RECOMPUTED, ROLE, Graph, JointGraph, Phase, Role, ancestors
-from ._pytree import flatten, unflatten
+from ._errors import InvalidArgumentError, InvalidPartitionError
+from ._graph import (
+    PHASE,
+    RECOMPUTED,
+    ROLE,
+    Graph,
+    JointGraph,
+    Phase,
+    Role,
+    ancestors,
+    check_tensors,
+)
+from ._pytree import check_matches, flatten, unflatten
 
-__all__ = ["Split", "ancestors", "resolve_nodes", "split"]
+__all__ = ["BackwardGraph", "Split", "ancestors", "resolve_nodes", "split"]
 
 _VALUE_OPS = ("call_function", "get_attr")
+
+
+class BackwardGraph(Graph):
+    """A backward graph ``(saved, tangents) -> grads`` that consumes its saved values.
+
+    ``saved`` is what the forward graph returned beside the outputs, a list. Called with that
+    list, the backward empties it and frees each saved value after its last use, as eager
+    autograd frees a node's saved tensors once the node ran and as ``jit`` runs it, so that
+    :attr:`~functrans.Partition.peak_bytes` is what a profiler measures. Pass a tuple (or
+    ``list(saved)``, a copy) to keep the values for another backward.
+
+    >>> import torch, functrans as ft
+    >>> p = ft.partition(ft.joint(lambda x: x.exp().sum())(torch.ones(3)), "default")
+    >>> out, saved = p.forward(torch.zeros(3))
+    >>> p.backward(tuple(saved), (torch.tensor(1.0),))  # saved kept
+    (tensor([1., 1., 1.]),)
+    >>> p.backward(saved, (torch.tensor(1.0),)), saved  # saved consumed
+    ((tensor([1., 1., 1.]),), [])
+    """
+
+    _boxed: fx.GraphModule | None = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        saved = args[0] if len(args) == 2 and not kwargs else None
+        if not isinstance(saved, list):
+            return super().__call__(*args, **kwargs)
+        if not saved and self._num_saved():
+            raise InvalidArgumentError(
+                f"backward: saved is an empty list where the forward saved {self._num_saved()} "
+                "values: an earlier backward call consumed it (a backward empties the list it "
+                "is given, freeing each value after its last use); pass tuple(saved) or "
+                "list(saved) to run backward more than once"
+            )
+        tensors = check_matches(self.in_flat, ((tuple(saved), args[1]), {}), "BackwardGraph")
+        saved.clear()
+        tensors = check_tensors(self.placeholders(), tensors)
+        return unflatten(self.out_flat, self._run_boxed(tensors))
+
+    def _num_saved(self) -> int:
+        return sum(n.meta.get(ROLE) is Role.SAVED for n in self.placeholders())
+
+    def _run_boxed(self, tensors: list[Any]) -> list[Any]:
+        if self._boxed is None:
+            from torch.fx.graph import _BoxedCodeGen
+
+            graph = fx.Graph()
+            graph.output(graph.graph_copy(self.fx_graph, {}))
+            graph.set_codegen(_BoxedCodeGen())
+            self._boxed = fx.GraphModule(self.graph_module, graph)
+        return list(self._boxed(tensors))
 
 
 @dataclass(frozen=True)
@@ -162,7 +223,8 @@ def _forward_graph(joint: JointGraph, needed: set[fx.Node], saved: list[fx.Node]
     outs = joint.forward_outputs()
     g.output(tuple(env[o] for o in outs) + tuple(env[s] for s in saved))
     out_tree = unflatten(joint.fn_out, [o.meta["val"] for o in outs])
-    _, out_flat = flatten((out_tree, tuple(s.meta["val"] for s in saved)))
+    # saved values come back as a list, which the backward may empty (BackwardGraph)
+    _, out_flat = flatten((out_tree, [s.meta["val"] for s in saved]))
     return Graph(g, joint.fn_in, out_flat, root=joint.graph_module)
 
 
@@ -183,4 +245,4 @@ def _backward_graph(
     g.output(tuple(env[o] for o in joint.grad_outputs()))
     vals = (tuple(s.meta["val"] for s in saved), tuple(t.meta["val"] for t in joint.tangents()))
     _, in_flat = flatten((vals, {}))
-    return Graph(g, in_flat, joint.grads_flat, root=joint.graph_module)
+    return BackwardGraph(g, in_flat, joint.grads_flat, root=joint.graph_module)

@@ -19,6 +19,8 @@ Every class and function here documents itself with an example. The other names:
 - ``CostModel``: the type of a recompute cost model, ``(fx.Node) -> float`` (e.g. :func:`flops`);
 - ``Strategy``: the type of a partition strategy, ``(JointGraph, **options) -> Iterable[str |
   fx.Node]`` (the forward values to save), or a :class:`Cut` (saved and offloaded values);
+- ``SHARED``: the :attr:`Segments.index` of a forward value computed from no differentiated
+  input (masks, rotary tables): it belongs to no segment;
 - ``HOST``: node meta key, True on a value that lives in host memory (an offloaded copy and the
   backward input that receives it); ``OFFLOAD_OPS``: the ops that copy a value out, copy it
   back and wait for the copy (``functrans::to_host``, ``to_device``, ``wait_copy``).
@@ -57,8 +59,14 @@ Every class and function here documents itself with an example. The other names:
 >>> host = p.forward.output_nodes()[-1]
 >>> host.target in OFFLOAD_OPS, host.meta[HOST]
 (True, True)
+>>> from functrans.extend import SHARED, segments
+>>> SHARED in segments(plain).index.values()
+False
 """
 
+from ._boxed import Boxed as Boxed
+from ._boxed import BoxedCallable as BoxedCallable
+from ._boxed import boxed as boxed
 from ._cost import COMPUTE_INTENSIVE as COMPUTE_INTENSIVE
 from ._cost import OpClass as OpClass
 from ._cost import activation_bytes as activation_bytes
@@ -102,7 +110,9 @@ from ._offload import HOST as HOST
 from ._offload import Cut as Cut
 from ._offload import Offload as Offload
 from ._offload import why_not_offload as why_not_offload
+from ._partition import Partition as Partition
 from ._partition import Strategy as Strategy
+from ._partition import apply_cut as apply_cut
 from ._plugins import PluginError as PluginError
 from ._plugins import PluginRegistry as PluginRegistry
 from ._plugins import PluginWarning as PluginWarning
@@ -111,6 +121,11 @@ from ._private_dir import private_dirs as private_dirs
 from ._private_dir import untrusted as untrusted
 from ._pytree import tensor_leaves as tensor_leaves
 from ._registry import Registry as Registry
+from ._scratch import scratch_bytes as scratch_bytes
+from ._segments import SHARED as SHARED
+from ._segments import Segments as Segments
+from ._segments import differentiated_primals as differentiated_primals
+from ._segments import segments as segments
 from ._split import ancestors as ancestors
 from ._split import split as split
 from ._tags import REMAT as REMAT

@@ -33,11 +33,17 @@ from typing import Protocol
 
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
-from scipy.sparse import coo_matrix
+from scipy.sparse import coo_matrix, hstack
 
 from functrans.extend import CutProblem
 
-__all__ = ["IlpResult", "OffloadTerms", "quiet_stdout", "solve_ilp"]
+from ._peak import SCALE, PeakModel
+
+__all__ = ["IlpResult", "OffloadTerms", "PeakTerms", "quiet_stdout", "solve_ilp"]
+
+
+_PEAK_GAP = 1e-3
+_TIE = 1e-6
 
 
 @dataclass(frozen=True)
@@ -46,6 +52,19 @@ class IlpResult:
     cost: float
     optimal: bool  # False when the time limit stopped HiGHS with a feasible point
     offloaded: list[int] = field(default_factory=list)  # node indices kept in host memory
+    #: the modelled peak of the step (:class:`PeakTerms`), None without peak terms
+    peak: float | None = None
+
+
+@dataclass(frozen=True)
+class PeakTerms:
+    """The step's modelled peak (:class:`~functrans.partitioners._peak.PeakModel`) within
+    ``limit`` bytes; ``first`` minimises the peak before the recompute cost (the lowest peak
+    the model reaches) instead of after it."""
+
+    model: PeakModel
+    limit: float
+    first: bool = False
 
 
 @dataclass(frozen=True)
@@ -112,14 +131,18 @@ def _solve(
     ub: np.ndarray,
     limit: float,
     integrality: np.ndarray | None = None,
+    gap: float | None = None,
 ) -> _MilpResult:
+    options: dict[str, float | bool] = {"time_limit": limit, "disp": False}
+    if gap is not None:
+        options["mip_rel_gap"] = gap
     with quiet_stdout():
         result: _MilpResult = milp(
             c=c,
             integrality=np.ones_like(c) if integrality is None else integrality,
             bounds=Bounds(np.zeros_like(ub), ub),
             constraints=cons,
-            options={"time_limit": limit, "disp": False},
+            options=options,
         )
     return result
 
@@ -207,9 +230,11 @@ def solve_ilp(
     max_bytes: float,
     time_limit: float,
     offload: OffloadTerms | None = None,
+    peak: PeakTerms | None = None,
 ) -> IlpResult | None:
-    """Optimal saved (and, with ``offload``, offloaded) set within ``max_bytes`` (``costs``:
-    each value's recompute cost), or None if no saved set fits."""
+    """Optimal saved (and, with ``offload``, offloaded) set within ``max_bytes`` activation
+    bytes (``math.inf``: no such limit) and, with ``peak``, a modelled step peak within its
+    limit (``costs``: each value's recompute cost), or None if no saved set fits."""
     n = len(p)
     kinds = 2 if offload is None else 3
     a, lb = _constraints(p, kinds)
@@ -219,7 +244,7 @@ def solve_ilp(
     cons = [LinearConstraint(a.tocsr(), lb, np.inf)]
     ub = [np.array([v.can_save for v in p], float), np.array([v.can_recompute for v in p], float)]
     objectives = [np.concatenate([zeros, cost]), np.concatenate([size, zeros])]
-    integrality = None
+    integrality = np.ones(2 * n)
     if offload is not None:
         cons += _offload_rows(offload, size)
         ub += [np.array(offload.allowed, float), np.full(2, np.inf)]
@@ -230,10 +255,37 @@ def solve_ilp(
             np.concatenate([size, zeros, zeros, np.zeros(2)]),
         ]
         integrality = np.concatenate([np.ones(3 * n), np.zeros(2)])
-    device = np.zeros(a.shape[1])
+    width = a.shape[1]
+    unscaled = objectives[0]  # the recompute cost (with offload: plus exposed copies)
+    device = np.zeros(width)
     device[:n] = size
-    cons.append(LinearConstraint(device[None, :], -np.inf, max_bytes))
-    x, optimal = _lexicographic(objectives, cons, np.concatenate(ub), time_limit, integrality)
+    if math.isfinite(max_bytes):
+        cons.append(LinearConstraint(device[None, :], -np.inf, max_bytes))
+    upper = np.concatenate(ub)
+    peak_col = None
+    if peak is not None:
+        rows, total, peak_col = peak.model.constraints(width, n, kinds, peak.limit)
+        cons = [_widen(c, total) for c in cons] + rows
+        # recompute cost and the modelled peak (in the order asked); the saved-bytes and
+        # offloaded-bytes tie-breaks are dropped: the peak already orders what they would, and
+        # each solve of a peak model costs seconds on a transformer stack
+        at_peak = np.zeros(total)
+        at_peak[peak_col] = 1.0
+        recompute = np.concatenate([objectives[0], np.zeros(total - width)])
+        recompute /= max(1.0, float(np.abs(recompute).max()))  # near 1, as the peak in MiB
+        # ...and among equal costs, the fewest saved bytes (a weight no cost difference feels)
+        recompute[:n] += _TIE * size / max(1.0, float(size.sum()))
+        objectives = [at_peak, recompute] if peak.first else [recompute, at_peak]
+        for i in peak.model.boundaries:  # recomputing a boundary reaches into earlier segments
+            if p[i].can_save:
+                upper[n + i] = 0.0
+        for i in peak.model.views:  # save the base instead: a view keeps it alive anyway
+            upper[i] = 0.0
+        upper = np.concatenate([upper, np.full(total - width, np.inf)])
+        integrality = np.concatenate([integrality, np.zeros(total - width)])
+    # a peak model is solved to a 0.1% gap: exact solves of a transformer stack take seconds
+    gap = _PEAK_GAP if peak is not None else None
+    x, optimal = _lexicographic(objectives, cons, upper, time_limit, integrality, gap)
     if x is None:
         return None
     if not optimal:
@@ -242,15 +294,22 @@ def solve_ilp(
             "feasible saved set found, which may not be optimal",
             stacklevel=4,
         )
-    chosen = np.round(x)
+    chosen = np.where(integrality == 0, x, np.round(x))
     return IlpResult(
         saved=[i for i in range(n) if chosen[i] > 0.5],
-        cost=float(objectives[0] @ np.where(integrality == 0, x, chosen))
-        if integrality is not None
-        else float(cost @ chosen[n:]),
+        cost=float(unscaled @ chosen[: len(unscaled)]),
         optimal=optimal,
         offloaded=[i for i in range(n) if kinds == 3 and chosen[2 * n + i] > 0.5],
+        peak=None if peak_col is None else float(x[peak_col]) * SCALE,
     )
+
+
+def _widen(c: LinearConstraint, width: int) -> LinearConstraint:
+    """``c`` over more variables (zero coefficients for the new ones)."""
+    a = c.A
+    extra = width - a.shape[1]
+    wide = hstack([coo_matrix(a), coo_matrix((a.shape[0], extra))]).tocsr()
+    return LinearConstraint(wide, c.lb, c.ub)
 
 
 def _offload_rows(t: OffloadTerms, size: np.ndarray) -> list[LinearConstraint]:
@@ -274,17 +333,19 @@ def _lexicographic(
     ub: np.ndarray,
     limit: float,
     integrality: np.ndarray | None,
+    gap: float | None = None,
 ) -> tuple[np.ndarray | None, bool]:
     """Minimise each objective in turn, keeping the earlier ones at their optimum (with a
-    tolerance for HiGHS' float arithmetic); returns the point and whether every solve was
-    optimal."""
+    tolerance for HiGHS' float arithmetic, and ``gap``, the relative MIP gap it may stop at);
+    returns the point and whether every solve was optimal."""
     x: np.ndarray | None = None
     optimal = True
+    slack = max(1e-6, gap or 0.0)
     for c in objectives:
-        result = _solve(c, cons, ub, limit, integrality)
+        result = _solve(c, cons, ub, limit, integrality, gap)
         if result.x is None:
             return x, optimal and x is not None
         x, best = result.x, float(result.fun)
         optimal = optimal and result.status == 0
-        cons = [*cons, LinearConstraint(c[None, :], -np.inf, best + 1e-6 * max(1.0, abs(best)))]
+        cons = [*cons, LinearConstraint(c[None, :], -np.inf, best + slack * max(1.0, abs(best)))]
     return x, optimal

@@ -63,6 +63,7 @@ from functrans.extend import (
 
 from . import register
 from ._ilp import OffloadTerms, solve_ilp
+from ._plan_peak import plan_peak
 from .full_remat import full_remat
 from .min_cut import min_cut
 
@@ -82,6 +83,9 @@ class MemoryBudget:
 
     budget: float | None = None
     max_bytes: int | None = None
+    #: the step's peak memory (forward then backward, above the inputs: the figure of
+    #: :attr:`~functrans.Partition.peak_bytes` and of ``functrans.testing.measure_peak``)
+    peak_bytes: int | None = None
     solver: str = "ilp"
     cost: str | Callable[[fx.Node], float] = "flops"
     time_limit: float = 20.0
@@ -99,13 +103,15 @@ class MemoryBudget:
     def __name__(self) -> str:  # shown as the partition's strategy name
         return "memory_budget"
 
-    def limit(self, joint: JointGraph) -> tuple[int, int]:
-        """(budget in bytes, smallest achievable activation bytes)."""
+    def limit(self, joint: JointGraph) -> tuple[float, int]:
+        """(budget in activation bytes, ``math.inf`` for none; smallest achievable activation
+        bytes)."""
         low = _activation(joint, full_remat(joint))
         if self.max_bytes is not None:
             return self.max_bytes, low
+        if self.budget is None:
+            return math.inf, low
         high = _activation(joint, min_cut(joint))
-        assert self.budget is not None
         return int(low + self.budget * (high - low)), low
 
     def __call__(self, joint: JointGraph) -> list[fx.Node] | Cut:
@@ -115,6 +121,8 @@ class MemoryBudget:
 
     def _solve(self, joint: JointGraph) -> list[fx.Node] | Cut:
         max_bytes, low = self.limit(joint)
+        if self.peak_bytes is not None:
+            return self._with_peak(joint, self.peak_bytes, max_bytes)
         if self.offload is not None and self.offload.enabled:
             return self._with_offload(joint, max_bytes, low, self.offload)
         if max_bytes < low:
@@ -125,7 +133,7 @@ class MemoryBudget:
         problem = cut_problem(joint)
         costs = problem.costs(None if isinstance(self.cost, str) else self.cost)
         if self.solver == "greedy":
-            return greedy(problem, costs, max_bytes)
+            return greedy(problem, costs, int(max_bytes))
         result = solve_ilp(problem, costs, max_bytes, self.time_limit)
         if result is None:  # a feasible set exists (>= low), so the time limit struck first
             warnings.warn(
@@ -136,7 +144,17 @@ class MemoryBudget:
             return full_remat(joint)
         return [problem[i].node for i in result.saved]
 
-    def _with_offload(self, joint: JointGraph, max_bytes: int, low: int, offload: Offload) -> Cut:
+    def _with_peak(self, joint: JointGraph, peak: int, max_bytes: float) -> Cut:
+        problem = cut_problem(joint)
+        costs = problem.costs(None if isinstance(self.cost, str) else self.cost)
+        terms = None
+        if self.offload is not None and self.offload.enabled:
+            terms = offload_terms(joint, problem, costs, self.offload, self.cost)
+        return plan_peak(
+            joint, peak, costs, max_bytes=max_bytes, time_limit=self.time_limit, offload=terms
+        )
+
+    def _with_offload(self, joint: JointGraph, max_bytes: float, low: int, offload: Offload) -> Cut:
         problem = cut_problem(joint)
         costs = problem.costs(None if isinstance(self.cost, str) else self.cost)
         terms = offload_terms(joint, problem, costs, offload, self.cost)
@@ -161,7 +179,7 @@ class MemoryBudget:
 def _infeasible(
     problem: CutProblem,
     costs: Sequence[float],
-    max_bytes: int,
+    max_bytes: float,
     low: int,
     terms: OffloadTerms,
     options: MemoryBudget,
@@ -223,11 +241,19 @@ _BUDGET = (
 def _check_values(where: str, options: Mapping[str, Any]) -> None:
     """Check the values of ``MemoryBudget``'s options (absent ones take their defaults)."""
     budget, max_bytes = options.get("budget"), options.get("max_bytes")
-    if (budget is None) == (max_bytes is None):
+    peak = options.get("peak_bytes")
+    if budget is not None and max_bytes is not None:
         raise InvalidArgumentError(
-            f"{where} needs exactly one of budget= ({_BUDGET}) or max_bytes= (activation bytes); "
-            f"got budget={budget!r}, max_bytes={max_bytes!r}"
+            f"{where} takes one of budget= ({_BUDGET}) or max_bytes= (activation bytes), not "
+            f"both; got budget={budget!r}, max_bytes={max_bytes!r}"
         )
+    if budget is None and max_bytes is None and peak is None:
+        raise InvalidArgumentError(
+            f"{where} needs a limit: budget= ({_BUDGET}), max_bytes= (activation bytes across "
+            "the cut) or peak_bytes= (the step's peak memory above its inputs); got none"
+        )
+    if peak is not None:
+        check_number(where, "peak_bytes", peak, at_least=0, integer=True, meaning="bytes")
     if budget is not None:
         check_number(where, "budget", budget, at_least=0, meaning=_BUDGET)
     if max_bytes is not None:
@@ -253,6 +279,11 @@ def _check_values(where: str, options: Mapping[str, Any]) -> None:
     check_option(
         where, "offload", offload, offload is None or isinstance(offload, Offload), accepted
     )
+    if peak is not None and solver != "ilp":
+        raise InvalidArgumentError(
+            f"{where}: peak_bytes={peak} needs solver='ilp'; got solver={solver!r} (the greedy "
+            "solver bounds only the bytes across the cut)"
+        )
     if offload is not None and solver != "ilp":
         raise InvalidArgumentError(
             f"{where}: offload={offload} needs solver='ilp'; got solver={solver!r} (the greedy "

@@ -12,10 +12,14 @@ only allowed ops. Ties between minimum cuts are broken in this order (a second m
 first one's residual graph, see ``partitioners._maxflow``):
 
 1. save values a fused forward writes to memory anyway (:func:`is_materialized`: matmul
-   outputs and what matmuls read, forward outputs), not pointwise values a fused forward
-   kernel would never have materialized;
+   outputs and what matmuls read, forward outputs) or that a block hands the next one
+   (:attr:`functrans.extend.Segments.checkpoints`: the residual stream after each add), not
+   pointwise values a fused forward kernel would never have materialized;
 2. recompute the fewest ops (views are free): of a matmul output and the contiguous copy of it
    that the next matmul reads, both in memory, save the copy rather than redo it in backward;
+   of a residual add and the output projection it adds, save the add: recomputing it would
+   make backward's first step recompute every earlier block's residual stream and keep it
+   alive to the end, which costs the step's peak what the cut saved;
 3. the cut closest to the inputs.
 
 Views of inputs are then saved as the views (free either way). The rules are the small
@@ -41,6 +45,7 @@ from functrans.extend import (
     nbytes,
     op_class,
     parse_options,
+    segments,
 )
 
 from . import register
@@ -153,10 +158,11 @@ def _network(problem: CutProblem, opts: MinCutOptions) -> _Network:
     outputs = {n for n in problem.joint.forward_outputs() if isinstance(n, fx.Node)}
     edges: dict[tuple[int, int], int] = {}
     ties: dict[tuple[int, int], int] = {}  # second capacities: see the module docstring
+    checkpoints = set(segments(problem.joint).checkpoints)
     for v in values:
         i = v.index
         edges[(2 * i, 2 * i + 1)] = save_cost(v, opts, weighted)
-        if not is_materialized(v.node, outputs):
+        if v.node not in checkpoints and not is_materialized(v.node, outputs):
             ties[(2 * i, 2 * i + 1)] = len(values) + 1  # outweighs any count of recomputed ops
         if banned(v, opts):
             edges[(source, 2 * i)] = INF

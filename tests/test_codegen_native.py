@@ -158,7 +158,7 @@ def test_graphs_it_cannot_run_go_to_the_python_executor():
     gm.recompile()
     assert _native.native_function(gm) is None
     run = NATIVE.compile(g, [torch.ones(2)])
-    assert run.__functrans_source__  # the Python executor's flat function
+    assert run.source  # the Python executor's flat function
     assert torch.equal(run(torch.ones(2))[0], torch.full((2,), 2.0))
 
 
@@ -174,7 +174,7 @@ def test_no_compiler_warns_once_and_runs_python(monkeypatch):
         warnings.simplefilter("error")
         assert _native.native_module() is None  # no second build, no second warning
     g = ft.trace(lambda x: x.exp())(torch.ones(2))
-    assert NATIVE.compile(g, [torch.ones(2)]).__functrans_source__
+    assert NATIVE.compile(g, [torch.ones(2)]).source
 
 
 def test_unknown_executor_is_refused():

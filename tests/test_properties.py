@@ -52,7 +52,12 @@ def budget_is_respected(p, options):
     assert not [r for r in p.recomputed if op_class(r) is OpClass.RANDOM]
 
 
+def min_peak_is_no_higher_than_default(p, options):
+    assert p.peak_bytes <= ft.partition(p.joint, "default").peak_bytes, "min_peak above default"
+
+
 INVARIANTS = {
+    "min_peak": min_peak_is_no_higher_than_default,
     "default": default_recomputes_nothing,
     "full_remat": full_remat_saves_only_inputs,
     "min_cut": min_cut_saves_least_and_respects_bans,

@@ -225,6 +225,6 @@ partition 'default': 5 saved values, 288 B of activations, 0 ops recomputed (0 F
   getitem_1  getitem               f32[1, 2, 4]     float32  32                   no
   view_1     aten.view.default     f32[4, 16]       float32  shared with getitem  no
   activation bytes: 288
-  peak bytes (forward then backward): 3616
+  peak bytes (forward then backward, above the inputs): 2344
   recomputed in backward: -""",
         )

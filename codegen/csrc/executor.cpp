@@ -255,21 +255,38 @@ class Program {
   // __torch_function__ (a subclass override, a mode) would intercept as OpOverload calls are
   void set_fallback(py::object fallback) { fallback_ = std::move(fallback); }
 
-  py::object run(const py::args& values) {
-    TORCH_CHECK(values.size() == inputs.size(), "the graph takes ", inputs.size(),
-                " inputs, got ", values.size());
-    if (!plain_tensors(values)) {
+  py::object run(const py::args& values) { return run_sequence(values, false); }
+
+  // The boxed convention: `values` is a list the program empties once its registers hold the
+  // values, so each input is freed after its last use (a backward's saved values)
+  py::object run_boxed(const py::list& values) { return run_sequence(values, true); }
+
+ private:
+  py::object run_sequence(py::handle seq, bool boxed) {
+    PyObject* obj = seq.ptr();
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(obj);
+    TORCH_CHECK(static_cast<size_t>(n) == inputs.size(), "the graph takes ", inputs.size(),
+                " inputs, got ", n);
+    PyObject** items = PySequence_Fast_ITEMS(obj);
+    if (!plain_tensors(seq, items, n)) {
       TORCH_CHECK(fallback_, "the native executor has no fallback for these inputs");
-      return fallback_(*values);
+      py::tuple args = py::reinterpret_steal<py::tuple>(PySequence_Tuple(obj));
+      if (boxed) {
+        clear(obj);
+      }
+      return fallback_(*args);
     }
     std::vector<c10::IValue> regs(num_registers);
     for (const auto& [reg, value] : constants_) {
       regs[reg] = value;
     }
-    for (size_t i = 0; i < inputs.size(); ++i) {
-      PyObject* v = values[i].ptr();
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      PyObject* v = items[i];
       regs[inputs[i]] = THPVariable_Check(v) ? c10::IValue(THPVariable_Unpack(v))
-                                             : c10::IValue(values[i].cast<int64_t>());
+                                             : c10::IValue(py::handle(v).cast<int64_t>());
+    }
+    if (boxed) {
+      clear(obj);  // the registers now hold the only references this call keeps
     }
     {
       py::gil_scoped_release no_gil;
@@ -282,7 +299,12 @@ class Program {
     return out;
   }
 
- private:
+  static void clear(PyObject* list) {
+    if (PyList_SetSlice(list, 0, PyList_GET_SIZE(list), nullptr) != 0) {
+      throw py::error_already_set();
+    }
+  }
+
   // Every register a step names exists: a bad index is a build error, never a stray write
   void check_register(int r, const char* what) const {
     TORCH_CHECK(r >= 0 && r < num_registers, what, " names register ", r, " of ",
@@ -313,16 +335,17 @@ class Program {
     }
   }
 
-  static bool plain_tensors(const py::args& values) {
+  static bool plain_tensors(py::handle values, PyObject** items, Py_ssize_t n) {
     bool subclass = false;
-    for (auto v : values) {
-      if (PyLong_CheckExact(v.ptr())) {
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      PyObject* v = items[i];
+      if (PyLong_CheckExact(v)) {
         continue;  // a size (a dynamic forward hands its backward sizes)
       }
-      if (!THPVariable_Check(v.ptr())) {
+      if (!THPVariable_Check(v)) {
         return false;
       }
-      subclass = subclass || !THPVariable_CheckExact(v.ptr());
+      subclass = subclass || !THPVariable_CheckExact(v);
     }
     if (at::impl::torch_function_mode_enabled()) {
       return false;
@@ -429,6 +452,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("run", [](Program& p, const py::args& values) -> py::object {
         HANDLE_TH_ERRORS
         return p.run(values);
+        END_HANDLE_TH_ERRORS_PYBIND
+      })
+      .def("__call__", [](Program& p, const py::args& values) -> py::object {
+        HANDLE_TH_ERRORS
+        return p.run(values);
+        END_HANDLE_TH_ERRORS_PYBIND
+      })
+      .def("call_boxed", [](Program& p, const py::list& values) -> py::object {
+        HANDLE_TH_ERRORS
+        return p.run_boxed(values);
         END_HANDLE_TH_ERRORS_PYBIND
       });
 }

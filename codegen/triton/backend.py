@@ -132,8 +132,14 @@ class Compiled:
         return total
 
     def __call__(self, *tensors: torch.Tensor) -> list[Any]:
+        return self.call_boxed(list(tensors))
+
+    def call_boxed(self, tensors: list[Any]) -> list[Any]:
+        """Run on the graph's flat tensors given as one list, which this empties: each input
+        is freed after its last use (the boxed convention of ``functrans.extend.Boxed``)."""
         env: dict[fx.Node, Any] = dict(zip(self._placeholders, tensors, strict=True))
         device = tensors[0].device if tensors else torch.device("cpu")
+        tensors.clear()
         for step, free in self._steps:
             step(env, device)
             for n in free:
@@ -216,7 +222,7 @@ def _steps(gm: fx.GraphModule, plan: Plan, kernels: dict[Kernel, Built]) -> list
         for n in used:
             last[n] = i
     for n, i in last.items():
-        if n not in keep and n.op != "placeholder":
+        if n not in keep:  # inputs too: a boxed call holds the only reference
             steps[i].frees.append(n)
     return steps
 

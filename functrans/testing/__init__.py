@@ -21,6 +21,8 @@ from ._check import saved_sets as saved_sets
 from ._check import seeded as seeded
 from ._check import split_and_check as split_and_check
 from ._check import tolerances as tolerances
+from ._peak import PeakMemory as PeakMemory
+from ._peak import measure_peak as measure_peak
 from ._program import Program as Program
 from ._random_programs import programs as programs
 from ._suite import check_policy_tags as check_policy_tags

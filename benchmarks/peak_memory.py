@@ -1,0 +1,307 @@
+"""Peak memory of a training step as the allocator measures it, against what users reach for.
+
+For each model (a GPT stack of 4 and of 8 blocks, a 4-block Llama stack, the 8-block MLP of
+``benchmarks.zoo.STACKS``; tiny HF Llama and GPT-2), one training step
+(``fn(params, x).backward()``, float32) in one process under one seed, every variant:
+
+- ``eager``; per-block ``torch.utils.checkpoint`` (``use_reentrant=False``; HF models:
+  ``gradient_checkpointing_enable``); torch selective checkpointing per block with a dots
+  policy (matmul outputs MUST_SAVE, the rest PREFER_RECOMPUTE); ``ft.remat`` per block with
+  ``policies.dots_saveable`` and ``nothing_saveable``;
+- ``torch.compile(backend="aot_eager")`` (torch's min-cut partitioner) and Inductor, and
+  aot_eager under torch's ``activation_memory_budget`` knob at 0.5 and 0.0;
+- ``ft.jit`` with ``default``, ``min_cut``, ``full_remat``, and ``memory_budget(peak_bytes=P)``
+  at three limits: per-block checkpoint's measured peak, 0.9 of it, and halfway between it
+  and ``min_cut``'s.
+
+Peak is the most bytes allocated at once during the step above what was live before it (the
+parameters and the batch): on the CPU from the profiler's allocator events, on CUDA from
+``max_memory_allocated`` (``functrans.testing.measure_peak``). Step time is the median of
+interleaved steps. Gradients of every variant are checked against eager's first. Ratios are
+to eager's in the same run; ``reported`` is ``Partition.peak_bytes`` of the ``ft.jit`` rows.
+
+    python -m benchmarks.peak_memory [--quick] [--device cpu|cuda] [--steps N] [--out PATH]
+
+Writes ``benchmarks/results/peak_memory.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
+
+import functrans as ft
+from benchmarks import write_results, zoo
+from functrans import policies
+from functrans.testing import measure_peak
+
+RESULTS = Path(__file__).resolve().parent / "results" / "peak_memory.json"
+Fn = Callable[..., torch.Tensor]
+
+_DOTS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.baddbmm.default,
+}
+
+
+def _dots_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _DOTS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _torch_wrap(sac: bool) -> Callable[..., torch.Tensor]:
+    context = functools.partial(create_selective_checkpoint_contexts, _dots_policy)
+
+    def wrap(block: Fn, p: Any, h: torch.Tensor) -> torch.Tensor:
+        if sac:
+            return checkpoint(block, p, h, use_reentrant=False, context_fn=context)  # type: ignore[no-any-return]
+        return checkpoint(block, p, h, use_reentrant=False)  # type: ignore[no-any-return]
+
+    return wrap
+
+
+def _remat_wrap(policy: Any) -> Callable[..., torch.Tensor]:
+    def wrap(block: Fn, p: Any, h: torch.Tensor) -> torch.Tensor:
+        return ft.remat(block, policy=policy)(p, h)
+
+    return wrap
+
+
+@contextlib.contextmanager
+def _torch_budget(budget: float) -> Iterator[None]:
+    with torch._functorch.config.patch(activation_memory_budget=budget):
+        yield
+
+
+def _compiled(fn: Fn, backend: str, budget: float | None = None) -> Fn:
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend=backend)
+    if budget is None:
+        return compiled  # type: ignore[return-value]
+
+    def run(*args: Any) -> torch.Tensor:  # the knob is read when the graph is compiled
+        with _torch_budget(budget):
+            return compiled(*args)  # type: ignore[no-any-return]
+
+    return run
+
+
+def _hf_checkpointed(model: zoo.Model, sac: bool) -> Fn:
+    """The HF model's own gradient checkpointing on a copy of its module."""
+    import copy
+
+    module = copy.deepcopy(model.module)
+    assert module is not None
+    kwargs: dict[str, Any] = {"use_reentrant": False}
+    if sac:
+        kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _dots_policy)
+    module.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    module.train()  # HF checkpoints only in training mode (dropout is 0 in the zoo configs)
+
+    def fn(params: Any, x: Any) -> torch.Tensor:
+        out = torch.func.functional_call(module, params, (), zoo.hf_kwargs(x))
+        return out.loss  # type: ignore[no-any-return]
+
+    return fn
+
+
+def _step(fn: Fn, params: Any, x: Any) -> None:
+    for t in tree_leaves(params):
+        t.grad = None
+    fn(params, x).backward()
+
+
+def _grads(fn: Fn, params: Any, x: Any) -> list[torch.Tensor]:
+    _step(fn, params, x)
+    return [t.grad.detach().clone() for t in tree_leaves(params) if t.grad is not None]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _peak(fn: Fn, params: Any, x: Any, device: torch.device) -> int:
+    for t in tree_leaves(params):
+        t.grad = None
+    return measure_peak(lambda: fn(params, x).backward(), device=device).peak_bytes
+
+
+def variants(model: zoo.Model, quick: bool) -> dict[str, Fn]:
+    fn = model.fn
+    out: dict[str, Fn] = {"eager": fn}
+    if model.blockwise is not None:
+        out["per-block checkpoint"] = model.blockwise(_torch_wrap(sac=False))
+        out["torch SAC (dots)"] = model.blockwise(_torch_wrap(sac=True))
+        out["ft.remat dots_saveable"] = model.blockwise(_remat_wrap(policies.dots_saveable))
+        out["ft.remat nothing_saveable"] = model.blockwise(_remat_wrap(policies.nothing_saveable))
+    elif model.module is not None:
+        out["per-block checkpoint"] = _hf_checkpointed(model, sac=False)
+        out["torch SAC (dots)"] = _hf_checkpointed(model, sac=True)
+    if not quick:
+        out["torch.compile aot_eager"] = _compiled(fn, "aot_eager")
+        out["torch.compile inductor"] = _compiled(fn, "inductor")
+        out["aot_eager budget 0.5"] = _compiled(fn, "aot_eager", 0.5)
+        out["aot_eager budget 0.0"] = _compiled(fn, "aot_eager", 0.0)
+    for strategy in ("default", "min_cut", "full_remat"):
+        out[f"ft.jit {strategy}"] = ft.jit(fn, partition=strategy)
+    return out
+
+
+def run_model(model: zoo.Model, size: str, steps: int, device: torch.device, quick: bool) -> Any:
+    params, x = model.make(size)
+    params = tree_map(lambda t: t.to(device).requires_grad_(t.is_floating_point()), params)
+    x = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, x)
+    ref = _grads(model.fn, params, x)
+    found = variants(model, quick)
+    rows: dict[str, dict[str, Any]] = {}
+
+    def add(name: str, f: Fn) -> None:
+        try:  # one variant failing must not lose the others' figures
+            for a, b in zip(_grads(f, params, x), ref, strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
+            rows[name] = {"peak_bytes": _peak(f, params, x, device), "fn": f}
+            p = _partition(f)
+            if p is not None:
+                rows[name]["reported_bytes"] = p.peak_bytes
+                rows[name]["recompute_flops"] = p.recompute_flops
+        except Exception as e:  # recorded in the JSON
+            rows[name] = {"error": f"{type(e).__name__}: {e}"[:400]}
+            print(f"benchmarks.peak_memory: {model.name}/{name} failed: {rows[name]['error']}")
+
+    for name, f in found.items():
+        add(name, f)
+    ckpt = rows.get("per-block checkpoint", {}).get("peak_bytes")
+    mincut = rows.get("ft.jit min_cut", {}).get("peak_bytes")
+    if ckpt:
+        limits = {"P": ckpt, "0.9 P": int(0.9 * ckpt)}
+        if mincut:
+            limits["(P + min_cut) / 2"] = (ckpt + mincut) // 2
+        for label, limit in limits.items():
+            jitted = ft.jit(model.fn, partition="memory_budget", peak_bytes=int(limit))
+            add(f"ft.jit peak_bytes={label}", jitted)
+            rows[f"ft.jit peak_bytes={label}"]["limit_bytes"] = int(limit)
+    _times(rows, params, x, steps, device)
+    eager = rows["eager"]
+    full = rows.get("ft.jit full_remat", {}).get("recompute_flops")
+    table = []
+    for name, r in rows.items():
+        r.pop("fn", None)
+        if "peak_bytes" in r:
+            r["peak_ratio"] = r["peak_bytes"] / eager["peak_bytes"]
+            r["time_ratio"] = r["ms"] / eager["ms"]
+            if full and "recompute_flops" in r:
+                r["recompute_vs_full_remat"] = r["recompute_flops"] / full
+        table.append({"variant": name, **r})
+    return {"model": model.name, "rows": table}
+
+
+def _partition(f: Fn) -> ft.Partition | None:
+    partitions = getattr(f, "partitions", None)
+    found = partitions() if callable(partitions) else []
+    return found[0] if found else None
+
+
+def _times(
+    rows: dict[str, dict[str, Any]], params: Any, x: Any, steps: int, device: torch.device
+) -> None:
+    """Median step time of every variant, interleaved round by round."""
+    live = {n: r for n, r in rows.items() if "fn" in r}
+    samples: dict[str, list[float]] = {n: [] for n in live}
+    for _ in range(steps):
+        for n, r in live.items():
+            _sync(device)
+            t0 = time.perf_counter()
+            _step(r["fn"], params, x)
+            _sync(device)
+            samples[n].append(time.perf_counter() - t0)
+    for n, r in live.items():
+        r["ms"] = 1e3 * statistics.median(samples[n])
+
+
+MODELS: dict[str, Callable[[], zoo.Model]] = {
+    **zoo.STACKS,
+    "hf_llama": lambda: zoo.hf_llama(),
+    "hf_gpt2": lambda: zoo.hf_gpt2(),
+}
+
+
+def _print(result: dict[str, Any]) -> None:
+    print(f"\n{result['model']}")
+    for r in result["rows"]:
+        if "peak_ratio" in r:
+            extra = (
+                f"  recompute/full_remat {r['recompute_vs_full_remat']:.2f}"
+                if ("recompute_vs_full_remat" in r)
+                else ""
+            )
+            reported = (
+                f"  measured/reported {r['peak_bytes'] / r['reported_bytes']:.3f}"
+                if r.get("reported_bytes")
+                else ""
+            )
+            print(
+                f"  {r['variant']:<34} peak {r['peak_ratio']:.3f}  time {r['time_ratio']:.2f}"
+                f"{reported}{extra}"
+            )
+        else:
+            print(f"  {r['variant']:<34} {r.get('error', '')}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes, no torch.compile")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--models", nargs="*", default=None)
+    parser.add_argument("--out", type=Path, default=None, help="JSON path (default: results/)")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("benchmarks.peak_memory: no CUDA device here; nothing measured")
+        return 0
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    device = torch.device(args.device)
+    size = "small" if args.quick else "bench"
+    names = args.models or (["gpt_stack_4", "mlp_blocks_8"] if args.quick else list(MODELS))
+    results = []
+    t0 = time.perf_counter()
+    for name in names:
+        if name.startswith("hf_") and not zoo.has_transformers():
+            continue
+        results.append(
+            run_model(MODELS[name](), size, 2 if args.quick else args.steps, device, args.quick)
+        )
+        _print(results[-1])
+    meta = {
+        "device": str(device),
+        "torch": torch.__version__,
+        "size": size,
+        "threads": 1,
+        "seconds": time.perf_counter() - t0,
+    }
+    write_results(args.out, RESULTS, args.quick, {"meta": meta, "models": results})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,94 @@
+"""The boxed calling convention: a compiled graph takes its inputs as one list and empties it.
+
+A callable that takes ``*args`` cannot free an argument before it returns: the caller's
+argument tuple holds every one of them. A backward graph's inputs are the values forward
+saved, and eager autograd frees each of those as soon as the node that reads it has run; a
+backward holding all of them until it returns keeps the forward's activations alive while its
+gradients pile up, and its peak rises above eager's. So the compiled backward takes one list,
+moves the values out of it, empties it, and drops each value after its last use (AOTAutograd's
+convention, which Inductor's compiled graphs follow too).
+
+A backend returns a :class:`BoxedCallable` (anything with ``call_boxed(args)``; :class:`Boxed`
+wraps a function) to take part; a plain callable still works, run through :func:`boxed`, which
+empties the list before calling it (its arguments then live until it returns).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol, final, runtime_checkable
+
+__all__ = ["Boxed", "BoxedCallable", "boxed"]
+
+
+@runtime_checkable
+class BoxedCallable(Protocol):
+    """A compiled graph that takes its flat inputs as one list, which it empties: it frees
+    each input after its last use.
+
+    >>> import torch, functrans as ft
+    >>> from functrans import codegen
+    >>> from functrans.extend import BoxedCallable
+    >>> g = ft.trace(lambda x: x * 2)(torch.ones(2))
+    >>> run = codegen.get_backend("aten").compile(g, [torch.ones(2)])
+    >>> isinstance(run, BoxedCallable)
+    True
+    >>> args = [torch.ones(2)]
+    >>> run.call_boxed(args), args
+    ([tensor([2., 2.])], [])
+    """
+
+    def call_boxed(self, args: list[Any]) -> list[Any]: ...
+
+
+@final
+class Boxed:
+    """A function of one list of inputs (which it empties) as a :class:`BoxedCallable`; called
+    with ``*args`` it runs on a fresh list of them.
+
+    >>> from functrans.extend import Boxed
+    >>> def run(args):
+    ...     a, b = args
+    ...     args.clear()  # the caller's list no longer holds a and b
+    ...     return [a + b]
+    >>> add = Boxed(run)
+    >>> inputs = [1, 2]
+    >>> add.call_boxed(inputs), inputs, add(3, 4)
+    ([3], [], [7])
+    """
+
+    __slots__ = ("run",)
+
+    def __init__(self, run: Callable[[list[Any]], list[Any]]) -> None:
+        self.run = run
+
+    def call_boxed(self, args: list[Any]) -> list[Any]:
+        return self.run(args)
+
+    def __call__(self, *args: Any) -> list[Any]:
+        return self.run(list(args))
+
+    def __repr__(self) -> str:
+        return f"Boxed({self.run!r})"
+
+
+def boxed(compiled: Callable[..., Any]) -> Callable[[list[Any]], list[Any]]:
+    """``compiled`` (what a backend's ``compile`` returned) as a function of one list of
+    inputs that it empties: its own ``call_boxed`` where it has one, else a call with the
+    list's values after emptying it.
+
+    >>> from functrans.extend import boxed
+    >>> run = boxed(lambda a, b: [a * b])
+    >>> args = [3, 4]
+    >>> run(args), args
+    ([12], [])
+    """
+    if isinstance(compiled, BoxedCallable):
+        return compiled.call_boxed
+
+    def call(args: list[Any]) -> list[Any]:
+        values = tuple(args)
+        args.clear()
+        return list(compiled(*values))
+
+    return call

@@ -1,0 +1,343 @@
+"""Peak memory as the user pays it: the allocator's figure against ``Partition.peak_bytes``.
+
+``measure_peak`` on hand-computed cases; the measured peak of ``ft.jit`` steps (and of
+partitions driven directly) against the simulated one for every strategy on the zoo and a tiny
+HF model, and the shape of the timeline (the forward's peak, what is live between the passes);
+every executor freeing saved values as eager autograd does; ``memory_budget(peak_bytes=N)``
+against what it promises: measured within ``N``, gradients equal eager's, never more memory for
+a lower ``N``, and a named error below the lowest peak it reaches.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import optree
+import pytest
+import torch
+import torch.utils.checkpoint as torch_checkpoint
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import functrans as ft
+from functrans.testing import assert_close, measure_peak, programs
+from functrans.testing._check import partition_and_check
+
+_ROOT = str(Path(__file__).resolve().parent.parent)
+if _ROOT not in sys.path:  # the benchmarks package lives at the repository root
+    sys.path.insert(0, _ROOT)
+
+from benchmarks import zoo  # noqa: E402
+
+STRATEGIES = [
+    ("default", {}),
+    ("min_cut", {}),
+    ("full_remat", {}),
+    ("memory_budget", {"budget": 0.5}),
+]
+
+
+def close(measured: int, simulated: int) -> bool:
+    """Within 2% (and 64 bytes: the scalars of a tiny graph)."""
+    return abs(measured - simulated) <= 0.02 * simulated + 64
+
+
+# -- measure_peak ---------------------------------------------------------------------------
+
+
+def test_measure_peak_sums_allocations_and_frees_in_time_order():
+    def chain():
+        a = torch.empty(1000)  # 4000
+        b = torch.empty(2000)  # 12000 live
+        del a  # 8000
+        c = torch.empty(500)  # 10000
+        return b, c
+
+    m = measure_peak(chain)
+    assert (m.peak_bytes, m.end_bytes) == (12000, 10000)
+    assert m.timeline == (4000, 12000, 8000, 10000)
+    assert m.result[0].numel() == 2000
+
+
+def test_measure_peak_ignores_frees_of_what_was_live_before():
+    held = [torch.empty(10_000)]  # 40 kB, allocated before the call
+
+    def drop_then_allocate():
+        held.clear()
+        return torch.empty(100)
+
+    m = measure_peak(drop_then_allocate)
+    assert (m.peak_bytes, m.end_bytes) == (400, 400)
+
+
+def test_measure_peak_of_an_autograd_step():
+    w = torch.randn(256, 256, requires_grad=True)
+    x = torch.randn(64, 256)
+    m = measure_peak(lambda: (x @ w).sum().backward())
+    # what stays is w.grad (256 KiB); the product (64 KiB) was live while backward ran
+    assert m.end_bytes == 256 * 256 * 4
+    assert m.peak_bytes >= 256 * 256 * 4 + 64 * 256 * 4
+
+
+def test_measure_peak_refuses_what_it_cannot_measure():
+    with pytest.raises(ft.InvalidArgumentError, match="fn=3 is not accepted"):
+        measure_peak(3)  # type: ignore[arg-type]
+    with pytest.raises(ft.InvalidArgumentError, match="device='meta' is not accepted"):
+        measure_peak(lambda: None, device="meta")
+
+
+# -- ft.jit steps: measured against simulated ------------------------------------------------
+
+
+def _model(name: str) -> zoo.Model:
+    if name.startswith("hf_"):
+        pytest.importorskip("transformers")
+        return getattr(zoo, name)(layers=1)
+    return zoo.ZOO[name]()
+
+
+def _leaves(params: Any) -> list[torch.Tensor]:
+    return [t for t in optree.tree_leaves(params) if t.is_floating_point()]
+
+
+def _jit_step(model: zoo.Model, strategy: str, options: dict[str, Any], **jit_options: Any):
+    params, x = model.make("small")
+    leaves = _leaves(params)
+    for t in leaves:
+        t.requires_grad_(True)
+    jitted = ft.jit(model.fn, partition=strategy, **options, **jit_options)
+
+    def step() -> None:
+        for t in leaves:
+            t.grad = None
+        jitted(params, x).backward()
+
+    step()  # compile
+    for t in leaves:
+        t.grad = None
+    return step, jitted, params, x
+
+
+@pytest.mark.parametrize("name", ["mlp_stack", "gpt_block", "llama_block", "conv_block", "hf_gpt2"])
+@pytest.mark.parametrize(("strategy", "options"), STRATEGIES)
+def test_measured_step_peak_is_the_reported_one(name, strategy, options):
+    step, jitted, params, x = _jit_step(_model(name), strategy, options)
+    p = jitted.partitions()[0]
+    measured = measure_peak(step)
+    assert close(measured.peak_bytes, p.peak_bytes), (measured.peak_bytes, p.peak_bytes)
+    # the timeline's shape: the forward alone peaks where the simulation's forward does and
+    # leaves what it says is live between the passes
+    forward = measure_peak(lambda: jitted(params, x))
+    assert close(forward.peak_bytes, p.memory.forward_peak)
+    assert close(forward.end_bytes, p.memory.boundary_bytes)
+
+
+@pytest.mark.parametrize(("strategy", "options"), STRATEGIES)
+def test_measured_peak_driven_directly(strategy, options):
+    model = zoo.ZOO["gpt_block"]()
+    params, x = model.make("small")
+    p = ft.partition(ft.joint(model.fn)(params, x), strategy, **options)
+
+    def step():
+        loss, saved = p.forward(params, x)
+        return p.backward(saved, (torch.ones_like(loss),))
+
+    assert close(measure_peak(step).peak_bytes, p.peak_bytes)
+    # a tuple keeps the saved values: each backward may then run again
+    loss, saved = p.forward(params, x)
+    kept = tuple(saved)
+    first, second = (p.backward(kept, (torch.ones_like(loss),)) for _ in range(2))
+    assert_close(first, second, "a second backward from kept values")
+    p.backward(saved, (torch.ones_like(loss),))
+    with pytest.raises(ft.InvalidArgumentError, match=r"consumed it.*tuple\(saved\)"):
+        p.backward(saved, (torch.ones_like(loss),))
+
+
+def test_default_peaks_no_higher_than_eager():
+    """The strategy that saves what eager saves frees it as eager does: no higher peak."""
+    model = zoo.STACKS["gpt_stack_4"]()
+    params, x = model.make("small")
+    leaves = _leaves(params)
+    for t in leaves:
+        t.requires_grad_(True)
+    jitted = ft.jit(model.fn, partition="default")
+
+    def run(f):
+        def step():
+            for t in leaves:
+                t.grad = None
+            f(params, x).backward()
+
+        step()
+        return measure_peak(step).peak_bytes
+
+    assert run(jitted) <= run(model.fn)
+
+
+def test_retain_graph_keeps_saved_values_for_a_second_backward():
+    step_model = zoo.ZOO["mlp_stack"]()
+    params, x = step_model.make("small")
+    leaves = _leaves(params)
+    for t in leaves:
+        t.requires_grad_(True)
+    jitted = ft.jit(step_model.fn, partition="min_cut")
+    loss = jitted(params, x)
+    loss.backward(retain_graph=True)
+    once = [t.grad.clone() for t in leaves]
+    loss.backward()  # the context kept the saved values
+    assert_close([t.grad for t in leaves], [2 * g for g in once], "grads after two backwards")
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        loss.backward()
+
+
+@pytest.mark.parametrize("executor", ["native", "python", "fx"])
+def test_every_executor_frees_saved_values(executor):
+    from functrans.codegen.aten import AtenBackend
+
+    from functrans import codegen
+
+    codegen.register_backend(f"aten_{executor}", AtenBackend(executor=executor), replace=True)
+    step, jitted, _, _ = _jit_step(
+        zoo.ZOO["gpt_block"](), "default", {}, backend=f"aten_{executor}"
+    )
+    assert close(measure_peak(step).peak_bytes, jitted.partitions()[0].peak_bytes)
+
+
+def _boxed_frees(run) -> None:
+    """``(x @ x).t().contiguous()`` of a 40 kB ``x``: called with a list it empties, ``x`` is
+    freed once the matmul ran, before the copy is made."""
+    x = torch.randn(100, 100)
+    unboxed = measure_peak(lambda: run(x.clone())).peak_bytes
+    boxed = measure_peak(lambda: run.call_boxed([x.clone()])).peak_bytes
+    assert boxed <= unboxed - 40_000 + 64, (boxed, unboxed)
+
+
+@pytest.mark.parametrize("backend", ["aten", "triton", "inductor"])
+def test_boxed_calls_free_inputs_after_their_last_use(backend):
+    from functrans import codegen
+
+    if backend == "triton":
+        pytest.importorskip("triton")
+    example = torch.randn(100, 100)
+    g = ft.trace(lambda x: (x @ x).t().contiguous())(example)
+    run = codegen.get_backend(backend).compile(g, [example])
+    run.call_boxed([example.clone()])  # inductor compiles on its first call
+    _boxed_frees(run)
+
+
+def test_offloaded_values_are_freed_on_the_host_too():
+    model = zoo.ZOO["mlp_stack"]()
+    offload = ft.Offload(bandwidth=float("inf"))
+    step, jitted, _, _ = _jit_step(model, "memory_budget", {"budget": 0.0, "offload": offload})
+    p = jitted.partitions()[0]
+    assert p.offloaded
+    # on the CPU host and device copies come from one allocator
+    assert close(measure_peak(step).peak_bytes, p.memory.combined_peak_bytes)
+
+
+# -- memory_budget(peak_bytes=N) -------------------------------------------------------------
+
+
+def _stack_step(model: zoo.Model, fn: Any, params: Any, x: Any):
+    leaves = _leaves(params)
+
+    def step():
+        for t in leaves:
+            t.grad = None
+        fn(params, x).backward()
+
+    step()
+    return step
+
+
+@pytest.fixture(scope="module")
+def stack():
+    model = zoo.STACKS["gpt_stack_4"]()
+    params, x = model.make("small")
+    for t in _leaves(params):
+        t.requires_grad_(True)
+    per_block = model.blockwise(
+        lambda block, p, h: torch_checkpoint.checkpoint(block, p, h, use_reentrant=False)
+    )
+    checkpointed = measure_peak(_stack_step(model, per_block, params, x)).peak_bytes
+    return model, params, x, checkpointed
+
+
+def test_peak_budget_at_per_block_checkpointings_peak(stack):
+    model, params, x, checkpointed = stack
+    jg = ft.joint(model.fn, argnums=0)(params, x)
+    p = ft.partition(jg, "memory_budget", peak_bytes=checkpointed)
+    assert p.peak_bytes <= checkpointed
+    # per-block checkpointing recomputes every block's forward; the planner keeps matmuls
+    assert p.recompute_flops <= 0.7 * ft.partition(jg, "full_remat").recompute_flops
+    jitted = ft.jit(model.fn, partition="memory_budget", peak_bytes=checkpointed)
+    measured = measure_peak(_stack_step(model, jitted, params, x)).peak_bytes
+    assert measured <= checkpointed * 1.02 + 64
+    eager = torch.func.grad(model.fn)(params, x)
+    assert_close(torch.func.grad(jitted)(params, x), eager, "grads under peak_bytes")
+
+
+def test_lower_peak_budgets_never_measure_more(stack):
+    model, params, x, checkpointed = stack
+    jg = ft.joint(model.fn, argnums=0)(params, x)
+    default = ft.partition(jg, "default").peak_bytes
+    peaks, flops = [], []
+    for frac in (1.0, 0.8, 0.6, 0.45):
+        limit = int(checkpointed + frac * (default - checkpointed))
+        p = ft.partition(jg, "memory_budget", peak_bytes=limit)
+        assert p.peak_bytes <= limit
+        peaks.append(p.peak_bytes)
+        flops.append(p.recompute_flops)
+    assert peaks == sorted(peaks, reverse=True), peaks
+    assert flops == sorted(flops), flops
+
+
+def test_below_the_lowest_peak_is_an_error_naming_it(stack):
+    model, params, x, _ = stack
+    jg = ft.joint(model.fn, argnums=0)(params, x)
+    with pytest.raises(ft.InvalidPartitionError, match=r"peak_bytes=1000 is below the lowest .*"):
+        ft.partition(jg, "memory_budget", peak_bytes=1000)
+
+
+def test_peak_bytes_is_checked():
+    jg = ft.joint(lambda x: x.exp().sum())(torch.ones(8))
+    with pytest.raises(ft.InvalidArgumentError, match="peak_bytes=-1"):
+        ft.partition(jg, "memory_budget", peak_bytes=-1)
+    with pytest.raises(ft.InvalidArgumentError, match="peak_bytes=64 needs solver='ilp'"):
+        ft.partition(jg, "memory_budget", peak_bytes=64, solver="greedy")
+
+
+# -- properties over random programs --------------------------------------------------------
+
+
+@settings(max_examples=max(5, settings().max_examples // 4))
+@given(programs(dtypes=(torch.float64,)), st.floats(0.0, 1.0))
+def test_property_peak_plan_fits_and_preserves_gradients(prog, frac):
+    from functrans.partitioners._plan_peak import lowest_peak
+
+    from functrans.extend import cut_problem
+
+    args = prog.example_inputs()
+    jg = ft.joint(prog)(*args)
+    low = lowest_peak(jg, cut_problem(jg).costs()).peak
+    high = ft.partition(jg, "default").peak_bytes
+    limit = int(low + frac * max(0, high - low))
+    p = partition_and_check(prog, args, jg, "memory_budget", {"peak_bytes": limit})
+    assert p.peak_bytes <= limit
+
+
+@settings(max_examples=max(5, settings().max_examples // 4))
+@given(programs(dtypes=(torch.float32,)), st.sampled_from(STRATEGIES))
+def test_property_measured_peak_is_the_simulated_one(prog, strategy):
+    args = prog.example_inputs()
+    name, options = strategy
+    p = ft.partition(ft.joint(prog)(*args), name, **options)
+
+    def step():
+        outs, saved = p.forward(*args)
+        flat = [o for o in optree.tree_leaves(outs) if o.is_floating_point()]
+        return p.backward(saved, tuple(torch.ones_like(o) for o in flat))
+
+    assert close(measure_peak(step).peak_bytes, p.peak_bytes)
