@@ -58,6 +58,7 @@ bench: $(STAMP)
 	$(VPY) -m benchmarks.partition_speed
 	$(VPY) -m benchmarks.memory_budget
 	$(VPY) -m benchmarks.offload
+	$(VPY) -m benchmarks.peak_memory
 	$(VPY) -m benchmarks.remat
 	$(VPY) -m benchmarks.runtime
 	$(VPY) -m benchmarks.dynamic
@@ -70,6 +71,7 @@ bench-quick: $(STAMP)
 	$(VPY) -m benchmarks.partition_speed --quick
 	$(VPY) -m benchmarks.memory_budget --quick
 	$(VPY) -m benchmarks.offload --quick
+	$(VPY) -m benchmarks.peak_memory --quick
 	$(VPY) -m benchmarks.remat --quick
 	$(VPY) -m benchmarks.runtime --quick
 	$(VPY) -m benchmarks.codegen --quick

@@ -14,7 +14,10 @@ per rank) trained with:
 Activation bytes: bytes of the distinct storages autograd saves during one forward (packed by
 ``saved_tensors_hooks``), parameters (sharded, unsharded or gathered copies FSDP frees) not
 counted; for the functrans FSDP-style step, what its partition saves (gathered weights are
-recomputed, so none of them). Step time: median forward+backward over interleaved rounds.
+recomputed, so none of them). Peak: each rank's measured peak of one step above what was live
+before it (``functrans.testing.measure_peak``: the CPU allocator's events; FSDP2's unsharded
+parameters included; the median of 3 steps). Step time: median forward+backward over
+interleaved rounds.
 
     python -m benchmarks.distributed [--quick] [--no-compile] [--steps N]
 
@@ -49,6 +52,7 @@ import torch.nn.functional as F
 import functrans as ft
 from benchmarks import write_results
 from functrans import policies
+from functrans.testing import measure_peak
 
 RESULTS = Path(__file__).resolve().parent / "results" / "distributed.json"
 
@@ -163,6 +167,12 @@ def worker(rank: int, world: int, port: int, opts: dict[str, Any], queue: Any) -
     activation = {name: saved_bytes(step, params) for name, step in steps.items()}
     resharded_partitions = resharded.partitions()
     activation[label] = sum(p.activation_bytes for p in resharded_partitions)
+    samples: dict[str, list[int]] = {name: [] for name in steps}
+    for _ in range(3):  # the median of 3: gloo's threads allocate at their own times
+        for name, step in steps.items():  # every rank runs the same steps in the same order
+            dist.barrier()
+            samples[name].append(measure_peak(lambda step=step: step().backward()).peak_bytes)
+    peak = {name: int(statistics.median(v)) for name, v in samples.items()}
     times: dict[str, list[float]] = {k: [] for k in steps}
     for _ in range(opts["steps"]):
         for name, step in steps.items():
@@ -178,6 +188,8 @@ def worker(rank: int, world: int, port: int, opts: dict[str, Any], queue: Any) -
             {
                 "activation_bytes": activation,
                 "activation_vs_eager_fsdp2": {k: v / base_b for k, v in activation.items()},
+                "peak_bytes": peak,
+                "peak_vs_eager_fsdp2": {k: v / peak["eager FSDP2"] for k, v in peak.items()},
                 "seconds": seconds,
                 "time_vs_eager_fsdp2": {k: v / base_s for k, v in seconds.items()},
                 "regathered_in_backward": sum(
@@ -219,7 +231,7 @@ def main() -> None:
     }
     for r in range(2):
         print(f"rank {r}")
-        for key in ("activation_vs_eager_fsdp2", "time_vs_eager_fsdp2"):
+        for key in ("activation_vs_eager_fsdp2", "peak_vs_eager_fsdp2", "time_vs_eager_fsdp2"):
             print(
                 " ", key, json.dumps({k: round(v, 3) for k, v in results[r][key].items()}, indent=3)
             )

@@ -12,7 +12,9 @@ partition="memory_budget", budget=0.0)`` with and without ``offload=Offload()`` 
 the copies are custom ops the Triton backend leaves to ATen anyway). Peak memory is
 ``torch.cuda.max_memory_allocated()`` during one step, above what was allocated before it.
 Gradients of every compiled variant are checked against eager first. Ratios are against
-eager.
+eager. Then the comparison of :mod:`benchmarks.peak_memory` (per-block checkpoint, torch
+selective checkpointing, ``torch.compile``, torch's memory-budget knob, ``ft.jit`` strategies
+and ``peak_bytes`` limits) with the peaks from the CUDA allocator, under ``peak_memory``.
 
     python -m benchmarks.gpu [--steps N] [--scale K] [--device cuda|cpu]
 
@@ -39,7 +41,7 @@ import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
 import functrans as ft
-from benchmarks import output_path, remat, zoo
+from benchmarks import output_path, peak_memory, remat, zoo
 
 RESULTS = Path(__file__).resolve().parent / "results" / "gpu.json"
 Fn = Callable[..., torch.Tensor]
@@ -162,6 +164,20 @@ def main(argv: list[str] | None = None) -> int:
             "seconds": time.perf_counter() - t0,
         }
         out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    # the peak-memory comparison of benchmarks.peak_memory, from the CUDA allocator
+    peaks = []
+    names = ["gpt_stack_4", "llama_stack_4"] if smoke else list(peak_memory.MODELS)
+    for name in names:
+        if name.startswith("hf_") and not zoo.has_transformers():
+            continue
+        peaks.append(
+            peak_memory.run_model(
+                peak_memory.MODELS[name](), size, 2 if smoke else 10, device, smoke
+            )
+        )
+        peak_memory.print_model(peaks[-1])
+        meta["seconds"] = time.perf_counter() - t0
+        out.write_text(json.dumps({"meta": meta, "rows": rows, "peak_memory": peaks}, indent=1))
     print(f"wrote {out}")
     return 0
 

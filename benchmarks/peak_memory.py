@@ -28,12 +28,11 @@ Writes ``benchmarks/results/peak_memory.json``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -86,23 +85,21 @@ def _remat_wrap(policy: Any) -> Callable[..., torch.Tensor]:
     return wrap
 
 
-@contextlib.contextmanager
-def _torch_budget(budget: float) -> Iterator[None]:
-    with torch._functorch.config.patch(activation_memory_budget=budget):
-        yield
+def _budget_backend(budget: float) -> Callable[..., Any]:
+    """``aot_eager`` with torch's ``activation_memory_budget`` knob at ``budget``: a backend of
+    its own, so Dynamo keeps its compiled graphs apart from plain ``aot_eager``'s."""
+    from torch._dynamo.backends.debugging import aot_eager
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        with torch._functorch.config.patch(activation_memory_budget=budget):
+            return aot_eager(gm, example_inputs)
+
+    return backend
 
 
 def _compiled(fn: Fn, backend: str, budget: float | None = None) -> Fn:
-    torch._dynamo.reset()
-    compiled = torch.compile(fn, backend=backend)
-    if budget is None:
-        return compiled  # type: ignore[return-value]
-
-    def run(*args: Any) -> torch.Tensor:  # the knob is read when the graph is compiled
-        with _torch_budget(budget):
-            return compiled(*args)  # type: ignore[no-any-return]
-
-    return run
+    chosen: Any = backend if budget is None else _budget_backend(budget)
+    return torch.compile(fn, backend=chosen)  # type: ignore[return-value]
 
 
 def _hf_checkpointed(model: zoo.Model, sac: bool) -> Fn:
@@ -116,12 +113,27 @@ def _hf_checkpointed(model: zoo.Model, sac: bool) -> Fn:
         kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _dots_policy)
     module.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     module.train()  # HF checkpoints only in training mode (dropout is 0 in the zoo configs)
+    bound: list[Any] = []
 
     def fn(params: Any, x: Any) -> torch.Tensor:
-        out = torch.func.functional_call(module, params, (), zoo.hf_kwargs(x))
-        return out.loss  # type: ignore[no-any-return]
+        # the parameters become the module's own: a recomputation in backward runs after
+        # functional_call would have swapped them back
+        if not bound or bound[0] is not params:
+            _bind(module, params)
+            bound[:] = [params]
+        return module(**zoo.hf_kwargs(x)).loss  # type: ignore[no-any-return]
 
     return fn
+
+
+def _bind(module: torch.nn.Module, params: dict[str, torch.Tensor]) -> None:
+    """Make ``params`` the module's parameters, tied ones (GPT-2's head and embedding) too."""
+    by_param = {id(p): params[n] for n, p in module.named_parameters() if n in params}
+    for owner in module.modules():
+        for attr, p in list(owner._parameters.items()):
+            if p is not None and id(p) in by_param:
+                del owner._parameters[attr]
+                setattr(owner, attr, by_param[id(p)])
 
 
 def _step(fn: Fn, params: Any, x: Any) -> None:
@@ -169,6 +181,8 @@ def variants(model: zoo.Model, quick: bool) -> dict[str, Fn]:
 
 def run_model(model: zoo.Model, size: str, steps: int, device: torch.device, quick: bool) -> Any:
     params, x = model.make(size)
+    if model.module is not None:  # its buffers (rotary tables) live on the device too
+        model.module.to(device)
     params = tree_map(lambda t: t.to(device).requires_grad_(t.is_floating_point()), params)
     x = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, x)
     ref = _grads(model.fn, params, x)
@@ -245,7 +259,7 @@ MODELS: dict[str, Callable[[], zoo.Model]] = {
 }
 
 
-def _print(result: dict[str, Any]) -> None:
+def print_model(result: dict[str, Any]) -> None:
     print(f"\n{result['model']}")
     for r in result["rows"]:
         if "peak_ratio" in r:
@@ -291,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         results.append(
             run_model(MODELS[name](), size, 2 if args.quick else args.steps, device, args.quick)
         )
-        _print(results[-1])
+        print_model(results[-1])
     meta = {
         "device": str(device),
         "torch": torch.__version__,

@@ -91,19 +91,26 @@ def _norm(gen: torch.Generator, d: int, dtype: torch.dtype, bias: bool = True) -
 # MLP stack: blocks of Linear-GELU-Linear-LayerNorm with a residual
 
 
-def mlp_stack(n_blocks: int = 4) -> Model:
-    """``n_blocks`` blocks ``x = LayerNorm(x + W2 GELU(W1 x))``; loss ``mean(x²)``."""
+def mlp_stack(
+    n_blocks: int = 4,
+    sizes: tuple[tuple[int, int, int], tuple[int, int, int]] = ((8, 16, 32), (64, 64, 256)),
+    name: str | None = None,
+) -> Model:
+    """``n_blocks`` blocks ``x = LayerNorm(x + W2 GELU(W1 x))``; loss ``mean(x²)``; ``sizes``
+    holds (tokens, width, hidden) at "small" and at "bench"."""
 
-    def fn(params: Params, x: torch.Tensor) -> torch.Tensor:
-        for blk in params["blocks"]:
-            h = F.linear(F.gelu(F.linear(x, blk["fc1"]["w"], blk["fc1"]["b"])), **_wb(blk["fc2"]))
-            x = F.layer_norm(x + h, (x.shape[-1],), blk["ln"]["w"], blk["ln"]["b"])
-        return (x * x).mean()
+    def blockwise(wrap: Wrap) -> LossFn:
+        def fn(params: Params, x: torch.Tensor) -> torch.Tensor:
+            for p in params["blocks"]:
+                x = wrap(_mlp_layer, p, x)
+            return (x * x).mean()
+
+        return fn
 
     def make(
         size: str = "small", dtype: torch.dtype = torch.float32, seed: int = 0
     ) -> tuple[Params, torch.Tensor]:
-        tokens, d, ffn = pick(size, (8, 16, 32), (64, 64, 256))
+        tokens, d, ffn = pick(size, *sizes)
         gen = torch.Generator().manual_seed(seed)
         blocks = [
             {
@@ -115,7 +122,17 @@ def mlp_stack(n_blocks: int = 4) -> Model:
         ]
         return {"blocks": blocks}, _randn(gen, tokens, d, dtype=dtype)
 
-    return Model(f"mlp_stack_{n_blocks}", fn, make)
+    label = name or f"mlp_stack_{n_blocks}"
+    return Model(label, blockwise(_call), make, blockwise=blockwise)
+
+
+def _mlp_layer(params: Params, x: torch.Tensor) -> torch.Tensor:
+    h = F.linear(F.gelu(F.linear(x, params["fc1"]["w"], params["fc1"]["b"])), **_wb(params["fc2"]))
+    return F.layer_norm(x + h, (x.shape[-1],), params["ln"]["w"], params["ln"]["b"])
+
+
+def _call(block: Callable[..., torch.Tensor], params: Params, x: torch.Tensor) -> Any:
+    return block(params, x)
 
 
 def _wb(p: Params) -> dict[str, torch.Tensor]:
@@ -304,10 +321,6 @@ def conv_block() -> Model:
 # Stacks of blocks, for the peak-memory benchmarks: sized so activations outweigh parameters
 
 
-def _call(block: Callable[..., torch.Tensor], params: Params, x: torch.Tensor) -> Any:
-    return block(params, x)
-
-
 def gpt_stack(n_blocks: int = 4) -> Model:
     """``n_blocks`` GPT layers (width 256, 4 heads of 64), loss ``mean(x²)``; ``blockwise``
     calls each layer through a wrapper (per-block checkpointing)."""
@@ -362,39 +375,10 @@ def llama_stack(n_blocks: int = 4) -> Model:
     return Model(f"llama_stack_{n_blocks}", blockwise(_call), make, blockwise=blockwise)
 
 
-def _mlp_layer(params: Params, x: torch.Tensor) -> torch.Tensor:
-    h = F.linear(F.gelu(F.linear(x, params["fc1"]["w"], params["fc1"]["b"])), **_wb(params["fc2"]))
-    return F.layer_norm(x + h, (x.shape[-1],), params["ln"]["w"], params["ln"]["b"])
-
-
 def mlp_blocks(n_blocks: int = 8) -> Model:
-    """:func:`mlp_stack`'s blocks (width 256, hidden 1024, 512 tokens at "bench") with
-    ``blockwise``."""
-
-    def blockwise(wrap: Wrap) -> LossFn:
-        def fn(params: Params, x: torch.Tensor) -> torch.Tensor:
-            for p in params["blocks"]:
-                x = wrap(_mlp_layer, p, x)
-            return (x * x).mean()
-
-        return fn
-
-    def make(
-        size: str = "small", dtype: torch.dtype = torch.float32, seed: int = 0
-    ) -> tuple[Params, torch.Tensor]:
-        tokens, d, ffn = pick(size, (16, 32, 64), (512, 256, 1024))
-        gen = torch.Generator().manual_seed(seed)
-        blocks = [
-            {
-                "fc1": _linear(gen, d, ffn, dtype),
-                "fc2": _linear(gen, ffn, d, dtype),
-                "ln": _norm(gen, d, dtype),
-            }
-            for _ in range(n_blocks)
-        ]
-        return {"blocks": blocks}, _randn(gen, tokens, d, dtype=dtype)
-
-    return Model(f"mlp_blocks_{n_blocks}", blockwise(_call), make, blockwise=blockwise)
+    """:func:`mlp_stack` at width 256, hidden 1024, 512 tokens at "bench": activations
+    outweigh the parameters."""
+    return mlp_stack(n_blocks, ((16, 32, 64), (512, 256, 1024)), f"mlp_blocks_{n_blocks}")
 
 
 #: Stacks with ``blockwise``: the peak-memory benchmark's models (not in ``ZOO``).

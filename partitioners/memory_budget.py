@@ -1,4 +1,13 @@
-"""``"memory_budget"`` and ``"optimal"``: the least recompute that fits an activation budget.
+"""``"memory_budget"`` and ``"optimal"``: the least recompute that fits a memory limit.
+
+Two limits, which differ. ``budget``/``max_bytes`` bound the bytes that cross from forward to
+backward (the saved values); ``peak_bytes`` bounds the step's peak, the figure a user measures
+(:attr:`~functrans.Partition.peak_bytes`: forward then backward, above the inputs). A small cut
+need not mean a low peak: saving only the inputs recomputes the whole forward at the first
+backward step and holds it there. ``peak_bytes`` is planned by :mod:`._plan_peak` (an ILP over a
+linear model of the step's live bytes, answers checked by simulation); it combines with
+``max_bytes``/``budget`` (both hold) and with ``offload``. The lowest peak it reaches is the
+``"min_peak"`` strategy's.
 
 ``budget`` is a fraction on torch's scale: 1.0 is ``min_cut``'s activation bytes, 0.0 is
 ``full_remat``'s, linear in between. Any finite number >= 0 is accepted: above 1.0 the budget

@@ -154,6 +154,7 @@ def test_misspelled_option_lists_the_accepted_ones(jg, name):
         ),
         "optimal": "did you mean budget?); accepted options: budget, cost, time_limit",
         "min_cut": "accepted options: recompute_views, ban_reductions, reduction_ratio",
+        "min_peak": "accepted options: cost, time_limit",
     }
     assert accepted.get(name, "it takes no options") in message
 

@@ -341,3 +341,37 @@ def test_property_measured_peak_is_the_simulated_one(prog, strategy):
         return p.backward(saved, tuple(torch.ones_like(o) for o in flat))
 
     assert close(measure_peak(step).peak_bytes, p.peak_bytes)
+
+
+def test_eager_remat_frees_its_cache_as_torch_selective_checkpoint_does():
+    """Eager ``ft.remat`` serves each saved output once and drops it: its step peaks no higher
+    than torch's selective checkpoint with the same policy (it kept every saved matmul output
+    of a region to the end of backward: 0.91x eager's peak where torch's reached 0.82x)."""
+    import functools
+
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    from functrans import policies
+
+    dots = {torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default}
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in dots else CheckpointPolicy.PREFER_RECOMPUTE
+
+    context = functools.partial(create_selective_checkpoint_contexts, policy)
+    model = zoo.STACKS["gpt_stack_4"]()
+    params, x = model.make("small")
+    x = x.repeat(4, 8, 1)  # activations outweigh the parameters
+    leaves = _leaves(params)
+    for t in leaves:
+        t.requires_grad_(True)
+    ours = model.blockwise(lambda b, p, h: ft.remat(b, policy=policies.dots_saveable)(p, h))
+    torch_sac = model.blockwise(
+        lambda b, p, h: torch_checkpoint.checkpoint(
+            b, p, h, use_reentrant=False, context_fn=context
+        )
+    )
+    peak = {}
+    for name, fn in (("ours", ours), ("torch", torch_sac)):
+        peak[name] = measure_peak(_stack_step(model, fn, params, x)).peak_bytes
+    assert peak["ours"] <= 1.02 * peak["torch"], peak

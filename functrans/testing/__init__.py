@@ -9,6 +9,18 @@ autograd; and the whole property suite for your own strategy or backend. Fuzz yo
 
 In a test file, ``test_mine = register_partitioner_tests("my_strategy")`` (or
 ``register_backend_tests("my_backend")``) runs the property suite under pytest.
+
+``measure_peak(step)`` measures what a step makes the allocator hold, the figure
+:attr:`functrans.Partition.peak_bytes` reports:
+
+>>> import torch, functrans as ft
+>>> from functrans.testing import measure_peak
+>>> p = ft.partition(ft.joint(lambda x: x.exp().sum())(torch.ones(256)), "default")
+>>> def step():
+...     out, saved = p.forward(torch.ones(256))
+...     return p.backward(saved, (torch.tensor(1.0),))
+>>> measure_peak(step).peak_bytes == p.peak_bytes
+True
 """
 
 from ._backend import check_backend as check_backend
