@@ -47,8 +47,11 @@ every load (a different strategy on a hit partitions the same graph its own way)
 **Safety.** Entries are JSON (:mod:`functrans._graph_json`), never pickles; ops are looked up by
 name in ``torch.ops``, types among modules already imported. Folders are created private to the
 user (0700); a folder or entry another user owns or can write is refused, with a warning, once.
-Writes go to a temporary file renamed into place; an entry that cannot be read or rebuilt as
-stored (its values are derived again on fake tensors and compared) is ignored and rewritten.
+Writes go to a temporary file renamed into place. Every entry begins with a line holding the
+sha256 of the rest, checked before anything is parsed: a changed byte anywhere (a digit that
+keeps the JSON valid, ``mul(tanh, 2)`` become ``3``) makes the entry a miss, deleted and
+rewritten, never a wrong result. An entry that cannot be read or rebuilt as stored (its values
+are derived again on fake tensors and compared) is ignored and rewritten too.
 
 >>> import os, tempfile, torch, functrans as ft
 >>> saved = dict(os.environ)
@@ -248,12 +251,12 @@ def _load(path: Path, digest: str, key: DiskKey) -> Any:
         _refuse(reason)
         return None
     try:
-        text = path.read_text()
+        raw = path.read_bytes()
     except OSError as e:  # evicted meanwhile, ...
         _say(key, f"miss: {path} cannot be read ({e})")
         return None
     try:
-        doc = json.loads(text)
+        doc = json.loads(_checked(raw))
         if doc["format"] != FORMAT or doc["key"] != digest or doc["kind"] != key.kind:
             raise graph_json.CorruptEntry("an entry of another format or key")
         stale = _stale(doc["deps"])
@@ -269,10 +272,26 @@ def _load(path: Path, digest: str, key: DiskKey) -> Any:
                 return None
     except Exception as e:  # whatever the entry holds, a bad one is a miss, then rewritten
         _say(key, f"ignoring the invalid entry {path}: {type(e).__name__}: {e}")
+        with contextlib.suppress(OSError):  # ours (checked above): the rewrite replaces it
+            path.unlink()
         return None
     _touch(path)
     _say(key, f"hit: {path.name}")
     return g
+
+
+def _sealed(text: str) -> str:
+    """``text`` behind a line holding its sha256: any damage to the stored bytes (or to what
+    they say they are: the key and kind are inside) is found before the entry is used."""
+    return hashlib.sha256(text.encode()).hexdigest() + "\n" + text
+
+
+def _checked(raw: bytes) -> str:
+    """The entry's JSON text if its checksum line matches it (else :class:`CorruptEntry`)."""
+    head, newline, body = raw.partition(b"\n")
+    if not newline or hashlib.sha256(body).hexdigest().encode() != head:
+        raise graph_json.CorruptEntry("its checksum does not match its contents")
+    return body.decode()
 
 
 def _stale(deps: dict[str, Any]) -> str | None:
@@ -331,7 +350,7 @@ def _store(
         _say(key, f"not stored: {e}")
         return
     try:
-        _write(path, text)
+        _write(path, _sealed(text))
         for old in _candidates(folder, digest)[PER_KEY:]:
             old.unlink(missing_ok=True)
         _evict(folder, max_bytes())

@@ -28,7 +28,7 @@ from ._fingerprint import Fingerprint, Unhashable
 __all__ = ["FORMAT", "DiskKey", "digest"]
 
 #: The version of the entries' format (in the key and in every entry).
-FORMAT = 1
+FORMAT = 2
 # options of jit that do not reach the trace (they act on the traced graph, after it)
 _TRACE_FREE = frozenset({"partition", "partition_options", "backend", "cache_size"})
 

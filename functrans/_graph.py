@@ -231,6 +231,45 @@ class JointGraph(Graph):
     def backward_nodes(self) -> list[fx.Node]:
         return [n for n in self._graph.nodes if n.meta.get(PHASE) is Phase.BACKWARD]
 
+    def absent_grads(self) -> tuple[int, ...]:
+        """Indices (into :meth:`grad_outputs`) of the gradients no output depends on: zeros
+        filled without a tangent (a gradient is linear in the tangents, so one computed from
+        none is structurally zero). Eager autograd leaves them ``None``; ``jit`` does too.
+
+        >>> import torch, functrans as ft
+        >>> jg = ft.joint(lambda a, b: a.sin().sum(), argnums=(0, 1))(torch.ones(3), torch.ones(2))
+        >>> jg.absent_grads()
+        (1,)
+        """
+        return tuple(i for i, g in enumerate(self.grad_outputs()) if _zero_fill(g))
+
+
+_ZERO_FILLS = frozenset(
+    {
+        torch.ops.aten.full_like.default,
+        torch.ops.aten.zeros_like.default,
+        torch.ops.aten.full.default,
+        torch.ops.aten.zeros.default,
+        torch.ops.aten.new_zeros.default,
+    }
+)
+
+
+def _zero_fill(node: Any) -> bool:
+    """A forward-phase node (no tangent reaches it) that fills zeros, through views."""
+    while isinstance(node, fx.Node) and node.meta.get(PHASE) is Phase.FORWARD:
+        if node.target in _ZERO_FILLS:
+            fill = node.args[1] if node.target in _FILL_VALUE and len(node.args) > 1 else 0
+            return isinstance(fill, (int, float)) and fill == 0
+        target = node.target
+        if not (isinstance(target, torch._ops.OpOverload) and target.is_view):
+            return False
+        node = node.args[0]
+    return False
+
+
+_FILL_VALUE = frozenset({torch.ops.aten.full_like.default, torch.ops.aten.full.default})
+
 
 def check_tensors(placeholders: list[fx.Node], tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Check shapes and dtypes; hand over inputs in the memory layout they were traced with

@@ -39,6 +39,16 @@ def _watched(x: Any) -> Any:
     return x.detach().requires_grad_()
 
 
+def _detached(tree: Any) -> Any:
+    """``tree`` with its tensors cut off from any autograd graph (the outer trace's)."""
+    return optree.tree_map(
+        lambda x: x.detach() if isinstance(x, torch.Tensor) else x,
+        tree,
+        namespace=NAMESPACE,
+        none_is_leaf=True,
+    )
+
+
 def _grads(outs: Sequence[torch.Tensor], wrt: list[Any], cots: Sequence[torch.Tensor]) -> list[Any]:
     pairs = [(o, c) for o, c in zip(outs, cots, strict=True) if o.requires_grad]
     leaves = [t for t in wrt if _is_float(t)]
@@ -64,7 +74,25 @@ def inline_value_and_grad(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
 ) -> tuple[Any, Any]:
-    """``value_and_grad(f, argnums, has_aux)(*args, **kwargs)`` with autograd, in place."""
+    """``value_and_grad(f, argnums, has_aux)(*args, **kwargs)`` with autograd, in place.
+
+    Called under ``torch.no_grad()`` (inside the outer function), the inner gradient is still
+    taken but the outer transform does not see through it: its results are constants to the
+    outer trace, as torch.func computes them (``shift = grad(g)(x)`` under ``no_grad``, then
+    ``grad(lambda x: x**3 - shift)`` is ``3x**2``)."""
+    if not torch.is_grad_enabled():
+        value, grads = _value_and_grad(f, argnums, has_aux, _detached(args), kwargs)
+        return _detached(value), _detached(grads)
+    return _value_and_grad(f, argnums, has_aux, args, kwargs)
+
+
+def _value_and_grad(
+    f: Callable[..., Any],
+    argnums: int | Sequence[int],
+    has_aux: bool,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> tuple[Any, Any]:
     nums = normalize_argnums(argnums, len(args))
     with torch.enable_grad():
         watched = list(args)
@@ -83,7 +111,23 @@ def inline_value_and_grad(
 def inline_vjp(
     f: Callable[..., Any], primals: tuple[Any, ...]
 ) -> tuple[Any, Callable[[Any], tuple[Any, ...]]]:
-    """``vjp(f, *primals)`` with autograd, in place."""
+    """``vjp(f, *primals)`` with autograd, in place (under ``torch.no_grad()``, out of the
+    outer trace's sight, as :func:`inline_value_and_grad`)."""
+    if not torch.is_grad_enabled():
+        outs, inner = _vjp(f, _detached(primals))
+
+        def hidden(cotangents: Any) -> tuple[Any, ...]:
+            with torch.no_grad():
+                result: tuple[Any, ...] = _detached(inner(cotangents))
+                return result
+
+        return _detached(outs), hidden
+    return _vjp(f, primals)
+
+
+def _vjp(
+    f: Callable[..., Any], primals: tuple[Any, ...]
+) -> tuple[Any, Callable[[Any], tuple[Any, ...]]]:
     with torch.enable_grad():
         watched = [optree.tree_map(_watched, p, namespace=NAMESPACE) for p in primals]
         outs = f(*watched)

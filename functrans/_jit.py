@@ -55,11 +55,13 @@ from ._pytree import (
 )
 from ._stack import transform_frame
 from ._state import (
+    GLOBAL_HOOKS,
     FunctionValues,
     ModuleFlags,
     State,
     capture,
     grad_enabled,
+    hooked,
     module_state,
     no_autocast,
 )
@@ -271,8 +273,9 @@ class Jitted(Generic[_P, _R]):
             self._module_names = tuple(p.name for p in reader.paths)
             values = FunctionValues(self._f)
             self._reads = (values,) if values.names else ()
-            self._module_names += ("",) * len(self._reads)  # its names are the globals'
-        reads = tuple([(r, module_state(r)) for r in self._reads])
+            self._module_names += ("",) * (len(self._reads) + 1)  # globals, global hooks
+        reads: ModuleFlags = tuple([(r, module_state(r)) for r in self._reads])
+        reads += ((GLOBAL_HOOKS, module_state(GLOBAL_HOOKS)),)
         if not reader.size:
             return reads
         modules = reader.read(self._f)
@@ -290,6 +293,16 @@ class Jitted(Generic[_P, _R]):
     def _lookup(self, tree: Any, state: State) -> tuple[Slot[Entry], list[torch.Tensor]]:
         """The exact path: the entry by its full key (compiled on a miss); the guarded path
         above is the same lookup, cheaper, for trees :class:`Guards` can describe."""
+        why = hooked(state.modules)
+        if why is not None:  # a hook runs every call; a trace would run it once
+            self._warn_once(
+                f"hooks: {why}",
+                f"{self._owner}: {why}: a hook runs on every call (a probe, an activation "
+                "cache, a patch) and a compiled graph would have run it once, while tracing; "
+                "calls run as written (eagerly) while hooks are registered, and compile "
+                "again once they are removed",
+            )
+            raise _AsWritten
         leaves, spec = leaves_of(tree)
         try:
             tensors, flat = flatten_leaves(leaves, spec, self._opts.static_argnums)
@@ -747,6 +760,7 @@ class Jitted(Generic[_P, _R]):
             subclass=subclass or bool(jg.fn_out.wrappers),
             shape=_shape_guard(primals) if dims is not None else None,
             saved_tensors=_saved_tensors(p),
+            absent=jg.absent_grads(),
         )
         return entry, jg.graph_module
 

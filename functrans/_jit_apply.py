@@ -74,6 +74,8 @@ class Entry:
     shape: ShapeGuard | None = None
     #: which saved values are tensors (None: all; a dynamic forward also saves sizes)
     saved_tensors: tuple[bool, ...] | None = None
+    #: differentiated inputs no output depends on: their gradient is None, as in eager
+    absent: tuple[int, ...] = ()
 
     @functools.cached_property
     def frozen(self) -> tuple[int, ...]:
@@ -123,7 +125,7 @@ class Apply(torch.autograd.Function):
         del tangents
         with autocast_off(), torch.no_grad():  # the backward graph holds its own casts
             flat_grads = entry.backward(args)  # frees each saved value after its last use
-        flat_grads = _once(flat_grads)
+        flat_grads = _once(_without(flat_grads, entry.absent))
         return (None, *flat_grads, *([None] * (entry.num_inputs - entry.num_diff)))
 
 
@@ -158,10 +160,22 @@ class ApplySubclass(torch.autograd.Function):
         del tangents
         with autocast_off(), torch.no_grad():
             flat_grads = entry.backward(args)
-        flat_grads = _once(flat_grads)
+        flat_grads = _once(_without(flat_grads, entry.absent))
         ins = ctx.ins[: entry.num_diff]
-        wrapped = [g if w is None else w.rebuild(g) for g, w in zip(flat_grads, ins, strict=True)]
+        wrapped = [
+            g if w is None or g is None else w.rebuild(g)
+            for g, w in zip(flat_grads, ins, strict=True)
+        ]
         return (None, *wrapped, *([None] * (entry.num_inputs - entry.num_diff)))
+
+
+def _without(grads: Sequence[Any], absent: tuple[int, ...]) -> list[Any]:
+    """``grads`` with None where no output depends on the input (eager's ``.grad`` stays
+    None there: an optimizer skips it, ``p.grad is None`` checks see it)."""
+    out = list(grads)
+    for i in absent:
+        out[i] = None
+    return out
 
 
 def _consume_saved(ctx: Any, entry: Entry) -> list[Any]:

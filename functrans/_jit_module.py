@@ -18,7 +18,7 @@ from ._module_view import ModuleView
 from ._partition import Partition
 from ._pytree import NAMESPACE, unflatten
 from ._stack import transform_frame
-from ._state import ModuleFlags, module_state
+from ._state import GLOBAL_HOOKS, ModuleFlags, module_state
 
 __all__ = ["JitModule"]
 
@@ -86,6 +86,7 @@ def _gather(
                     out[prefix + name] = t
         children = [(f"{prefix}{k}.", c) for k, c in m._modules.items() if c is not None]
         stack.extend(reversed(children))
+    flags.append((GLOBAL_HOOKS, module_state(GLOBAL_HOOKS)))
     return params, buffers, tuple(flags)
 
 

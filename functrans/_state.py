@@ -21,6 +21,7 @@ recompile log. State deliberately *not* captured, with the reason:
 from __future__ import annotations
 
 import contextlib
+import functools
 import operator
 import weakref
 from collections.abc import Iterator, Sequence
@@ -30,13 +31,18 @@ import torch
 
 __all__ = [
     "AUTOCAST_DEVICES",
+    "GLOBAL_HOOKS",
     "FunctionValues",
+    "GlobalHooks",
     "ModuleFlags",
     "State",
     "attribute_names",
     "autocast_off",
     "capture",
     "describe",
+    "global_hooks",
+    "hooked",
+    "hooks_of",
     "module_state",
     "no_autocast",
 ]
@@ -53,9 +59,9 @@ def _autocast(device: str) -> torch.dtype | None:
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
 
 
-#: ``(module, (module.training, its public scalar attributes))`` for every module a function
-#: reaches, in walk order (see :func:`module_state`).
-ModuleFlags = tuple[tuple[Any, tuple[bool, tuple[Any, ...]]], ...]
+#: ``(module, (module.training, its public scalar attributes, its hooks))`` for every module a
+#: function reaches, in walk order (see :func:`module_state`), then :data:`GLOBAL_HOOKS`.
+ModuleFlags = tuple[tuple[Any, tuple[bool, tuple[Any, ...], tuple[Any, ...]]], ...]
 
 _VALUE_TYPES = (bool, int, float, str, type(None), torch.dtype, torch.device)
 # per module: the names of its scalar attributes and a C getter of their values
@@ -132,30 +138,109 @@ def _cell_value(cell: Any) -> bool:
         return False
 
 
-def module_state(m: torch.nn.Module | FunctionValues) -> tuple[bool, tuple[Any, ...]]:
-    """What a trace reads of module ``m`` besides its tensors: ``training`` and its public
-    scalar attributes (a temperature, a dropout's ``p``, a LayerNorm's ``eps``, ``in_features``),
-    as values: changing one after a compile compiles anew, as eager would compute anew. One C
-    call per module (its attribute names are found once).
+class GlobalHooks:
+    """The pseudo module whose hooks are ``torch.nn``'s global module hooks: the last of every
+    jitted function's module flags, so registering one compiles anew."""
+
+    def __repr__(self) -> str:
+        return "GLOBAL_HOOKS"
+
+
+GLOBAL_HOOKS = GlobalHooks()
+
+
+def module_state(
+    m: torch.nn.Module | FunctionValues | GlobalHooks,
+) -> tuple[bool, tuple[Any, ...], tuple[Any, ...]]:
+    """What a trace reads of module ``m`` besides its tensors: ``training``, its public scalar
+    attributes (a temperature, a dropout's ``p``, a LayerNorm's ``eps``, ``in_features``), as
+    values, and its hooks (the handles of its forward, forward-pre, backward and backward-pre
+    hooks; ``()`` for none): changing one after a compile compiles anew, as eager would compute
+    anew. One C call per module (its attribute names are found once).
 
     >>> drop = torch.nn.Dropout(0.1)
     >>> module_state(drop)
-    (True, (False, 0.1))
+    (True, (False, 0.1), ())
+    >>> handle = drop.register_forward_hook(lambda mod, args, out: None)
+    >>> module_state(drop)[2] != ()
+    True
     """
     if isinstance(m, FunctionValues):
-        return True, m.values()
+        return True, m.values(), ()
+    if isinstance(m, GlobalHooks):
+        return True, (), global_hooks()
+    d = m.__dict__
     found = _GETTERS.get(m)
     _, get = found if found is not None else _getter(m)
     try:
-        return m.training, get(m.__dict__)
+        return m.training, get(d), hooks_of(d)
     except KeyError:  # an attribute was deleted: find the names again
-        return m.training, _getter(m)[1](m.__dict__)
+        return m.training, _getter(m)[1](d), hooks_of(d)
 
 
-def attribute_names(m: torch.nn.Module | FunctionValues) -> tuple[str, ...]:
+_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
+def hooks_of(d: dict[str, Any]) -> tuple[Any, ...]:
+    """The hook handles of a module's ``__dict__`` ``d``, per kind (``()``: none at all)."""
+    tables = [d.get(k) for k in _HOOKS]
+    if not any(tables):
+        return ()
+    return tuple(tuple(t) if t else () for t in tables)
+
+
+def global_hooks() -> tuple[Any, ...]:
+    """The handles of ``torch.nn``'s global module hooks (``register_module_forward_hook``
+    and its kin), per kind (``()``: none)."""
+    return hooks_of(dict(zip(_HOOKS, _global_tables(), strict=True)))
+
+
+def hooked(flags: ModuleFlags) -> str | None:
+    """The first module of ``flags`` with hooks a trace may not stand in for, described (or
+    the global hooks), or None. torch.distributed's own hooks (tensor parallelism's layout
+    changes, FSDP2's) compute on tensors only and are traced; any other hook may do what a
+    graph cannot (count, cache activations for a probe, print)."""
+    for m, state in flags:
+        if len(state) < 3 or not state[2]:
+            continue
+        own = isinstance(m, GlobalHooks)
+        tables = _global_tables() if own else [m.__dict__[k] for k in _HOOKS]
+        kinds = [
+            k.strip("_").replace("_", " ")
+            for k, table in zip(_HOOKS, tables, strict=True)
+            if any(not _traced_hook(fn) for fn in table.values())
+        ]
+        if kinds and isinstance(m, GlobalHooks):
+            return f"torch.nn has global module {' and '.join(kinds)}"
+        if kinds:
+            return f"a {type(m).__name__} has {' and '.join(kinds)}"
+    return None
+
+
+def _traced_hook(fn: Any) -> bool:
+    """A hook from torch.distributed (a parallel layout's input/output redistribution)."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return str(getattr(fn, "__module__", "") or "").startswith("torch.distributed")
+
+
+def _global_tables() -> list[Any]:
+    from torch.nn.modules import module as nn_module
+
+    return [
+        nn_module._global_forward_pre_hooks,
+        nn_module._global_forward_hooks,
+        nn_module._global_backward_pre_hooks,
+        nn_module._global_backward_hooks,
+    ]
+
+
+def attribute_names(m: torch.nn.Module | FunctionValues | GlobalHooks) -> tuple[str, ...]:
     """The names :func:`module_state` reads, in its order."""
     if isinstance(m, FunctionValues):
         return m.names
+    if isinstance(m, GlobalHooks):
+        return ()
     found = _GETTERS.get(m)
     return (found if found is not None else _getter(m))[0]
 
@@ -228,13 +313,21 @@ def describe(old: State, new: State, names: Sequence[str] = ()) -> list[str]:
     else:
         for i, ((m, was), (_, now)) in enumerate(zip(before, after, strict=True)):
             name = (names[i] if i < len(names) else f"module {i}") or "the module"
+            if isinstance(m, GlobalHooks):
+                name = "torch.nn's global module"
             if was[0] != now[0]:
                 out.append(f"{name}.training {was[0]} -> {now[0]}")
+            if len(was) > 2 and was[2] != now[2]:
+                out.append(f"{name} hooks {_hook_count(was[2])} -> {_hook_count(now[2])}")
             prefix = "" if type(m) is FunctionValues else f"{name}."
             for attr, a, b in zip(attribute_names(m), was[1], now[1], strict=False):
                 if a != b:
                     out.append(f"{prefix}{attr} {a!r} -> {b!r}")
     return out
+
+
+def _hook_count(hooks: tuple[Any, ...]) -> str:
+    return f"{sum(len(h) for h in hooks)} registered"
 
 
 def _fmt(v: Any) -> str:

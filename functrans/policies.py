@@ -18,6 +18,7 @@ and so does torch's ``CheckpointPolicy.MUST_CPU_OFFLOAD``.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -33,6 +34,7 @@ __all__ = [
     "Policy",
     "PolicyFn",
     "PolicyLike",
+    "convention",
     "dots_saveable",
     "dots_with_no_batch_dims_saveable",
     "everything_saveable",
@@ -452,8 +454,70 @@ def normalize(policy: PolicyLike) -> Callable[..., Policy]:
     if not callable(policy):
         raise _refuse(policy)
     fn = policy
+    if convention(policy) == "torch":
+        ctx = _torch_context()
+
+        def from_torch(op: Any, *args: Any, **kwargs: Any) -> Policy:
+            return decision(fn(ctx, op, *args, **kwargs), op)
+
+        return from_torch
 
     def normalized(op: Any, *args: Any, **kwargs: Any) -> Policy:
         return decision(fn(op, *args, **kwargs), op)
 
     return normalized
+
+
+#: first parameter names of torch's selective-checkpoint policies, ``(ctx, op, ...)``
+_CTX_NAMES = frozenset({"ctx", "context", "_ctx", "checkpoint_ctx"})
+#: names of the op parameter
+_OP_NAMES = frozenset({"op", "func", "fn", "prim", "primitive", "target", "operator", "aten_op"})
+
+
+def convention(policy: Callable[..., Any]) -> str:
+    """Which calling convention a policy callable follows, read off its signature:
+    ``"torch"`` for torch's ``policy_fn(ctx, op, *args, **kwargs)`` (torch's selective
+    checkpointing, torchtitan, torchtune), ``"jax"`` for ``policy(op, *args, **kwargs)`` (JAX's
+    ``jax.checkpoint`` policies, functrans' own). A first parameter named ``ctx`` (or a second
+    named ``op``/``func``) means torch's; one named ``op``/``func``/``prim``, or a single
+    positional parameter, JAX's. Anything else is ambiguous and refused by name: a policy that
+    read a context as the op would silently decide wrong for every op.
+
+    >>> convention(lambda ctx, op, *args, **kwargs: True)
+    'torch'
+    >>> convention(lambda op, *args, **kwargs: True)
+    'jax'
+    >>> convention(lambda a, b, *rest: True)
+    Traceback (most recent call last):
+    ...
+    functrans.policies.InvalidPolicyError: remat policy <lambda> takes (a, b, *rest): ...
+    """
+    try:
+        sig = inspect.signature(policy)
+    except (TypeError, ValueError):
+        sig = None
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    names = [p.name for p in sig.parameters.values() if p.kind in kinds] if sig else []
+    if names and names[0] in _CTX_NAMES:
+        return "torch"
+    if names and names[0] in _OP_NAMES:
+        return "jax"
+    if len(names) >= 2 and names[1] in _OP_NAMES:
+        return "torch"
+    if len(names) == 1:
+        return "jax"
+    shown = f"({', '.join(str(p) for p in sig.parameters.values())})" if sig else "(unknown)"
+    raise InvalidPolicyError(
+        f"remat policy {getattr(policy, '__name__', type(policy).__name__)} takes {shown}: "
+        "it is not clear whether it follows torch's convention policy_fn(ctx, op, *args, "
+        "**kwargs) or JAX's policy(op, *args, **kwargs); name its first parameter ctx "
+        "(torch's) or op (JAX's)"
+    )
+
+
+def _torch_context() -> Any:
+    """The context a torch-convention policy gets: torch's own ``SelectiveCheckpointContext``
+    (``is_recompute`` False: functrans asks each op once, when it first runs)."""
+    from torch.utils.checkpoint import SelectiveCheckpointContext
+
+    return SelectiveCheckpointContext(is_recompute=False)

@@ -308,25 +308,73 @@ def _square_sum(x):
     return (x * x).sum()
 
 
+def _doc(entry):
+    """A stored entry's JSON, behind its checksum line."""
+    return json.loads(entry.read_text().partition("\n")[2])
+
+
+def _sealed(text):
+    from functrans._disk_cache import _sealed as seal
+
+    return seal(text)
+
+
 def test_a_corrupt_entry_is_ignored_and_rewritten(cache):
     x = torch.arange(4.0, requires_grad=True)
     ft.jit(_square_sum)(x).backward()
     (entry,) = _entries(cache)
     good = entry.read_text()
-    doc = json.loads(good)
+    doc = _doc(entry)
     node = next(n for n in doc["graph"]["nodes"] if n["op"] == "call_function")
     node["val"]["tensor"][0] = [99]  # a value the graph no longer computes
-    for bad in (good[: len(good) // 2], "", json.dumps(doc)):
+    # torn, empty, damaged behind its checksum, and sealed but wrong inside
+    damaged = good.replace('"call_function"', '"call_functiom"', 1)
+    for bad in (good[: len(good) // 2], "", damaged, _sealed(json.dumps(doc))):
         entry.write_text(bad)
         f = ft.jit(_square_sum)
         x.grad = None
         f(x).backward()
         assert f.cache_info().disk_hits == 0
         assert torch.equal(x.grad, 2 * x.detach())
-        assert json.loads(entry.read_text())["key"] == doc["key"]  # rewritten whole
+        (entry,) = _entries(cache)  # the bad one removed, a good one written
+        assert _doc(entry)["key"] == doc["key"]
     f = ft.jit(_square_sum)
     f(x)
     assert f.cache_info().disk_hits == 1
+
+
+def _tanh_twice(x):
+    return (torch.tanh(x) * 2).sum()
+
+
+def test_no_flipped_byte_of_a_real_entry_gives_a_wrong_value(cache):
+    """One changed digit that keeps the JSON valid (``mul(tanh, 2)`` -> ``3``) used to load and
+    run; now every entry carries a checksum: 200 flips at random positions, never a hit with a
+    wrong value (a damaged entry is a miss, rewritten)."""
+    import random
+
+    x = torch.linspace(-1.0, 1.0, 6, requires_grad=True)
+    want = _tanh_twice(x.detach())
+    ft.jit(_tanh_twice)(x)
+    (entry,) = _entries(cache)
+    good = entry.read_bytes()
+    rng = random.Random(0)
+    hits = 0
+    for _ in range(200):
+        raw = bytearray(good)
+        i = rng.randrange(len(raw))
+        raw[i] = rng.choice([c for c in b'0123456789abcdef"{}[]:, xz' if c != raw[i]])
+        for old in _entries(cache):  # the last miss rewrote a good entry: only the damaged one
+            old.unlink()
+        entry.write_bytes(bytes(raw))
+        f = ft.jit(_tanh_twice)
+        out = f(x.detach())
+        hits += f.cache_info().disk_hits
+        assert torch.equal(out, want)
+    assert hits == 0
+    entry.write_bytes(good)
+    f = ft.jit(_tanh_twice)
+    assert torch.equal(f(x.detach()), want) and f.cache_info().disk_hits == 1
 
 
 def test_the_cache_can_be_turned_off(cache, monkeypatch):
@@ -391,7 +439,7 @@ def test_symbolic_traces_are_stored_and_hit_at_other_sizes(cache):
     assert f(torch.ones(3)).item() == 3.0
     assert f(torch.ones(5)).item() == 5.0
     (entry,) = _entries(cache)
-    doc = json.loads(entry.read_text())
+    doc = _doc(entry)
     assert doc["graph"]["nodes"][0]["val"]["tensor"][0] == ["s0"]
     g = ft.jit(_square_sum, dynamic=True)  # as in a new process
     assert g(torch.ones(7)).item() == 7.0
@@ -462,10 +510,10 @@ def test_a_corrupt_stored_guard_is_ignored(cache, guards, tmp_path, monkeypatch)
     monkeypatch.chdir(tmp_path)
     ft.jit(_branchy, dynamic=True)(torch.ones(4))
     (entry,) = _entries(cache)
-    doc = json.loads(entry.read_text())
+    doc = _doc(entry)
     assert any("<= 8" in g for g in doc["shape"]["guards"])  # the user's `if`, stored
     doc["shape"]["guards"] = guards
-    entry.write_text(json.dumps(doc))
+    entry.write_text(_sealed(json.dumps(doc)))  # sealed: the guard check must catch it
     f = ft.jit(_branchy, dynamic=True)
     assert f(torch.ones(5)).item() == 15.0
     assert f.cache_info().disk_hits == 0
