@@ -80,19 +80,9 @@ def inline_value_and_grad(
     taken but the outer transform does not see through it: its results are constants to the
     outer trace, as torch.func computes them (``shift = grad(g)(x)`` under ``no_grad``, then
     ``grad(lambda x: x**3 - shift)`` is ``3x**2``)."""
-    if not torch.is_grad_enabled():
-        value, grads = _value_and_grad(f, argnums, has_aux, _detached(args), kwargs)
-        return _detached(value), _detached(grads)
-    return _value_and_grad(f, argnums, has_aux, args, kwargs)
-
-
-def _value_and_grad(
-    f: Callable[..., Any],
-    argnums: int | Sequence[int],
-    has_aux: bool,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-) -> tuple[Any, Any]:
+    constant = not torch.is_grad_enabled()
+    if constant:
+        args = _detached(args)
     nums = normalize_argnums(argnums, len(args))
     with torch.enable_grad():
         watched = list(args)
@@ -105,7 +95,10 @@ def _value_and_grad(
             leaves, spec = optree.tree_flatten(watched[i], namespace=NAMESPACE, none_is_leaf=True)
             grads = _grads([out], leaves, [torch.ones_like(out)])
             per_arg.append(optree.tree_unflatten(spec, grads))
-    return value, per_arg[0] if isinstance(argnums, int) else tuple(per_arg)
+    grads_out = per_arg[0] if isinstance(argnums, int) else tuple(per_arg)
+    if constant:
+        return _detached(value), _detached(grads_out)
+    return value, grads_out
 
 
 def inline_vjp(
