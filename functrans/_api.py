@@ -10,6 +10,7 @@ from typing import Any, ParamSpec, TypeVar
 
 import torch
 
+from ._dtypes import differentiable
 from ._errors import FunctransError, InvalidArgumentError, UnsupportedOpError
 from ._func import GRAD_SPEC, GradSpec
 from ._inline import inline_value_and_grad, inline_vjp
@@ -59,7 +60,7 @@ def vjp(
                 f"got {flat.spec}"
             )
         outs_flat, _ = flatten(outs)
-        tangents = tuple(c for c, o in zip(leaves, outs_flat, strict=True) if o.is_floating_point())
+        tangents = tuple(c for c, o in zip(leaves, outs_flat, strict=True) if differentiable(o))
         grads: tuple[Any, ...] = p.backward(saved, tangents)
         return grads
 
@@ -172,14 +173,21 @@ def _describe_output(out: Any) -> str:
     what = f"a tensor of shape {list(out.shape)} and dtype {out.dtype}"
     if out.numel() != 1:
         return f"{what}. Use vjp for non-scalar outputs."
+    if out.is_complex():  # torch.func.grad and loss.backward() refuse it too
+        return (
+            f"{what}: a complex loss has no single gradient. Return a real loss (.abs(), "
+            ".real, torch.view_as_real(...)), or use vjp with a complex cotangent"
+        )
     return f"{what}, which has no gradient: compute the output in floating point."
 
 
 def check_differentiable(f: Callable[..., Any], args: tuple[Any, ...], argnums: Any) -> None:
     """Raise :class:`InvalidArgumentError` unless each argument ``argnums`` names holds tensors
-    and they are all floating-point. ``torch.func.grad`` and ``jax.grad`` refuse integer inputs
-    too; a ``None`` gradient for one would silently leave it untrained. (:func:`vjp` takes them
-    and gives ``None``; non-tensor leaves next to tensors are static and get ``None``.)
+    and they are all floating-point or complex (a complex one gets torch's conjugate Wirtinger
+    gradient, as ``torch.func.grad`` gives). ``torch.func.grad`` and ``jax.grad`` refuse
+    integer inputs too; a ``None`` gradient for one would silently leave it untrained.
+    (:func:`vjp` takes them and gives ``None``; non-tensor leaves next to tensors are static
+    and get ``None``.)
 
     >>> import torch
     >>> check_differentiable(lambda x, n: x * n, (torch.ones(2), torch.tensor(3)), 1)
@@ -197,26 +205,21 @@ def check_differentiable(f: Callable[..., Any], args: tuple[Any, ...], argnums: 
         if not tensors:
             raise InvalidArgumentError(
                 f"grad: argument {i} ({name}) is {describe(args[i])}, which holds no tensor to "
-                f"differentiate; gradients are defined for floating-point tensors only. Pass a "
-                f"tensor (torch.tensor(...)) or leave it out of argnums={argnums!r}"
+                f"differentiate; gradients are defined for floating-point and complex tensors "
+                f"only. Pass a tensor (torch.tensor(...)) or leave it out of argnums={argnums!r}"
             )
         for t, path in zip(tensors, flat.tensor_paths(), strict=True):
-            if not t.is_floating_point():
+            if not differentiable(t):
                 where = f"argument {i} ({name})" + (f", leaf {name}{path}," if path else "")
                 raise InvalidArgumentError(f"grad: {where} {_not_differentiable(t, argnums)}")
 
 
 def _not_differentiable(t: torch.Tensor, argnums: Any) -> str:
-    if t.is_complex():
-        return (
-            f"is a complex tensor ({t.dtype}); functrans differentiates floating-point tensors "
-            f"only (complex ones are not supported yet). Leave it out of argnums={argnums!r}"
-        )
     kind = "a boolean" if t.dtype == torch.bool else "an integer"
     return (
-        f"is {kind} tensor ({t.dtype}); gradients are defined for floating-point tensors only. "
-        f"Convert it (.float()), leave it out of argnums={argnums!r}, or use ft.vjp, which "
-        f"gives None for it"
+        f"is {kind} tensor ({t.dtype}); gradients are defined for floating-point and complex "
+        f"tensors only. Convert it (.float()), leave it out of argnums={argnums!r}, or use "
+        f"ft.vjp, which gives None for it"
     )
 
 

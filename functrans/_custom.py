@@ -33,6 +33,7 @@ import optree
 import torch
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
 
+from ._dtypes import differentiable_dtype
 from ._errors import FunctransError, InvalidArgumentError, UnsupportedOpError
 from ._pytree import NAMESPACE
 from ._stack import fn_name, transform_frame
@@ -356,7 +357,9 @@ class _JvpRule(torch.autograd.Function):
         ]
         found = _tangent_out(ctx.rule, ctx.call, ctx.mask, primals, ts)
         return tuple(  # zeros where the rule gave None for a float output
-            t if t is not None or not dtype.is_floating_point else torch.zeros(shape, dtype=dtype)
+            t
+            if t is not None or not differentiable_dtype(dtype)
+            else torch.zeros(shape, dtype=dtype)
             for t, (shape, dtype, _) in zip(found, ctx.call.out_meta, strict=True)
         )
 
@@ -364,7 +367,9 @@ class _JvpRule(torch.autograd.Function):
     def backward(ctx: Any, *grads: Any) -> Any:
         # the rule is linear in the tangents: its transpose at the primals is the vjp
         primals = ctx.saved_tensors
-        floats = [i for i, (_, dtype, _) in enumerate(ctx.call.out_meta) if dtype.is_floating_point]
+        floats = [
+            i for i, (_, dtype, _) in enumerate(ctx.call.out_meta) if differentiable_dtype(dtype)
+        ]
 
         def tangent_out(*ts: Any) -> tuple[torch.Tensor, ...]:
             found = _tangent_out(ctx.rule, ctx.call, ctx.mask, primals, ts)

@@ -29,6 +29,7 @@ from typing import Any, ParamSpec, TypeVar, cast
 import optree
 import torch
 
+from ._dtypes import differentiable
 from ._errors import InvalidArgumentError
 from ._pytree import NAMESPACE
 from ._stack import transform_frame
@@ -255,7 +256,7 @@ def _per_example(
 
 
 def _is_float_tensor(t: Any) -> bool:
-    return isinstance(t, torch.Tensor) and t.is_floating_point()
+    return differentiable(t)  # floating point or complex: what grad differentiates
 
 
 def _per_example_copy(t: Any, size: int) -> Any:

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from ._dtypes import differentiable as is_differentiable
 from ._dynamic import ShapeGuard, readable, shape_env_of
 from ._errors import FunctransError
 from ._format import format_graph
@@ -206,11 +207,9 @@ class JointGraph(Graph):
         self.grads_flat = grads_flat  # structure of the grads result
         self.num_outputs = num_outputs  # flat forward outputs; the rest of the outputs are grads
         self.argnums = argnums
-        if differentiable is None:  # every floating-point output
+        if differentiable is None:  # every floating-point or complex output
             vals = [getattr(n, "meta", {}).get("val") for n in self.forward_outputs()]
-            differentiable = tuple(
-                isinstance(v, torch.Tensor) and v.is_floating_point() for v in vals
-            )
+            differentiable = tuple(is_differentiable(v) for v in vals)
         self.differentiable = differentiable
 
     def primals(self) -> list[fx.Node]:

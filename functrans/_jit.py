@@ -37,6 +37,7 @@ from ._boxed import boxed
 from ._capture import Path, Reader, captured_constants, reach, swapped
 from ._decomp import Decompositions
 from ._disk_cache import DiskKey
+from ._dtypes import differentiable
 from ._dynamic import Dims, DynamicSpecError, JitDynamic, ShapeGuard, resolve, shape_env_of
 from ._errors import TraceError, UnsupportedOpError
 from ._func import GRAD_SPEC, PER_EXAMPLE, GradSpec, PerExample, VmapOfGrad, plan_per_example
@@ -383,9 +384,7 @@ class Jitted(Generic[_P, _R]):
     ) -> Slot[Entry]:
         training = grad_enabled(state) and any(t.requires_grad for t in tensors)
         diff = [
-            i
-            for i, t in enumerate(tensors)
-            if training and t.requires_grad and t.is_floating_point()
+            i for i, t in enumerate(tensors) if training and t.requires_grad and differentiable(t)
         ]
         chosen = set(diff)
         other = [i for i in range(len(tensors)) if i not in chosen]
@@ -834,5 +833,6 @@ def _copies(inputs: list[Any], outputs: list[Any]) -> dict[int, int]:
 
 
 def _tangent_mask(jg: Any) -> list[bool]:
-    """Which forward outputs took a tangent in the joint graph (float outputs, in order)."""
-    return [bool(v.meta["val"].is_floating_point()) for v in jg.forward_outputs()]
+    """Which forward outputs took a tangent in the joint graph (floating-point and complex
+    outputs, in order)."""
+    return [differentiable(v.meta["val"]) for v in jg.forward_outputs()]

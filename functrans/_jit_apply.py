@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ._dtypes import differentiable
 from ._dynamic import ShapeGuard
 from ._partition import Partition
 from ._pytree import Flat, Wrapper, rebuild_leaves
@@ -209,7 +210,7 @@ def _once(grads: Sequence[Any]) -> list[Any]:
     grads = list(grads)
     if not torch.is_grad_enabled():
         return grads
-    at = [i for i, g in enumerate(grads) if isinstance(g, torch.Tensor) and g.is_floating_point()]
+    at = [i for i, g in enumerate(grads) if differentiable(g)]
     if not at:
         return grads
     raising = torch._C._functions.DelayedError(_TWICE, len(at))

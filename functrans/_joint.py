@@ -15,6 +15,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ._decomp import Decompositions, decomposition_table
+from ._dtypes import differentiable
 from ._dynamic import Dynamic, refuse_size_outputs, resolve, symbolic_fakes
 from ._errors import TraceError, UnsupportedOpError
 from ._graph import JointGraph, Role, assign_phases
@@ -47,7 +48,8 @@ def normalize_argnums(argnums: int | Sequence[int] | None, nargs: int) -> tuple[
 
 
 def _is_float(t: torch.Tensor) -> bool:
-    return t.is_floating_point()
+    """Differentiated as eager does: floating-point and complex leaves."""
+    return differentiable(t)
 
 
 def _diff_leaves(args: tuple[Any, ...], argnums: tuple[int, ...]) -> list[int]:

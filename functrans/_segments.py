@@ -43,6 +43,7 @@ import torch
 import torch.fx as fx
 
 from ._cost import OpClass, Storage, is_input_alias, nbytes, op_class, storage_of
+from ._dtypes import differentiable
 from ._graph import PHASE, JointGraph, Phase, ancestors
 
 __all__ = ["SHARED", "Segments", "differentiated_primals", "segments"]
@@ -107,8 +108,8 @@ class Segments:
 
 
 def differentiated_primals(joint: JointGraph) -> list[fx.Node]:
-    """The primal inputs the joint graph differentiates: floating-point tensor leaves of its
-    ``argnums`` arguments.
+    """The primal inputs the joint graph differentiates: floating-point and complex tensor
+    leaves of its ``argnums`` arguments.
 
     >>> import torch, functrans as ft
     >>> jg = ft.joint(lambda w, x: (x @ w).sum(), argnums=0)(torch.ones(2, 2), torch.ones(2, 2))
@@ -132,8 +133,7 @@ def differentiated_primals(joint: JointGraph) -> list[fx.Node]:
 
 
 def _floating(node: fx.Node) -> bool:
-    val = node.meta.get("val")
-    return isinstance(val, torch.Tensor) and val.is_floating_point()
+    return differentiable(node.meta.get("val"))
 
 
 _CACHE: weakref.WeakKeyDictionary[JointGraph, Segments] = weakref.WeakKeyDictionary()

@@ -272,12 +272,6 @@ def test_grad_of_an_argument_without_tensors():
         ft.grad(lambda x, y: (x * y).sum(), argnums=1)(torch.ones(2), 3.0)
 
 
-def test_grad_of_a_complex_argument():
-    z = torch.ones(2, dtype=torch.complex64)
-    with raises(ft.InvalidArgumentError, "argument 0 (z) is a complex tensor (torch.complex64)"):
-        ft.grad(lambda z: z.abs().sum())(z)
-
-
 def test_vjp_still_gives_none_for_integer_inputs():
     _, vjp_fn = ft.vjp(lambda x, i: (x * i).sum(), torch.ones(2), torch.tensor(3))
     gx, gi = vjp_fn(torch.tensor(1.0))
