@@ -602,12 +602,49 @@ def _apply_rule(
 ) -> Any:
     """``function.apply`` on the tensor leaves of ``args`` (the rest travel as statics), and
     the rule's function's outputs rebuilt (residual outputs, after them, are left out)."""
+    _refuse_differentiated_closures(rule, transform)
     leaves, spec = _flatten(args)
     tensors, statics = _split(leaves)
     call = _Call(spec, statics, len(args), [_is_tensor(x) for x in leaves], nondiff)
     with transform_frame(transform, rule.fun):
         flat = function.apply(rule, call, *tensors)  # type: ignore[no-untyped-call]
     return _unflatten(call.out_spec, _fill(call.out_statics, flat[: call.n_out]))
+
+
+def _differentiated(t: torch.Tensor) -> bool:
+    """Whether some torch.func grad/jvp level tracks ``t`` (through any vmap levels)."""
+    fc = torch._C._functorch
+    while fc.is_functorch_wrapped_tensor(t):
+        if fc.is_gradtrackingtensor(t):
+            return True
+        t = fc.get_unwrapped(t)
+    return t.requires_grad and torch.is_grad_enabled()  # autograd (a functrans trace) tracks it
+
+
+def _refuse_differentiated_closures(rule: Any, transform: str) -> None:
+    """A rule's functions closing over a tensor a torch.func grad/jvp differentiates: its
+    derivative would be lost (or torch asserts), so it is refused, as JAX refuses
+    closed-over tracers in custom_vjp."""
+    fns = [rule.fun, getattr(rule, "jvp", None), getattr(rule, "fwd", None)]
+    fns.append(getattr(rule, "bwd", None))
+    for fn in fns:
+        for name, cell in zip(
+            getattr(getattr(fn, "__code__", None), "co_freevars", ()),
+            getattr(fn, "__closure__", None) or (),
+            strict=False,
+        ):
+            try:
+                value = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if _is_tensor(value) and _differentiated(value):
+                raise UnsupportedOpError(
+                    f"{transform} {fn_name(rule.fun)}: {fn_name(fn)} closes over tensor "
+                    f"{name!r}, which an enclosing transform differentiates; a custom rule "
+                    f"cannot see its tangent, so its derivative would be lost. Pass {name} "
+                    "as an argument of the function (and give it a gradient/tangent in the "
+                    "rule)"
+                )
 
 
 def _forward_ad_active(args: Any) -> bool:
