@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Sequence
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, Literal, ParamSpec, TypeVar, overload
 
 import torch
 
@@ -26,8 +26,28 @@ _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
 
+@overload
 def vjp(
     f: Callable[..., _R],
+    *primals: Any,
+    partition: str | Strategy = "default",
+    has_aux: Literal[False] = False,
+    **options: Any,
+) -> tuple[_R, Callable[[Any], tuple[Any, ...]]]: ...
+
+
+@overload
+def vjp(
+    f: Callable[..., Any],
+    *primals: Any,
+    partition: str | Strategy = "default",
+    has_aux: Literal[True],
+    **options: Any,
+) -> tuple[Any, Callable[[Any], tuple[Any, ...]], Any]: ...
+
+
+def vjp(
+    f: Callable[..., Any],
     *primals: Any,
     partition: str | Strategy = "default",
     has_aux: bool = False,
@@ -51,7 +71,7 @@ def vjp(
             return inline_vjp(f, primals)
         jg = joint(f)(*primals)
     p = _partition(jg, partition, options)
-    outs: _R
+    outs: Any
     outs, saved = p.forward(*primals)
     out_spec = flatten(outs)[1].spec
 
@@ -92,8 +112,8 @@ def _vjp_with_aux(
             found: Any = torch.func.vjp(f, *primals, has_aux=True)
             return found[0], found[1], found[2]
         if is_tracing():
-            out, vjp_fn = inline_vjp(main, primals)
-            return out, vjp_fn, box[-1]
+            out, inline_fn = inline_vjp(main, primals)
+            return out, inline_fn, box[-1]
         jg = joint(f, has_aux=True)(*primals)
     p = _partition(jg, partition, options)
     (out, aux), saved = p.forward(*primals)

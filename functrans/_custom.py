@@ -28,7 +28,7 @@ import functools
 import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, ParamSpec, TypeVar
+from typing import Any, Generic, ParamSpec, TypeVar, cast
 
 import optree
 import torch
@@ -381,7 +381,7 @@ class custom_vjp(Generic[_P, _R]):  # JAX's name
     def __call__(self, *args: _P.args, **kwargs: _P.kwargs) -> _R:
         full = _positional(self.fun, "custom_vjp", args, kwargs, self.nondiff_argnums)
         if not _needs_rule(full) or id(self) in _IN_RULE.get():
-            return self.fun(*full)
+            return cast(Callable[..., _R], self.fun)(*full)
         if self.fwd is None:
             raise FunctransError(
                 f"custom_vjp {fn_name(self.fun)}: differentiated before its rule was set; call "
@@ -588,7 +588,7 @@ class custom_jvp(Generic[_P, _R]):  # JAX's name
         if self.jvp is None:
             raise FunctransError(f"custom_jvp {fn_name(self.fun)}: no rule; call defjvp first")
         if not _needs_rule(full) and not _forward_ad_active(full):
-            return self.fun(*full)
+            return cast(Callable[..., _R], self.fun)(*full)
         result: _R = _apply_rule(_JvpRule, self, "custom_jvp", full, self.nondiff_argnums)
         return result
 
