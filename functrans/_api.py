@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Sequence
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, Literal, ParamSpec, TypeVar, overload
 
 import torch
 
@@ -27,12 +27,33 @@ _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
 
+@overload
 def vjp(
     f: Callable[..., _R],
     *primals: Any,
     partition: str | Strategy = "default",
+    has_aux: Literal[False] = False,
     **options: Any,
-) -> tuple[_R, Callable[[Any], tuple[Any, ...]]]:
+) -> tuple[_R, Callable[[Any], tuple[Any, ...]]]: ...
+
+
+@overload
+def vjp(
+    f: Callable[..., Any],
+    *primals: Any,
+    partition: str | Strategy = "default",
+    has_aux: Literal[True],
+    **options: Any,
+) -> tuple[Any, Callable[[Any], tuple[Any, ...]], Any]: ...
+
+
+def vjp(
+    f: Callable[..., Any],
+    *primals: Any,
+    partition: str | Strategy = "default",
+    has_aux: bool = False,
+    **options: Any,
+) -> Any:
     """Run ``f`` forward and return ``(outputs, vjp_fn)``; ``vjp_fn(cotangents)`` gives one
     gradient pytree per primal. Only what ``partition`` chose is kept between the two calls.
     ``outputs`` has ``f``'s result type.
@@ -42,21 +63,24 @@ def vjp(
     >>> vjp_fn(torch.ones(2))
     (tensor([1., 1.]),)
     """
+    if has_aux:  # torch.func.vjp's form: f returns (output, aux); aux is not differentiated
+        return _vjp_with_aux(f, primals, partition, options)
     with transform_frame("vjp", f):
         if torch._C._are_functorch_transforms_active():
             return _torch_func_vjp(f, primals)
         if is_tracing():  # inside another functrans trace: the outer trace records the backward
-            return inline_vjp(f, primals)  # type: ignore[return-value]  # f's result, as is
+            return inline_vjp(f, primals)
         jg = joint(f)(*primals)
     p = _partition(jg, partition, options)
-    outs: _R
+    outs: Any
     outs, saved = p.forward(*primals)
+    out_spec = flatten(outs)[1].spec
 
     def vjp_fn(cotangents: Any) -> tuple[Any, ...]:
         leaves, flat = flatten(cotangents)
-        if flat.spec != jg.fn_out.spec:
+        if flat.spec != out_spec:
             raise FunctransError(
-                f"vjp_fn: cotangents must have the structure of the outputs {jg.fn_out.spec}, "
+                f"vjp_fn: cotangents must have the structure of the outputs {out_spec}, "
                 f"got {flat.spec}"
             )
         outs_flat, _ = flatten(outs)
@@ -65,6 +89,51 @@ def vjp(
         return grads
 
     return outs, vjp_fn
+
+
+def _vjp_with_aux(
+    f: Callable[..., Any], primals: tuple[Any, ...], partition: Any, options: dict[str, Any]
+) -> tuple[Any, Callable[[Any], tuple[Any, ...]], Any]:
+    """``vjp(f, *primals, has_aux=True)``: ``(output, vjp_fn, aux)``, as ``torch.func.vjp``."""
+    box: list[Any] = []
+
+    def main(*args: Any) -> Any:
+        found = f(*args)
+        if not (isinstance(found, tuple) and len(found) == 2):
+            raise InvalidArgumentError(
+                f"vjp: {getattr(f, '__qualname__', f)} was called with has_aux=True, so it must "
+                f"return a pair (output, aux); it returned {describe(found)}"
+            )
+        box.append(found[1])
+        return found[0]
+
+    main.__qualname__ = getattr(f, "__qualname__", "f")
+    with transform_frame("vjp", f):
+        if torch._C._are_functorch_transforms_active():
+            found: Any = torch.func.vjp(f, *primals, has_aux=True)
+            return found[0], found[1], found[2]
+        if is_tracing():
+            out, inline_fn = inline_vjp(main, primals)
+            return out, inline_fn, box[-1]
+        jg = joint(f, has_aux=True)(*primals)
+    p = _partition(jg, partition, options)
+    (out, aux), saved = p.forward(*primals)
+    out_leaves, out_flat = flatten(out)
+
+    def vjp_fn(cotangents: Any) -> tuple[Any, ...]:
+        leaves, flat = flatten(cotangents)
+        if flat.spec != out_flat.spec:
+            raise FunctransError(
+                f"vjp_fn: cotangents must have the structure of the outputs {out_flat.spec}, "
+                f"got {flat.spec}"
+            )
+        tangents = tuple(
+            c for c, o in zip(leaves, out_leaves, strict=True) if o.is_floating_point()
+        )
+        grads: tuple[Any, ...] = p.backward(saved, tangents)
+        return grads
+
+    return out, vjp_fn, aux
 
 
 def _partition(jg: Any, strategy: str | Strategy, options: dict[str, Any]) -> Any:

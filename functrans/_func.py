@@ -21,6 +21,7 @@ torch.Size([5, 3, 2])
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -462,7 +463,10 @@ def eval_shape(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
             with swapped(paths, func, captured), mode:
                 return func(*a, **kw)
 
-    with torch._C._DisableFuncTorch():
+    # outside torch.func transforms, none to hide: the function may start its own (a jvp of a
+    # custom_jvp needs functorch's dispatch, which _DisableFuncTorch would switch off)
+    hide = torch._C._DisableFuncTorch() if _functorch_active() else contextlib.nullcontext()
+    with hide:
         out = run_traced(run, func)
     return optree.tree_map(
         lambda t: (

@@ -23,7 +23,15 @@ from ._logs import log
 from ._passes import InputSpec, canonicalize, no_gc
 from ._pytree import NAMESPACE, Flat, Wrapper, flatten, leaves_of, rebuild_leaves, unflatten
 from ._state import autocast_off
-from ._trace import arg_names, check_inputs, flatten_args, run_traced, trace, trace_module
+from ._trace import (
+    arg_names,
+    check_inputs,
+    flatten_args,
+    refuse_closure_outputs,
+    run_traced,
+    trace,
+    trace_module,
+)
 
 __all__ = ["joint", "normalize_argnums"]
 
@@ -126,6 +134,7 @@ def joint(
             mode = getattr(fakes[0], "fake_mode")  # noqa: B009
         out_tree, differentiable = _eval_shape(f, fn_in, fakes, mask, mode)
         out_vals, fn_out = flatten(out_tree)
+        refuse_closure_outputs(f, fn_out.static)
         if dims is not None:
             refuse_size_outputs(f, [*fn_out.static, *out_vals])
         wants_tangent = _tangent_mask(f, out_tree, out_vals, has_aux)

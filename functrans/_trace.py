@@ -461,6 +461,7 @@ def trace(
         def flat_fn(*leaves: torch.Tensor) -> list[torch.Tensor]:
             a, kw = unflatten(in_flat, leaves)
             out_leaves, out_flat = flatten(f(*a, **kw))
+            refuse_closure_outputs(f, out_flat.static)
             if dims is not None:
                 refuse_size_outputs(f, [*out_flat.static, *out_leaves])
             out_box.append(out_flat)
@@ -477,3 +478,19 @@ def trace(
         return graph
 
     return traced
+
+
+def refuse_closure_outputs(f: Any, statics: Any) -> None:
+    """A traced function returning a closure (an ``ft.vjp`` function, a lambda over its
+    tensors) is a :class:`TraceError`: the closure holds the trace's fake tensors, and a
+    compiled graph would hand back the first call's closure every time."""
+    import types
+
+    found = next((x for x in statics if isinstance(x, types.FunctionType) and x.__closure__), None)
+    if found is not None:
+        raise TraceError(
+            f"{getattr(f, '__qualname__', f)} returns the function "
+            f"{getattr(found, '__qualname__', found)}, which closes over values of the trace; "
+            "a traced (jit) function can return tensors and constants only. Call it inside "
+            "(e.g. return vjp_fn(cotangent) rather than vjp_fn)"
+        )
