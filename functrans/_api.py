@@ -8,6 +8,7 @@ import inspect
 from collections.abc import Callable, Sequence
 from typing import Any, ParamSpec, TypeVar
 
+import optree
 import torch
 
 from ._errors import FunctransError, InvalidArgumentError, UnsupportedOpError
@@ -15,10 +16,17 @@ from ._func import GRAD_SPEC, GradSpec
 from ._inline import inline_value_and_grad, inline_vjp
 from ._joint import joint, normalize_argnums
 from ._partition import Strategy, partition
-from ._pytree import flatten
+from ._pytree import NAMESPACE, flatten
 from ._stack import transform_frame
 from ._trace import is_tracing
-from ._validate import describe
+from ._validate import (
+    check_argnums,
+    check_bool,
+    check_callable,
+    check_cotangents,
+    check_numpy_leaves,
+    describe,
+)
 
 __all__ = ["grad", "value_and_grad", "vjp"]
 
@@ -41,6 +49,7 @@ def vjp(
     >>> vjp_fn(torch.ones(2))
     (tensor([1., 1.]),)
     """
+    check_callable("vjp", "f", f)
     with transform_frame("vjp", f):
         if torch._C._are_functorch_transforms_active():
             return _torch_func_vjp(f, primals)
@@ -52,14 +61,7 @@ def vjp(
     outs, saved = p.forward(*primals)
 
     def vjp_fn(cotangents: Any) -> tuple[Any, ...]:
-        leaves, flat = flatten(cotangents)
-        if flat.spec != jg.fn_out.spec:
-            raise FunctransError(
-                f"vjp_fn: cotangents must have the structure of the outputs {jg.fn_out.spec}, "
-                f"got {flat.spec}"
-            )
-        outs_flat, _ = flatten(outs)
-        tangents = tuple(c for c, o in zip(leaves, outs_flat, strict=True) if o.is_floating_point())
+        tangents = tuple(check_cotangents("vjp_fn", cotangents, outs))
         grads: tuple[Any, ...] = p.backward(saved, tangents)
         return grads
 
@@ -103,7 +105,14 @@ def value_and_grad(
     >>> ft.value_and_grad(lambda x: (x * x).sum())(torch.tensor([1.0, 2.0]))
     (tensor(5.), tensor([2., 4.]))
     """
+    _check_grad_args("value_and_grad", f, argnums, has_aux)
     return _value_and_grad_fn(f, argnums, has_aux, partition, options, "value_and_grad")
+
+
+def _check_grad_args(where: str, f: Any, argnums: Any, has_aux: Any) -> None:
+    check_callable(where, "f", f)
+    check_argnums(where, argnums)
+    check_bool(where, "has_aux", has_aux)
 
 
 def _value_and_grad_fn(
@@ -119,7 +128,7 @@ def _value_and_grad_fn(
             return _value_and_grad(args, kwargs)
 
     def _value_and_grad(args: Any, kwargs: Any) -> tuple[_R, Any]:
-        check_differentiable(f, args, argnums)
+        check_differentiable(f, args, argnums, name)
         if torch._C._are_functorch_transforms_active():
             return _torch_func_value_and_grad(f, argnums, has_aux, args, kwargs)
         if is_tracing():  # inside another functrans trace: the outer trace records the backward
@@ -175,7 +184,9 @@ def _describe_output(out: Any) -> str:
     return f"{what}, which has no gradient: compute the output in floating point."
 
 
-def check_differentiable(f: Callable[..., Any], args: tuple[Any, ...], argnums: Any) -> None:
+def check_differentiable(
+    f: Callable[..., Any], args: tuple[Any, ...], argnums: Any, where: str = "grad"
+) -> None:
     """Raise :class:`InvalidArgumentError` unless each argument ``argnums`` names holds tensors
     and they are all floating-point. ``torch.func.grad`` and ``jax.grad`` refuse integer inputs
     too; a ``None`` gradient for one would silently leave it untrained. (:func:`vjp` takes them
@@ -192,18 +203,22 @@ def check_differentiable(f: Callable[..., Any], args: tuple[Any, ...], argnums: 
         name = names[i] if i < len(names) else f"args[{i}]"
         try:
             tensors, flat = flatten(args[i])
+        except InvalidArgumentError:  # a numpy array: name the argument
+            leaves = optree.tree_leaves(args[i], namespace=NAMESPACE)  # type: ignore[arg-type]  # any pytree
+            check_numpy_leaves(where, leaves, lambda _: f"argument {i} ({name})")
+            raise
         except UnsupportedOpError as e:
-            raise UnsupportedOpError(f"grad: argument {i} ({name}): {e}") from e
+            raise UnsupportedOpError(f"{where}: argument {i} ({name}): {e}") from e
         if not tensors:
             raise InvalidArgumentError(
-                f"grad: argument {i} ({name}) is {describe(args[i])}, which holds no tensor to "
+                f"{where}: argument {i} ({name}) is {describe(args[i])}, which holds no tensor to "
                 f"differentiate; gradients are defined for floating-point tensors only. Pass a "
                 f"tensor (torch.tensor(...)) or leave it out of argnums={argnums!r}"
             )
         for t, path in zip(tensors, flat.tensor_paths(), strict=True):
             if not t.is_floating_point():
-                where = f"argument {i} ({name})" + (f", leaf {name}{path}," if path else "")
-                raise InvalidArgumentError(f"grad: {where} {_not_differentiable(t, argnums)}")
+                what = f"argument {i} ({name})" + (f", leaf {name}{path}," if path else "")
+                raise InvalidArgumentError(f"{where}: {what} {_not_differentiable(t, argnums)}")
 
 
 def _not_differentiable(t: torch.Tensor, argnums: Any) -> str:
@@ -243,6 +258,7 @@ def grad(
     >>> ft.grad(lambda x, y: (x * y).sum(), argnums=(0, 1))(torch.ones(2), torch.full((2,), 3.0))
     (tensor([3., 3.]), tensor([1., 1.]))
     """
+    _check_grad_args("grad", f, argnums, has_aux)
     vg = _value_and_grad_fn(f, argnums, has_aux, partition, options, "grad")
 
     def run(*args: _P.args, **kwargs: _P.kwargs) -> Any:

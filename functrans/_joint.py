@@ -22,6 +22,7 @@ from ._logs import log
 from ._passes import InputSpec, canonicalize, no_gc
 from ._pytree import NAMESPACE, Flat, Wrapper, flatten, leaves_of, rebuild_leaves, unflatten
 from ._state import autocast_off
+from ._validate import check_argnums, check_bool, check_callable
 from ._trace import arg_names, check_inputs, flatten_args, run_traced, trace, trace_module
 
 __all__ = ["joint", "normalize_argnums"]
@@ -94,6 +95,10 @@ def joint(
     >>> outs, grads
     (tensor(14.), (tensor([2., 4., 6.]),))
     """
+    check_callable("joint", "f", f)
+    if argnums is not None:
+        check_argnums("joint", argnums)
+    check_bool("joint", "has_aux", has_aux)
     table = decomposition_table(decompositions)
 
     def traced(*args: _P.args, **kwargs: _P.kwargs) -> JointGraph:
