@@ -204,8 +204,10 @@ def check_differentiable(
         try:
             tensors, flat = flatten(args[i])
         except InvalidArgumentError:  # a numpy array: name the argument
-            leaves = optree.tree_leaves(args[i], namespace=NAMESPACE)  # type: ignore[arg-type]  # any pytree
-            check_numpy_leaves(where, leaves, lambda _: f"argument {i} ({name})")
+            tree: Any = args[i]  # any pytree
+            leaves = optree.tree_leaves(tree, namespace=NAMESPACE)
+            what = f"argument {i} ({name})"
+            check_numpy_leaves(where, leaves, what)
             raise
         except UnsupportedOpError as e:
             raise UnsupportedOpError(f"{where}: argument {i} ({name}): {e}") from e

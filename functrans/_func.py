@@ -122,7 +122,9 @@ def vmap(
     check_dims("vmap", "out_dims", out_dims)
     _check_randomness("vmap", randomness)
     _check_chunk_size("vmap", chunk_size)
-    batched = torch.func.vmap(user_calls(func), in_dims, out_dims, randomness, chunk_size=chunk_size)
+    batched = torch.func.vmap(
+        user_calls(func), in_dims, out_dims, randomness, chunk_size=chunk_size
+    )
     spec: GradSpec | None = getattr(func, GRAD_SPEC, None)
     if spec is not None and spec.run is not func:  # a wrapper (jit, remat) copied it
         spec = None

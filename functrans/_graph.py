@@ -306,8 +306,8 @@ def check_tensors(
         if isinstance(val, torch.Tensor) and (val.shape != t.shape or val.dtype != t.dtype):
             where = node.meta.get(PATH, node.name)
             raise FunctransError(
-                f"{what}: input {where} was traced as {_short(val)} but got {_short(t)}; graphs are "
-                "specialized to shapes and dtypes: trace again for new ones."
+                f"{what}: input {where} was traced as {_short(val)} but got {_short(t)}; graphs "
+                "are specialized to shapes and dtypes: trace again for new ones."
             )
         out.append(restride(t, val) if isinstance(val, torch.Tensor) else t)
     return out

@@ -22,8 +22,8 @@ from ._logs import log
 from ._passes import InputSpec, canonicalize, no_gc
 from ._pytree import NAMESPACE, Flat, Wrapper, flatten, leaves_of, rebuild_leaves, unflatten
 from ._state import autocast_off
-from ._validate import check_argnums, check_bool, check_callable
 from ._trace import arg_names, check_inputs, flatten_args, run_traced, trace, trace_module
+from ._validate import check_argnums, check_bool, check_callable
 
 __all__ = ["joint", "normalize_argnums"]
 

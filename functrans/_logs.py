@@ -20,7 +20,13 @@ def _parse(spec: str | Iterable[str]) -> set[str]:
     from ._errors import InvalidArgumentError
 
     known = f"known: {', '.join(STAGES)} (or 'all')"
-    items = spec.split(",") if isinstance(spec, str) else list(spec) if isinstance(spec, Iterable) else None
+    items = (
+        spec.split(",")
+        if isinstance(spec, str)
+        else list(spec)
+        if isinstance(spec, Iterable)
+        else None
+    )
     if items is None or any(not isinstance(s, str) for s in items):
         raise InvalidArgumentError(
             f"set_logs: stages={spec!r} is not accepted; stages must be a comma-separated str "

@@ -49,7 +49,13 @@ from ._pytree import NAMESPACE, Flat, Wrapper, flatten, unflatten
 from ._rng import seeded_then_drew, tracing_guard
 from ._stack import current_stack, describe_stack
 from ._state import autocast_off
-from ._validate import check_bool, check_callable, check_numpy_leaves, check_static_argnums, check_static_range
+from ._validate import (
+    check_bool,
+    check_callable,
+    check_numpy_leaves,
+    check_static_argnums,
+    check_static_range,
+)
 
 __all__ = [
     "Decompositions",
@@ -249,8 +255,9 @@ def run_traced(fn: Callable[..., Any], user_fn: Callable[..., Any]) -> Any:
     except FakeTensorDeviceMismatchError as e:  # eager would fail too, on the same op
         fr = user_frame(e)
         where = f" at {fr.filename}:{fr.lineno}: `{(fr.line or '').strip()}`" if fr else ""
+        name = getattr(user_fn, "__qualname__", repr(user_fn))
         raise TraceError(
-            f"{owner()}: {e}{where}{culprit(e)}. Put every input, parameter and buffer on one "
+            f"{name}: {e}{where}{culprit(e)}. Put every input, parameter and buffer on one "
             "device; a model built on the 'meta' device has no data yet: materialize it first "
             "(module.to_empty(device=...), then load or initialize its weights)"
         ) from e

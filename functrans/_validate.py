@@ -255,7 +255,7 @@ def check_argnums(where: str, argnums: object, *, name: str = "argnums") -> tupl
     if _is_index(argnums):
         return (argnums,)  # type: ignore[return-value]  # an int, checked above
     ok = isinstance(argnums, (tuple, list)) and bool(argnums)
-    nums = tuple(argnums) if ok else ()  # type: ignore[arg-type]  # a tuple or list, checked
+    nums: tuple[Any, ...] = tuple(argnums) if ok else ()  # type: ignore[arg-type]  # a tuple or list, checked
     ok = ok and all(_is_index(i) for i in nums) and len(set(nums)) == len(nums)
     check_option(where, name, argnums, ok, accepted)
     return nums
@@ -335,7 +335,9 @@ def check_joint(where: str, value: object) -> None:
     )
 
 
-def check_numpy_leaves(where: str, leaves: Iterable[object], names: Callable[[int], str]) -> None:
+def check_numpy_leaves(
+    where: str, leaves: Iterable[object], names: Callable[[int], str] | str
+) -> None:
     """Raise :class:`InvalidArgumentError` at the first numpy array among ``leaves`` (a static
     value that a trace would bake in and compare by ``==``): convert it to a tensor.
 
@@ -349,8 +351,9 @@ def check_numpy_leaves(where: str, leaves: Iterable[object], names: Callable[[in
 
     for i, leaf in enumerate(leaves):
         if isinstance(leaf, np.ndarray):
+            what = names if isinstance(names, str) else names(i)
             raise InvalidArgumentError(
-                f"{where}: {names(i)} is a numpy.ndarray (shape {list(leaf.shape)}, dtype "
+                f"{where}: {what} is a numpy.ndarray (shape {list(leaf.shape)}, dtype "
                 f"{leaf.dtype}); functrans transforms take torch tensors: pass "
                 "torch.from_numpy(array) (or torch.as_tensor) instead"
             )
@@ -367,8 +370,7 @@ def check_like(where: str, what: str, value: object, like: Any) -> None:
 
     if not isinstance(value, torch.Tensor):
         raise InvalidArgumentError(
-            f"{where}: {what} is {describe(value)}; it must be a tensor like "
-            f"{_short_tensor(like)}"
+            f"{where}: {what} is {describe(value)}; it must be a tensor like {_short_tensor(like)}"
         )
     if value.shape != like.shape or value.dtype != like.dtype or value.device != like.device:
         raise InvalidArgumentError(
@@ -443,10 +445,10 @@ def _raised_in_user_code(exc: BaseException) -> bool:
     import optree
     import torch
 
-    ours = tuple(
-        os.path.dirname(m.__file__ or "")
-        for m in (torch, optree, contextlib)  # contextlib: the standard library
-    ) + (os.path.dirname(__file__),)
+    ours = (
+        *(os.path.dirname(m.__file__ or "") for m in (torch, optree, contextlib)),  # + stdlib
+        os.path.dirname(__file__),
+    )
     frames = traceback.extract_tb(exc.__traceback__)
     return any(not f.filename.startswith(ours) for f in frames)
 
@@ -478,7 +480,8 @@ def check_dims(where: str, name: str, dims: object) -> None:
 
     accepted = "an int, None, or a tuple (pytree prefix of the arguments) of ints and Nones"
     check_option(where, name, dims, not isinstance(dims, (str, bytes)), accepted)
-    leaves = optree.tree_leaves(dims, none_is_leaf=True, namespace=NAMESPACE)  # type: ignore[arg-type]  # any pytree
+    tree: Any = dims  # any pytree
+    leaves: list[Any] = optree.tree_leaves(tree, none_is_leaf=True, namespace=NAMESPACE)
     for leaf in leaves:
         if leaf is not None and not _is_index(leaf):
             raise InvalidArgumentError(
@@ -500,7 +503,7 @@ def check_primals(where: str, primals: tuple[Any, ...]) -> None:
         for path, leaf in zip(paths, leaves, strict=True):
             what = f"primals[{i}]" + "".join(f"[{k!r}]" for k in path)
             if not isinstance(leaf, torch.Tensor):
-                check_numpy_leaves(where, [leaf], lambda _: what)
+                check_numpy_leaves(where, [leaf], what)
                 raise InvalidArgumentError(
                     f"{where}: {what} is {describe(leaf)}; primals must be floating-point tensors"
                 )
@@ -533,7 +536,9 @@ def check_saved(where: str, saved: object) -> None:
             f"[{saved!r}]"
         )
     if not isinstance(saved, Iterable):
-        raise InvalidArgumentError(f"{where}: saved={describe(saved)} is not accepted; saved must be {RETURNS}")
+        raise InvalidArgumentError(
+            f"{where}: saved={describe(saved)} is not accepted; saved must be {RETURNS}"
+        )
     if isinstance(saved, Collection):
         for item in saved:
             if not isinstance(item, (str, fx.Node)):

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import functrans as ft
-from functrans import partitioners, policies
+from functrans import policies
 
 FT_DIR = os.path.dirname(ft.__file__)
 HERE = os.path.abspath(__file__)
@@ -180,7 +180,11 @@ for bname, bad in {"str": "yes", "int": 1, "None": None, "list": [True]}.items()
         case(f"{op}-has_aux-{bname}", lambda make=make, bad=bad: make(bad), "has_aux")
     case(f"jvp-strict-{bname}", lambda bad=bad: ft.jvp(u_vec, (X,), (X,), strict=bad), "strict")
     case(f"trace-cse-{bname}", lambda bad=bad: ft.trace(u_vec, cse=bad)(X), "cse")
-    case(f"remat-prevent_cse-{bname}", lambda bad=bad: ft.remat(u_vec, prevent_cse=bad), "prevent_cse")
+    case(
+        f"remat-prevent_cse-{bname}",
+        lambda bad=bad: ft.remat(u_vec, prevent_cse=bad),
+        "prevent_cse",
+    )
     case(
         f"remat-decorator-prevent_cse-{bname}",
         lambda bad=bad: ft.remat(prevent_cse=bad),
@@ -199,11 +203,31 @@ BAD_STATIC: dict[str, Any] = {
     "dict": {0: 1},
 }
 for sname, bad in BAD_STATIC.items():
-    case(f"jit-static_argnums-{sname}", lambda bad=bad: ft.jit(u_two, static_argnums=bad)(X, X), "static_argnums")
-    case(f"trace-static_argnums-{sname}", lambda bad=bad: ft.trace(u_two, static_argnums=bad)(X, X), "static_argnums")
-    case(f"remat-static_argnums-{sname}", lambda bad=bad: ft.remat(u_two, static_argnums=bad), "static_argnums")
-case("jit-static_argnums-out-of-range", lambda: ft.jit(u_two, static_argnums=(5,))(X, X), "static_argnums")
-case("trace-static_argnums-out-of-range", lambda: ft.trace(u_two, static_argnums=(5,))(X, X), "static_argnums")
+    case(
+        f"jit-static_argnums-{sname}",
+        lambda bad=bad: ft.jit(u_two, static_argnums=bad)(X, X),
+        "static_argnums",
+    )
+    case(
+        f"trace-static_argnums-{sname}",
+        lambda bad=bad: ft.trace(u_two, static_argnums=bad)(X, X),
+        "static_argnums",
+    )
+    case(
+        f"remat-static_argnums-{sname}",
+        lambda bad=bad: ft.remat(u_two, static_argnums=bad),
+        "static_argnums",
+    )
+case(
+    "jit-static_argnums-out-of-range",
+    lambda: ft.jit(u_two, static_argnums=(5,))(X, X),
+    "static_argnums",
+)
+case(
+    "trace-static_argnums-out-of-range",
+    lambda: ft.trace(u_two, static_argnums=(5,))(X, X),
+    "static_argnums",
+)
 
 # -- partition strategy and options, through every entry point that takes one ---------------
 
@@ -217,7 +241,11 @@ for sname, bad in BAD_STRATEGIES.items():
         "saved_residuals": lambda s: ft.saved_residuals(u_sum, X, partition=s),
         "partition": lambda s: ft.partition(ft.joint(u_sum)(X), s),
     }.items():
-        case(f"{op}-partition-{sname}", lambda make=make, bad=bad: make(bad), "strategy" if sname != "unknown" else "nope")
+        case(
+            f"{op}-partition-{sname}",
+            lambda make=make, bad=bad: make(bad),
+            "strategy" if sname != "unknown" else "nope",
+        )
 for op, make in {
     "grad": lambda: ft.grad(u_sum, budgt=0.3)(X),
     "vjp": lambda: ft.vjp(u_sum, X, budgt=0.3),
@@ -256,7 +284,9 @@ for strategy, options in STRATEGY_OPTIONS.items():
     for option in options:
         for nname, bad in NONSENSE.items():
             needs_budget = strategy in ("optimal", "memory_budget")
-            extra = {"budget": 0.5} if needs_budget and option not in ("budget", "max_bytes") else {}
+            extra = (
+                {"budget": 0.5} if needs_budget and option not in ("budget", "max_bytes") else {}
+            )
             case(
                 f"partition-{strategy}-{option}-{nname}",
                 lambda s=strategy, o=option, b=bad, e=extra: ft.partition(_jg(), s, **{o: b}, **e),
@@ -268,6 +298,7 @@ for strategy, options in STRATEGY_OPTIONS.items():
 # -- partition / split / pareto / verify on things that are not joint graphs ----------------
 
 for gname, bad in {"None": None, "str": "jg", "int": 3, "tensor": X, "graph": "TRACED"}.items():
+
     def get(bad=bad):
         return ft.trace(u_vec)(X) if bad == "TRACED" else bad
 
@@ -276,8 +307,18 @@ for gname, bad in {"None": None, "str": "jg", "int": 3, "tensor": X, "graph": "T
     case(f"pareto-joint-{gname}", lambda get=get: ft.pareto(get()), "pareto", "joint")
     if gname != "graph":
         case(f"verify-{gname}", lambda get=get: ft.verify(get()), "verify", "graph")
-        case(f"print_saved_residuals-f-{gname}", lambda get=get: ft.print_saved_residuals(get(), X), "callable")
-for sname, bad in {"None": None, "int": 3, "str": "mm", "unknown-name": ["nope"], "obj": [object()]}.items():
+        case(
+            f"print_saved_residuals-f-{gname}",
+            lambda get=get: ft.print_saved_residuals(get(), X),
+            "callable",
+        )
+for sname, bad in {
+    "None": None,
+    "int": 3,
+    "str": "mm",
+    "unknown-name": ["nope"],
+    "obj": [object()],
+}.items():
     names = ("saved",) if sname == "unknown-name" else ("split", "saved")
     case(f"split-saved-{sname}", lambda bad=bad: ft.split(_jg(), bad), *names)
 for bname, bad in {"str": "nope", "None": None, "int": 3}.items():
@@ -338,12 +379,38 @@ BAD_TANGENTS: dict[str, Callable[[], Any]] = {
 }
 for tname, make in BAD_TANGENTS.items():
     case(f"jvp-tangents-{tname}", lambda make=make: ft.jvp(u_vec, (X,), make()), "jvp", "tangent")
-for pname, bad in {"None": (None,), "str": ("x",), "float": (1.0,), "numpy": (NP,), "int": (INT,)}.items():
+for pname, bad in {
+    "None": (None,),
+    "str": ("x",),
+    "float": (1.0,),
+    "numpy": (NP,),
+    "int": (INT,),
+}.items():
     case(f"jvp-primals-{pname}", lambda bad=bad: ft.jvp(u_vec, bad, bad), "jvp", "primal")
-case("jvp-tree-tangents-missing-leaf", lambda: ft.jvp(u_tree, ({"a": X, "b": X},), ({"a": X},)), "jvp", "tangent")
-case("jvp-tree-tangents-wrong-shape", lambda: ft.jvp(u_tree, ({"a": X, "b": X},), ({"a": X, "b": torch.ones(2)},)), "jvp", "tangent")
-for tname, make in {"wrong-shape": lambda: torch.ones(5), "None": lambda: None, "str": lambda: "x", "double": lambda: X.double()}.items():
-    case(f"linearize-jvp_fn-{tname}", lambda make=make: ft.linearize(u_vec, X)[1](make()), "linearize", "tangent")
+case(
+    "jvp-tree-tangents-missing-leaf",
+    lambda: ft.jvp(u_tree, ({"a": X, "b": X},), ({"a": X},)),
+    "jvp",
+    "tangent",
+)
+case(
+    "jvp-tree-tangents-wrong-shape",
+    lambda: ft.jvp(u_tree, ({"a": X, "b": X},), ({"a": X, "b": torch.ones(2)},)),
+    "jvp",
+    "tangent",
+)
+for tname, make in {
+    "wrong-shape": lambda: torch.ones(5),
+    "None": lambda: None,
+    "str": lambda: "x",
+    "double": lambda: X.double(),
+}.items():
+    case(
+        f"linearize-jvp_fn-{tname}",
+        lambda make=make: ft.linearize(u_vec, X)[1](make()),
+        "linearize",
+        "tangent",
+    )
 
 # -- vmap: in_dims, out_dims, randomness, chunk_size, the batch itself -----------------------
 
@@ -361,27 +428,78 @@ BAD_IN_DIMS: dict[str, Any] = {
     "list-too-short": [0],
 }
 for iname, bad in BAD_IN_DIMS.items():
-    case(f"vmap-in_dims-{iname}", lambda bad=bad: ft.vmap(u_two, in_dims=bad)(XS, YS), "vmap", "in_dims")
+    case(
+        f"vmap-in_dims-{iname}",
+        lambda bad=bad: ft.vmap(u_two, in_dims=bad)(XS, YS),
+        "vmap",
+        "in_dims",
+    )
     case(
         f"vmap-of-grad-in_dims-{iname}",
         lambda bad=bad: ft.vmap(ft.grad(u_two), in_dims=bad)(XS, YS),
         "vmap",
         "in_dims",
     )
-case("vmap-in_dims-tree-mismatch", lambda: ft.vmap(u_tree, in_dims=({"a": 0},))({"a": XS, "b": YS}), "vmap", "in_dims")
+case(
+    "vmap-in_dims-tree-mismatch",
+    lambda: ft.vmap(u_tree, in_dims=({"a": 0},))({"a": XS, "b": YS}),
+    "vmap",
+    "in_dims",
+)
 case("vmap-batch-sizes-differ", lambda: ft.vmap(u_two)(XS, torch.ones(5, 3)), "vmap", "in_dims")
-case("vmap-of-grad-batch-sizes-differ", lambda: ft.vmap(ft.grad(u_two))(XS, torch.ones(5, 3)), "vmap", "in_dims")
-case("vmap-scalar-input", lambda: ft.vmap(u_two)(torch.tensor(1.0), torch.tensor(2.0)), "vmap", "in_dims")
+case(
+    "vmap-of-grad-batch-sizes-differ",
+    lambda: ft.vmap(ft.grad(u_two))(XS, torch.ones(5, 3)),
+    "vmap",
+    "in_dims",
+)
+case(
+    "vmap-scalar-input",
+    lambda: ft.vmap(u_two)(torch.tensor(1.0), torch.tensor(2.0)),
+    "vmap",
+    "in_dims",
+)
 for iname, bad in {"None": None, "str": "x", "numpy": NP, "float": 1.0}.items():
     case(f"vmap-input-{iname}", lambda bad=bad: ft.vmap(u_two)(bad, YS), "vmap", "in_dims")
-for oname, bad in {"out-of-range": 5, "str": "x", "float": 1.5, "tuple-too-long": (0, 0), "bool": True}.items():
-    case(f"vmap-out_dims-{oname}", lambda bad=bad: ft.vmap(u_vec, out_dims=bad)(XS), "vmap", "out_dims")
+for oname, bad in {
+    "out-of-range": 5,
+    "str": "x",
+    "float": 1.5,
+    "tuple-too-long": (0, 0),
+    "bool": True,
+}.items():
+    case(
+        f"vmap-out_dims-{oname}",
+        lambda bad=bad: ft.vmap(u_vec, out_dims=bad)(XS),
+        "vmap",
+        "out_dims",
+    )
 for rname, bad in {"str": "x", "None": None, "int": 1}.items():
-    case(f"vmap-randomness-{rname}", lambda bad=bad: ft.vmap(u_vec, randomness=bad)(XS), "vmap", "randomness")
-    case(f"jacfwd-randomness-{rname}", lambda bad=bad: ft.jacfwd(u_vec, randomness=bad)(X), "jacfwd", "randomness")
+    case(
+        f"vmap-randomness-{rname}",
+        lambda bad=bad: ft.vmap(u_vec, randomness=bad)(XS),
+        "vmap",
+        "randomness",
+    )
+    case(
+        f"jacfwd-randomness-{rname}",
+        lambda bad=bad: ft.jacfwd(u_vec, randomness=bad)(X),
+        "jacfwd",
+        "randomness",
+    )
 for cname, bad in {"zero": 0, "str": "x", "bool": True, "float": 2.0}.items():
-    case(f"vmap-chunk_size-{cname}", lambda bad=bad: ft.vmap(u_vec, chunk_size=bad)(XS), "vmap", "chunk_size")
-    case(f"jacrev-chunk_size-{cname}", lambda bad=bad: ft.jacrev(u_vec, chunk_size=bad)(X), "jacrev", "chunk_size")
+    case(
+        f"vmap-chunk_size-{cname}",
+        lambda bad=bad: ft.vmap(u_vec, chunk_size=bad)(XS),
+        "vmap",
+        "chunk_size",
+    )
+    case(
+        f"jacrev-chunk_size-{cname}",
+        lambda bad=bad: ft.jacrev(u_vec, chunk_size=bad)(X),
+        "jacrev",
+        "chunk_size",
+    )
 
 # -- inputs: non-tensors, numpy arrays, meta tensors, integer tensors -----------------------
 
@@ -428,7 +546,12 @@ for iname, bad in {"int": INT, "bool": INT > 0, "int-in-tree": {"a": X, "b": INT
         "jacrev": lambda f, v: ft.jacrev(f)(v),
         "hessian": lambda f, v: ft.hessian(f)(v),
     }.items():
-        case(f"{op}-input-{iname}", lambda make=make, fn=fn, bad=bad: make(fn, bad), op, user_error=True)
+        case(
+            f"{op}-input-{iname}",
+            lambda make=make, fn=fn, bad=bad: make(fn, bad),
+            op,
+            user_error=True,
+        )
 case("grad-input-str-leaf", lambda: ft.grad(u_tree)({"a": X, "b": "s"}), user_error=True)
 
 
@@ -437,22 +560,69 @@ def _meta_model():
         return torch.nn.Linear(3, 3)
 
 
-case("jit-meta-model", lambda: ft.jit(_meta_model())(torch.ones(2, 3, device="meta")), "jit", may_succeed=True)
+case(
+    "jit-meta-model",
+    lambda: ft.jit(_meta_model())(torch.ones(2, 3, device="meta")),
+    "jit",
+    may_succeed=True,
+)
 case("jit-meta-model-real-input", lambda: ft.jit(_meta_model())(torch.ones(2, 3)), "Linear", "meta")
 
 # -- jit options ----------------------------------------------------------------------------
 
 for oname, bad in {"str": "nope", "int": 3, "None": None}.items():
-    case(f"jit-backend-{oname}", lambda bad=bad: ft.jit(u_sum, backend=bad)(X), "backend", repr(bad))
-    case(f"jit-decompositions-{oname}", lambda bad=bad: ft.jit(u_sum, decompositions=bad)(X), "decompositions", may_succeed=bad is None)
-    case(f"jit-dynamic-{oname}", lambda bad=bad: ft.jit(u_sum, dynamic=bad)(X), "dynamic", may_succeed=oname == "None")
-    case(f"trace-decompositions-{oname}", lambda bad=bad: ft.trace(u_sum, decompositions=bad)(X), "decompositions", may_succeed=bad is None)
-    case(f"joint-decompositions-{oname}", lambda bad=bad: ft.joint(u_sum, decompositions=bad)(X), "decompositions", may_succeed=bad is None)
-    case(f"trace-dynamic-{oname}", lambda bad=bad: ft.trace(u_sum, dynamic=bad)(X), "dynamic", may_succeed=oname == "None")
-    case(f"joint-dynamic-{oname}", lambda bad=bad: ft.joint(u_sum, dynamic=bad)(X), "dynamic", may_succeed=oname == "None")
+    case(
+        f"jit-backend-{oname}", lambda bad=bad: ft.jit(u_sum, backend=bad)(X), "backend", repr(bad)
+    )
+    case(
+        f"jit-decompositions-{oname}",
+        lambda bad=bad: ft.jit(u_sum, decompositions=bad)(X),
+        "decompositions",
+        may_succeed=bad is None,
+    )
+    case(
+        f"jit-dynamic-{oname}",
+        lambda bad=bad: ft.jit(u_sum, dynamic=bad)(X),
+        "dynamic",
+        may_succeed=oname == "None",
+    )
+    case(
+        f"trace-decompositions-{oname}",
+        lambda bad=bad: ft.trace(u_sum, decompositions=bad)(X),
+        "decompositions",
+        may_succeed=bad is None,
+    )
+    case(
+        f"joint-decompositions-{oname}",
+        lambda bad=bad: ft.joint(u_sum, decompositions=bad)(X),
+        "decompositions",
+        may_succeed=bad is None,
+    )
+    case(
+        f"trace-dynamic-{oname}",
+        lambda bad=bad: ft.trace(u_sum, dynamic=bad)(X),
+        "dynamic",
+        may_succeed=oname == "None",
+    )
+    case(
+        f"joint-dynamic-{oname}",
+        lambda bad=bad: ft.joint(u_sum, dynamic=bad)(X),
+        "dynamic",
+        may_succeed=oname == "None",
+    )
 for cname, bad in {"zero": 0, "str": "x", "bool": True, "float": 2.0, "None": None}.items():
-    case(f"jit-cache_size-{cname}", lambda bad=bad: ft.jit(u_sum, cache_size=bad), "jit", "cache_size")
-    case(f"jit-decorator-cache_size-{cname}", lambda bad=bad: ft.jit(cache_size=bad), "jit", "cache_size")
+    case(
+        f"jit-cache_size-{cname}",
+        lambda bad=bad: ft.jit(u_sum, cache_size=bad),
+        "jit",
+        "cache_size",
+    )
+    case(
+        f"jit-decorator-cache_size-{cname}",
+        lambda bad=bad: ft.jit(cache_size=bad),
+        "jit",
+        "cache_size",
+    )
 case("jit-decorator-backend", lambda: ft.jit(backend=3), "jit", "backend")
 case("jit-decorator-static_argnums", lambda: ft.jit(static_argnums="x"), "jit", "static_argnums")
 
@@ -462,11 +632,30 @@ for pname, bad in {"str": "nope", "int": 3, "list": [1], "tensor": X}.items():
     case(f"remat-policy-{pname}", lambda bad=bad: ft.remat(u_sum, policy=bad), "policy")
     case(f"remat-decorator-policy-{pname}", lambda bad=bad: ft.remat(policy=bad), "policy")
     case(f"normalize-{pname}", lambda bad=bad: policies.normalize(bad), "policy")
-    case(f"save_from_both_policies-{pname}", lambda bad=bad: policies.save_from_both_policies(bad, None), "policy")
+    case(
+        f"save_from_both_policies-{pname}",
+        lambda bad=bad: policies.save_from_both_policies(bad, None),
+        "policy",
+    )
 for nname, bad in {"int": 3, "None": None, "tensor": X, "list": ["a"]}.items():
-    case(f"save_only_these_names-{nname}", lambda bad=bad: policies.save_only_these_names(bad), "save_only_these_names", may_succeed=nname == "list")
-    case(f"save_any_names_but_these-{nname}", lambda bad=bad: policies.save_any_names_but_these(bad), "save_any_names_but_these", may_succeed=nname == "list")
-    case(f"checkpoint_name-name-{nname}", lambda bad=bad: ft.checkpoint_name(X, bad), "checkpoint_name", "name")
+    case(
+        f"save_only_these_names-{nname}",
+        lambda bad=bad: policies.save_only_these_names(bad),
+        "save_only_these_names",
+        may_succeed=nname == "list",
+    )
+    case(
+        f"save_any_names_but_these-{nname}",
+        lambda bad=bad: policies.save_any_names_but_these(bad),
+        "save_any_names_but_these",
+        may_succeed=nname == "list",
+    )
+    case(
+        f"checkpoint_name-name-{nname}",
+        lambda bad=bad: ft.checkpoint_name(X, bad),
+        "checkpoint_name",
+        "name",
+    )
     case(
         f"save_and_offload-{nname}",
         lambda bad=bad: policies.save_and_offload_only_these_names(names_which_can_be_saved=bad),
@@ -474,8 +663,16 @@ for nname, bad in {"int": 3, "None": None, "tensor": X, "list": ["a"]}.items():
         may_succeed=nname == "list",
     )
 for oname, bad in {"str": "nowhere", "int": 3, "None": None}.items():
-    case(f"offload_dot-src-{oname}", lambda bad=bad: policies.offload_dot_with_no_batch_dims(offload_src=bad), "offload_src")
-    case(f"offload_dot-dst-{oname}", lambda bad=bad: policies.offload_dot_with_no_batch_dims(offload_dst=bad), "offload_dst")
+    case(
+        f"offload_dot-src-{oname}",
+        lambda bad=bad: policies.offload_dot_with_no_batch_dims(offload_src=bad),
+        "offload_src",
+    )
+    case(
+        f"offload_dot-dst-{oname}",
+        lambda bad=bad: policies.offload_dot_with_no_batch_dims(offload_dst=bad),
+        "offload_dst",
+    )
 for oname, bad in {"str": "mm", "int": 3, "None": None}.items():
     case(f"save_ops-{oname}", lambda bad=bad: policies.save_ops(bad), "save_ops")
 for pname, bad in {"None": None, "int": 3, "str": "x"}.items():
@@ -574,7 +771,7 @@ def test_bad_input(c: Case):
         for name in c.names:
             assert name in message, f"{name!r} not in the message: {message}"
         return
-    except Exception as e:  # noqa: BLE001  # what the sweep is about
+    except Exception as e:  # what the sweep is about
         owner = _owner(e)
         if c.user_error and owner == "user":
             return
