@@ -379,7 +379,9 @@ def check_like(where: str, what: str, value: object, like: Any) -> None:
         )
 
 
-def check_tree_like(where: str, what: str, given: Any, like: Any) -> list[tuple[str, Any, Any]]:
+def check_tree_like(
+    where: str, what: str, given: Any, like: Any, like_what: str
+) -> list[tuple[str, Any, Any]]:
     """``(path, given leaf, like leaf)`` for each leaf of ``like``, or
     :class:`InvalidArgumentError` if ``given`` has another pytree structure (None is a leaf)."""
     import optree
@@ -392,7 +394,7 @@ def check_tree_like(where: str, what: str, given: Any, like: Any) -> list[tuple[
     given_leaves, given_spec = optree.tree_flatten(given, none_is_leaf=True, namespace=NAMESPACE)
     if given_spec != like_spec:
         raise InvalidArgumentError(
-            f"{where}: {what} must have the structure of {like_spec} ({len(like_leaves)} "
+            f"{where}: {what} must have the structure of {like_what} {like_spec} ({len(like_leaves)} "
             f"leaves); got {describe(given)} with structure {given_spec}"
         )
     return [
@@ -407,7 +409,7 @@ def check_cotangents(where: str, cotangents: Any, outs: Any) -> list[Any]:
     structure, count, shape, dtype or device). Other outputs' cotangents are not read."""
     import torch
 
-    pairs = check_tree_like(where, "cotangents", cotangents, outs)
+    pairs = check_tree_like(where, "cotangents", cotangents, outs, "the outputs")
     chosen = []
     for path, given, out in pairs:
         if isinstance(out, torch.Tensor) and out.is_floating_point():
@@ -468,7 +470,26 @@ def torch_func_arguments(where: str, hint: Callable[[], str] = lambda: "") -> It
     except (ValueError, RuntimeError, TypeError, IndexError, AttributeError) as e:
         if getattr(e, _USER_ERROR, False) or _raised_in_user_code(e):
             raise
-        raise InvalidArgumentError(f"{where}: {e}{hint()}") from e
+        message = f"{where}: {e}{hint()}"
+        try:
+            named = _argument_error(type(e))(message)
+        except TypeError:  # a class with its own constructor or layout
+            named = InvalidArgumentError(message)
+        raise named from e
+
+
+_ARGUMENT_ERRORS: dict[type[Exception], type[InvalidArgumentError]] = {}
+
+
+def _argument_error(kind: type[Exception]) -> type[InvalidArgumentError]:
+    """:class:`InvalidArgumentError` that is also a ``kind`` (``except RuntimeError`` around a
+    torch.func call still catches what torch raised)."""
+    if issubclass(InvalidArgumentError, kind):
+        return InvalidArgumentError
+    if kind not in _ARGUMENT_ERRORS:
+        name = f"InvalidArgumentError[{kind.__name__}]"
+        _ARGUMENT_ERRORS[kind] = type(name, (InvalidArgumentError, kind), {})  # may raise TypeError
+    return _ARGUMENT_ERRORS[kind]
 
 
 def check_dims(where: str, name: str, dims: object) -> None:
@@ -523,7 +544,7 @@ def check_tangents(where: str, tangents: tuple[Any, ...], primals: tuple[Any, ..
             "per primal, with its structure, shape and dtype"
         )
     for i, (t, p) in enumerate(zip(tangents, primals, strict=True)):
-        for path, given, like in check_tree_like(where, f"tangents[{i}]", t, p):
+        for path, given, like in check_tree_like(where, f"tangents[{i}]", t, p, f"primals[{i}]"):
             check_like(where, f"tangents[{i}]{path}", given, like)
 
 
