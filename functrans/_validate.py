@@ -394,8 +394,8 @@ def check_tree_like(
     given_leaves, given_spec = optree.tree_flatten(given, none_is_leaf=True, namespace=NAMESPACE)
     if given_spec != like_spec:
         raise InvalidArgumentError(
-            f"{where}: {what} must have the structure of {like_what} {like_spec} ({len(like_leaves)} "
-            f"leaves); got {describe(given)} with structure {given_spec}"
+            f"{where}: {what} must have the structure of {like_what} {like_spec} "
+            f"({len(like_leaves)} leaves); got {describe(given)} with structure {given_spec}"
         )
     return [
         ("".join(f"[{k!r}]" for k in p), g, w)
