@@ -8,6 +8,7 @@ import inspect
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, ParamSpec, TypeVar, overload
 
+import optree
 import torch
 
 from ._dtypes import differentiable
@@ -16,10 +17,17 @@ from ._func import GRAD_SPEC, GradSpec
 from ._inline import inline_value_and_grad, inline_vjp
 from ._joint import joint, normalize_argnums
 from ._partition import Strategy, partition
-from ._pytree import flatten
+from ._pytree import NAMESPACE, flatten
 from ._stack import transform_frame
 from ._trace import is_tracing
-from ._validate import describe
+from ._validate import (
+    check_argnums,
+    check_bool,
+    check_callable,
+    check_cotangents,
+    check_numpy_leaves,
+    describe,
+)
 
 __all__ = ["grad", "value_and_grad", "vjp"]
 
@@ -63,6 +71,7 @@ def vjp(
     >>> vjp_fn(torch.ones(2))
     (tensor([1., 1.]),)
     """
+    check_callable("vjp", "f", f)
     if has_aux:  # torch.func.vjp's form: f returns (output, aux); aux is not differentiated
         return _vjp_with_aux(f, primals, partition, options)
     with transform_frame("vjp", f):
@@ -74,17 +83,9 @@ def vjp(
     p = _partition(jg, partition, options)
     outs: Any
     outs, saved = p.forward(*primals)
-    out_spec = flatten(outs)[1].spec
 
     def vjp_fn(cotangents: Any) -> tuple[Any, ...]:
-        leaves, flat = flatten(cotangents)
-        if flat.spec != out_spec:
-            raise FunctransError(
-                f"vjp_fn: cotangents must have the structure of the outputs {out_spec}, "
-                f"got {flat.spec}"
-            )
-        outs_flat, _ = flatten(outs)
-        tangents = tuple(c for c, o in zip(leaves, outs_flat, strict=True) if differentiable(o))
+        tangents = tuple(check_cotangents("vjp_fn", cotangents, outs))
         grads: tuple[Any, ...] = p.backward(saved, tangents)
         return grads
 
@@ -118,18 +119,9 @@ def _vjp_with_aux(
         jg = joint(f, has_aux=True)(*primals)
     p = _partition(jg, partition, options)
     (out, aux), saved = p.forward(*primals)
-    out_leaves, out_flat = flatten(out)
 
     def vjp_fn(cotangents: Any) -> tuple[Any, ...]:
-        leaves, flat = flatten(cotangents)
-        if flat.spec != out_flat.spec:
-            raise FunctransError(
-                f"vjp_fn: cotangents must have the structure of the outputs {out_flat.spec}, "
-                f"got {flat.spec}"
-            )
-        tangents = tuple(
-            c for c, o in zip(leaves, out_leaves, strict=True) if o.is_floating_point()
-        )
+        tangents = tuple(check_cotangents("vjp_fn", cotangents, out))
         grads: tuple[Any, ...] = p.backward(saved, tangents)
         return grads
 
@@ -173,7 +165,14 @@ def value_and_grad(
     >>> ft.value_and_grad(lambda x: (x * x).sum())(torch.tensor([1.0, 2.0]))
     (tensor(5.), tensor([2., 4.]))
     """
+    _check_grad_args("value_and_grad", f, argnums, has_aux)
     return _value_and_grad_fn(f, argnums, has_aux, partition, options, "value_and_grad")
+
+
+def _check_grad_args(where: str, f: Any, argnums: Any, has_aux: Any) -> None:
+    check_callable(where, "f", f)
+    check_argnums(where, argnums)
+    check_bool(where, "has_aux", has_aux)
 
 
 def _value_and_grad_fn(
@@ -189,7 +188,7 @@ def _value_and_grad_fn(
             return _value_and_grad(args, kwargs)
 
     def _value_and_grad(args: Any, kwargs: Any) -> tuple[_R, Any]:
-        check_differentiable(f, args, argnums)
+        check_differentiable(f, args, argnums, name)
         if torch._C._are_functorch_transforms_active():
             return _torch_func_value_and_grad(f, argnums, has_aux, args, kwargs)
         if is_tracing():  # inside another functrans trace: the outer trace records the backward
@@ -250,7 +249,9 @@ def _describe_output(out: Any) -> str:
     return f"{what}, which has no gradient: compute the output in floating point."
 
 
-def check_differentiable(f: Callable[..., Any], args: tuple[Any, ...], argnums: Any) -> None:
+def check_differentiable(
+    f: Callable[..., Any], args: tuple[Any, ...], argnums: Any, where: str = "grad"
+) -> None:
     """Raise :class:`InvalidArgumentError` unless each argument ``argnums`` names holds tensors
     and they are all floating-point or complex (a complex one gets torch's conjugate Wirtinger
     gradient, as ``torch.func.grad`` gives). ``torch.func.grad`` and ``jax.grad`` refuse
@@ -269,18 +270,24 @@ def check_differentiable(f: Callable[..., Any], args: tuple[Any, ...], argnums: 
         name = names[i] if i < len(names) else f"args[{i}]"
         try:
             tensors, flat = flatten(args[i])
+        except InvalidArgumentError:  # a numpy array: name the argument
+            tree: Any = args[i]  # any pytree
+            leaves = optree.tree_leaves(tree, namespace=NAMESPACE)
+            what = f"argument {i} ({name})"
+            check_numpy_leaves(where, leaves, what)
+            raise
         except UnsupportedOpError as e:
-            raise UnsupportedOpError(f"grad: argument {i} ({name}): {e}") from e
+            raise UnsupportedOpError(f"{where}: argument {i} ({name}): {e}") from e
         if not tensors:
             raise InvalidArgumentError(
-                f"grad: argument {i} ({name}) is {describe(args[i])}, which holds no tensor to "
+                f"{where}: argument {i} ({name}) is {describe(args[i])}, which holds no tensor to "
                 f"differentiate; gradients are defined for floating-point and complex tensors "
                 f"only. Pass a tensor (torch.tensor(...)) or leave it out of argnums={argnums!r}"
             )
         for t, path in zip(tensors, flat.tensor_paths(), strict=True):
             if not differentiable(t):
-                where = f"argument {i} ({name})" + (f", leaf {name}{path}," if path else "")
-                raise InvalidArgumentError(f"grad: {where} {_not_differentiable(t, argnums)}")
+                what = f"argument {i} ({name})" + (f", leaf {name}{path}," if path else "")
+                raise InvalidArgumentError(f"{where}: {what} {_not_differentiable(t, argnums)}")
 
 
 def _not_differentiable(t: torch.Tensor, argnums: Any) -> str:
@@ -315,6 +322,7 @@ def grad(
     >>> ft.grad(lambda x, y: (x * y).sum(), argnums=(0, 1))(torch.ones(2), torch.full((2,), 3.0))
     (tensor([3., 3.]), tensor([1., 1.]))
     """
+    _check_grad_args("grad", f, argnums, has_aux)
     vg = _value_and_grad_fn(f, argnums, has_aux, partition, options, "grad")
 
     def run(*args: _P.args, **kwargs: _P.kwargs) -> Any:

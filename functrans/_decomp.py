@@ -96,7 +96,9 @@ def decomposition_table(decompositions: Decompositions) -> Mapping[Any, Callable
         return {}
     if isinstance(decompositions, Mapping):
         return decompositions
-    raise ValueError(
+    from ._errors import InvalidArgumentError
+
+    raise InvalidArgumentError(
         "decompositions must be 'core', 'minimal', 'none', None or a mapping, "
         f"got {decompositions!r}"
     )

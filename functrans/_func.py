@@ -35,6 +35,17 @@ from ._errors import InvalidArgumentError
 from ._pytree import NAMESPACE
 from ._stack import transform_frame
 from ._trace import is_tracing
+from ._validate import (
+    check_argnums,
+    check_bool,
+    check_callable,
+    check_dims,
+    check_primals,
+    check_tangents,
+    describe,
+    torch_func_arguments,
+    user_calls,
+)
 
 __all__ = [
     "GRAD_SPEC",
@@ -77,12 +88,16 @@ class GradSpec:
     options: tuple[tuple[str, Any], ...]
 
 
-def _frame(name: str, f: Callable[..., Any], call: Callable[..., _R]) -> Callable[..., _R]:
-    """``call`` run inside transform frame ``name`` of ``f``, with ``f``'s name and docs."""
+def _frame(
+    name: str, f: Callable[..., Any], call: Callable[..., _R], hint: Callable[[], str] = str
+) -> Callable[..., _R]:
+    """``call`` run inside transform frame ``name`` of ``f``, with ``f``'s name and docs; what
+    torch.func raises about the arguments is an :class:`InvalidArgumentError` naming ``name``
+    (and ``hint()``), what ``f`` raises is left as it is."""
 
     @functools.wraps(f, updated=())
     def run(*args: Any, **kwargs: Any) -> _R:
-        with transform_frame(name, f):
+        with transform_frame(name, f), torch_func_arguments(name, hint):
             return call(*args, **kwargs)
 
     return run
@@ -104,13 +119,14 @@ def vmap(
     >>> ft.vmap(torch.dot)(torch.ones(4, 3), torch.ones(4, 3))
     tensor([3., 3., 3., 3.])
     """
-    if randomness not in _RANDOMNESS:
-        raise InvalidArgumentError(
-            f"vmap: randomness={randomness!r}; accepted: {', '.join(map(repr, _RANDOMNESS))}"
-        )
-    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
-        raise InvalidArgumentError(f"vmap: chunk_size={chunk_size!r}; accepted: None or int >= 1")
-    batched = torch.func.vmap(func, in_dims, out_dims, randomness, chunk_size=chunk_size)
+    check_callable("vmap", "func", func)
+    check_dims("vmap", "in_dims", in_dims)
+    check_dims("vmap", "out_dims", out_dims)
+    _check_randomness("vmap", randomness)
+    _check_chunk_size("vmap", chunk_size)
+    batched = torch.func.vmap(
+        user_calls(func), in_dims, out_dims, randomness, chunk_size=chunk_size
+    )
     spec: GradSpec | None = getattr(func, GRAD_SPEC, None)
     if spec is not None and spec.run is not func:  # a wrapper (jit, remat) copied it
         spec = None
@@ -126,10 +142,29 @@ def vmap(
             return compiled(*args, **kwargs)
         return batched(*args, **kwargs)
 
-    wrapped = _frame("vmap", func, call)
+    def hint() -> str:
+        return f" (vmap's in_dims={in_dims!r}, out_dims={out_dims!r})"
+
+    wrapped = _frame("vmap", func, call, hint)
     if spec is not None and out_dims == 0 and chunk_size is None:
         setattr(wrapped, PER_EXAMPLE, VmapOfGrad(wrapped, spec, in_dims, randomness))
     return wrapped
+
+
+def _check_randomness(where: str, randomness: object) -> None:
+    if not isinstance(randomness, str) or randomness not in _RANDOMNESS:
+        raise InvalidArgumentError(
+            f"{where}: randomness={randomness!r}; accepted: {', '.join(map(repr, _RANDOMNESS))}"
+        )
+
+
+def _check_chunk_size(where: str, chunk_size: object) -> None:
+    if chunk_size is not None and (
+        not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1
+    ):
+        raise InvalidArgumentError(
+            f"{where}: chunk_size={chunk_size!r}; accepted: None or an int >= 1"
+        )
 
 
 #: Attribute on the function ``vmap(grad(f))`` returns: its :class:`VmapOfGrad`.
@@ -287,12 +322,14 @@ def jvp(
     >>> ft.jvp(torch.sin, (torch.zeros(2),), (torch.ones(2),))
     (tensor([0., 0.]), tensor([1., 1.]))
     """
+    check_callable("jvp", "func", func)
+    check_bool("jvp", "strict", strict)
+    check_bool("jvp", "has_aux", has_aux)
+    primals, tangents = _as_tuple(primals, "primals"), _as_tuple(tangents, "tangents")
+    check_primals("jvp", primals)
+    check_tangents("jvp", tangents, primals)
     return _frame("jvp", func, torch.func.jvp)(
-        func,
-        _as_tuple(primals, "primals"),
-        _as_tuple(tangents, "tangents"),
-        strict=strict,
-        has_aux=has_aux,
+        user_calls(func), primals, tangents, strict=strict, has_aux=has_aux
     )
 
 
@@ -303,7 +340,7 @@ def _as_tuple(x: Any, what: str) -> tuple[Any, ...]:
         return tuple(x)
     raise InvalidArgumentError(
         f"jvp: {what} must be a tuple with one entry per argument of the function (e.g. "
-        f"({what[:-1]},)); got {type(x).__name__}"
+        f"({what[:-1]},)); got {what}={describe(x)}"
     )
 
 
@@ -317,6 +354,15 @@ def linearize(func: Callable[..., Any], *primals: Any) -> tuple[Any, Callable[..
     >>> jvp_fn(torch.ones(3))
     tensor([1., 1., 1.])
     """
+    check_callable("linearize", "func", func)
+    check_primals("linearize", primals)
+
+    def checked(jvp_fn: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*tangents: Any) -> Any:
+            check_tangents("linearize: jvp_fn", tangents, primals)
+            return jvp_fn(*tangents)
+
+        return run
 
     def call(*ps: Any) -> tuple[Any, Callable[..., Any]]:
         if not torch._C._are_functorch_transforms_active() and not is_tracing():
@@ -324,14 +370,14 @@ def linearize(func: Callable[..., Any], *primals: Any) -> tuple[Any, Callable[..
 
             with warnings.catch_warnings():  # torch's constant folding warns about get_attr
                 warnings.simplefilter("ignore", UserWarning)
-                found: tuple[Any, Callable[..., Any]] = torch.func.linearize(func, *ps)
-            return found
+                found = torch.func.linearize(user_calls(func), *ps)
+            return found[0], checked(found[1])
         out = func(*ps)
 
         def jvp_fn(*tangents: Any) -> Any:
             return torch.func.jvp(func, ps, tangents)[1]
 
-        return out, jvp_fn
+        return out, checked(jvp_fn)
 
     return _frame("linearize", func, call)(*primals)
 
@@ -350,9 +396,16 @@ def jacrev(
     tensor([[2., 0.],
             [0., 4.]])
     """
-    return _frame(
-        "jacrev", func, torch.func.jacrev(func, argnums, has_aux=has_aux, chunk_size=chunk_size)
-    )
+    _check_jacobian("jacrev", func, argnums, has_aux)
+    _check_chunk_size("jacrev", chunk_size)
+    jac = torch.func.jacrev(user_calls(func), argnums, has_aux=has_aux, chunk_size=chunk_size)
+    return _frame("jacrev", func, jac, lambda: f" (jacrev's argnums={argnums!r})")
+
+
+def _check_jacobian(where: str, func: Any, argnums: Any, has_aux: Any) -> None:
+    check_callable(where, "func", func)
+    check_argnums(where, argnums)
+    check_bool(where, "has_aux", has_aux)
 
 
 def jacfwd(
@@ -369,7 +422,10 @@ def jacfwd(
     tensor([[1., 0.],
             [0., 1.]])
     """
-    return _frame("jacfwd", func, torch.func.jacfwd(func, argnums, has_aux, randomness=randomness))
+    _check_jacobian("jacfwd", func, argnums, has_aux)
+    _check_randomness("jacfwd", randomness)
+    jac = torch.func.jacfwd(user_calls(func), argnums, has_aux, randomness=randomness)
+    return _frame("jacfwd", func, jac, lambda: f" (jacfwd's argnums={argnums!r})")
 
 
 def hessian(func: Callable[..., Any], argnums: int | tuple[int, ...] = 0) -> Callable[..., Any]:
@@ -380,7 +436,9 @@ def hessian(func: Callable[..., Any], argnums: int | tuple[int, ...] = 0) -> Cal
     tensor([[ 6.,  0.],
             [ 0., 12.]])
     """
-    return _frame("hessian", func, torch.func.hessian(func, argnums))
+    _check_jacobian("hessian", func, argnums, False)
+    hess = torch.func.hessian(user_calls(func), argnums)
+    return _frame("hessian", func, hess, lambda: f" (hessian's argnums={argnums!r})")
 
 
 def stop_gradient(x: _T) -> _T:
@@ -420,6 +478,21 @@ class ShapeDtypeStruct:
     dtype: torch.dtype
     device: torch.device = _CPU
 
+    def __post_init__(self) -> None:
+        shape: Any = self.shape
+        if not isinstance(shape, (tuple, list, torch.Size)) or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+        ):
+            raise InvalidArgumentError(
+                f"ShapeDtypeStruct: shape={describe(shape)} is not accepted; shape must be a "
+                "tuple of ints >= 0"
+            )
+        if not isinstance(self.dtype, torch.dtype):
+            raise InvalidArgumentError(
+                f"ShapeDtypeStruct: dtype={describe(self.dtype)} is not accepted; dtype must be "
+                "a torch.dtype (e.g. torch.float32)"
+            )
+
     @property
     def ndim(self) -> int:
         return len(self.shape)
@@ -434,6 +507,7 @@ def eval_shape(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     >>> ft.eval_shape(lambda x: {"y": x @ x.T}, ft.ShapeDtypeStruct((1000, 30), torch.float16))
     {'y': ShapeDtypeStruct(shape=(1000, 1000), dtype=torch.float16, device=device(type='cpu'))}
     """
+    check_callable("eval_shape", "func", func)
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._python_dispatch import _disable_current_modes
 

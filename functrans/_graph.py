@@ -99,6 +99,13 @@ class Graph:
         *,
         root: torch.nn.Module | None = None,
     ) -> None:
+        if not isinstance(graph, (fx.GraphModule, fx.Graph)):
+            from ._validate import describe
+
+            raise GraphError(
+                f"{type(self).__name__}: graph={describe(graph)} is not accepted; graph must be "
+                "a torch.fx.GraphModule or torch.fx.Graph"
+            )
         # A bare fx.Graph (plus the module holding its constants) is compiled to Python only
         # when first run: partitions that are only inspected never pay for code generation.
         self._gm = graph if isinstance(graph, fx.GraphModule) else None
@@ -147,13 +154,26 @@ class Graph:
         return (n for n in self._graph.nodes if n.op == "call_function")
 
     def run_flat(self, *tensors: torch.Tensor) -> list[Any]:
-        """Run on flat tensor inputs, return flat outputs (no pytree handling, no checks)."""
-        return list(self.graph_module(*tensors))
+        """Run on flat tensor inputs (one per placeholder, with the shapes and dtypes it was
+        traced with), return flat outputs (no pytree handling)."""
+        placeholders = self.placeholders()
+        what = f"{type(self).__name__}.run_flat"
+        if len(tensors) != len(placeholders):
+            raise GraphError(
+                f"{what}: got {len(tensors)} inputs; the graph takes {len(placeholders)} "
+                f"({', '.join(n.name for n in placeholders)})"
+            )
+        for node, t in zip(placeholders, tensors, strict=True):
+            if not isinstance(t, (torch.Tensor, int)):
+                from ._validate import describe
+
+                raise GraphError(f"{what}: input {node.name} is {describe(t)}; expected a tensor")
+        return list(self.graph_module(*check_tensors(placeholders, list(tensors), what)))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         tensors = check_matches(self._in, (args, kwargs), type(self).__name__)
-        tensors = check_tensors(self.placeholders(), tensors)
-        return unflatten(self._out, self.run_flat(*tensors))
+        tensors = check_tensors(self.placeholders(), tensors, type(self).__name__)
+        return unflatten(self._out, list(self.graph_module(*tensors)))
 
     def __str__(self) -> str:
         marks = {n: "recomputed" for n in self._graph.nodes if n.meta.get(RECOMPUTED)}
@@ -270,7 +290,9 @@ def _zero_fill(node: Any) -> bool:
 _FILL_VALUE = frozenset({torch.ops.aten.full_like.default, torch.ops.aten.full.default})
 
 
-def check_tensors(placeholders: list[fx.Node], tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+def check_tensors(
+    placeholders: list[fx.Node], tensors: list[torch.Tensor], what: str = "graph"
+) -> list[torch.Tensor]:
     """Check shapes and dtypes; hand over inputs in the memory layout they were traced with
     (views in the graph may depend on it)."""
     vals = [n.meta.get("val") for n in placeholders]
@@ -283,8 +305,8 @@ def check_tensors(placeholders: list[fx.Node], tensors: list[torch.Tensor]) -> l
         if isinstance(val, torch.Tensor) and (val.shape != t.shape or val.dtype != t.dtype):
             where = node.meta.get(PATH, node.name)
             raise FunctransError(
-                f"input {where} was traced as {_short(val)} but got {_short(t)}; graphs are "
-                "specialized to shapes and dtypes: trace again for new ones."
+                f"{what}: input {where} was traced as {_short(val)} but got {_short(t)}; graphs "
+                "are specialized to shapes and dtypes: trace again for new ones."
             )
         out.append(restride(t, val) if isinstance(val, torch.Tensor) else t)
     return out
@@ -366,6 +388,13 @@ def verify(graph: Graph) -> None:
     >>> import torch, functrans as ft
     >>> ft.joint(lambda x: x.exp().sum())(torch.ones(2)).verify()
     """
+    if not isinstance(graph, Graph):
+        from ._validate import describe
+
+        raise GraphError(
+            f"verify: graph={describe(graph)} is not accepted; graph must be a functrans Graph "
+            "(what ft.trace, ft.joint or ft.partition produce)"
+        )
     g = graph.fx_graph
     try:
         g.lint()

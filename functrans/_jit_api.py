@@ -12,12 +12,13 @@ from typing import Any, ParamSpec, Protocol, TypeVar, cast, overload
 
 import torch
 
-from ._decomp import Decompositions
+from ._decomp import Decompositions, decomposition_table
 from ._dynamic import JitDynamic, check_dynamic
-from ._errors import FunctransError, UnsupportedOpError
+from ._errors import UnsupportedOpError
 from ._jit import CACHE_SIZE, Jitted, _Options
 from ._jit_module import JitModule
-from ._partition import Strategy
+from ._partition import Strategy, get_strategy
+from ._validate import check_callable, check_number, check_option, check_static_argnums
 
 __all__ = ["JitDecorator", "jit"]
 
@@ -114,6 +115,7 @@ def jit(
     >>> w.grad.shape, f.cache_info().misses
     (torch.Size([3, 3]), 1)
     """
+    _check_options(f, partition, backend, static_argnums, decompositions, cache_size)
     if f is None:
         # mypy sees partial(jit) through jit's first overload only
         decorate = functools.partial(
@@ -127,12 +129,10 @@ def jit(
             **partition_options,
         )
         return cast(JitDecorator, decorate)
-    if not isinstance(cache_size, int) or isinstance(cache_size, bool) or cache_size < 1:
-        raise FunctransError(f"jit: cache_size must be a positive int, got {cache_size!r}")
     opts = _Options(
         partition=partition,
         backend=backend,
-        static_argnums=tuple(static_argnums),
+        static_argnums=check_static_argnums("jit", static_argnums),
         decompositions=decompositions,
         partition_options=partition_options,
         cache_size=cache_size,
@@ -142,6 +142,26 @@ def jit(
         _refuse_fsdp(f)
         return JitModule(f, opts)
     return Jitted(f, opts)
+
+
+def _check_options(
+    f: object,
+    partition: object,
+    backend: object,
+    static_argnums: object,
+    decompositions: object,
+    cache_size: object,
+) -> None:
+    """``jit``'s own arguments, checked when ``jit`` is called (not at the first call)."""
+    if f is not None:
+        check_callable("jit", "f", f)
+    if not isinstance(partition, str):
+        get_strategy(partition)  # type: ignore[arg-type]  # refuses what is not a strategy
+    check_option("jit", "backend", backend, isinstance(backend, str), "a registered backend name")
+    check_static_argnums("jit", static_argnums)
+    if decompositions != "auto":
+        decomposition_table(decompositions)  # type: ignore[arg-type]  # checked there
+    check_number("jit", "cache_size", cache_size, at_least=1, integer=True, meaning="entries")
 
 
 def _refuse_fsdp(module: torch.nn.Module) -> None:

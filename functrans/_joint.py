@@ -32,6 +32,7 @@ from ._trace import (
     trace,
     trace_module,
 )
+from ._validate import check_argnums, check_bool, check_callable
 
 __all__ = ["joint", "normalize_argnums"]
 
@@ -104,6 +105,10 @@ def joint(
     >>> outs, grads
     (tensor(14.), (tensor([2., 4., 6.]),))
     """
+    check_callable("joint", "f", f)
+    if argnums is not None:
+        check_argnums("joint", argnums)
+    check_bool("joint", "has_aux", has_aux)
     table = decomposition_table(decompositions)
 
     def traced(*args: _P.args, **kwargs: _P.kwargs) -> JointGraph:

@@ -17,13 +17,27 @@ _enabled: set[str] = set()
 
 
 def _parse(spec: str | Iterable[str]) -> set[str]:
-    items = spec.split(",") if isinstance(spec, str) else list(spec)
+    from ._errors import InvalidArgumentError
+
+    known = f"known: {', '.join(STAGES)} (or 'all')"
+    items = (
+        spec.split(",")
+        if isinstance(spec, str)
+        else list(spec)
+        if isinstance(spec, Iterable)
+        else None
+    )
+    if items is None or any(not isinstance(s, str) for s in items):
+        raise InvalidArgumentError(
+            f"set_logs: stages={spec!r} is not accepted; stages must be a comma-separated str "
+            f"or an iterable of stage names; {known}"
+        )
     names = {s.strip() for s in items if s.strip()}
     if "all" in names:
         return set(STAGES)
     unknown = names - set(STAGES)
     if unknown:
-        raise ValueError(f"unknown log stage(s) {sorted(unknown)}; known: {', '.join(STAGES)}")
+        raise InvalidArgumentError(f"set_logs: unknown log stage(s) {sorted(unknown)}; {known}")
     return names
 
 

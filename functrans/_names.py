@@ -50,6 +50,14 @@ def checkpoint_name(x: _T, name: str) -> _T:
     >>> ft.checkpoint_name(torch.ones(2), "h")
     tensor([1., 1.])
     """
+    if not isinstance(name, str):
+        from ._errors import InvalidArgumentError
+        from ._validate import describe
+
+        raise InvalidArgumentError(
+            f"checkpoint_name: name={describe(name)} is not accepted; name must be a str (what "
+            "save_only_these_names and friends match)"
+        )
     if torch._C._are_functorch_transforms_active() and not _tracing():
         # eager torch.func grad/vmap/jvp cannot run a custom op's autograd formula, and under
         # them eager remat runs its region as written (no policy is asked): the name has no

@@ -9,7 +9,7 @@ import numpy as np
 
 from ._graph import JointGraph
 from ._partition import Partition, partition
-from ._validate import check_names, check_number, check_option
+from ._validate import check_joint, check_names, check_number, check_option
 
 __all__ = ["ParetoPoint", "pareto"]
 
@@ -62,6 +62,7 @@ def pareto(
     >>> [(p.peak_bytes, p.recompute_flops) for p in ft.pareto(jg, points=3, by="peak")]
     [(294920, 57344), (393224, 32768), (524296, 0)]
     """
+    check_joint("pareto", joint)
     check_number("pareto", "points", points, at_least=2, integer=True)
     check_option("pareto", "by", by, isinstance(by, str) and by in _BY, "'bytes' or 'peak'")
     accepted = ("solver", "cost", "time_limit", "at", "offload")

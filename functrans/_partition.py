@@ -37,7 +37,7 @@ from ._offload import Cut, insert_transfers
 from ._passes import no_gc
 from ._split import resolve_nodes, split
 from ._tags import Policy
-from ._validate import check_call, describe, saved_items
+from ._validate import check_call, check_joint, describe, saved_items
 
 __all__ = [
     "Partition",
@@ -373,6 +373,7 @@ def partition(joint: JointGraph, strategy: str | Strategy = "default", **options
     >>> [s.name for s in p.saved], p.activation_bytes, p.recomputed
     (['primals_1', 'primals_2'], 0, (mm, tanh))
     """
+    check_joint("partition", joint)
     name, fn = get_strategy(strategy)
     check_call(name, fn, options)  # unknown options list the accepted ones
     with no_gc():

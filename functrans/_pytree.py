@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
+import numpy as np
 import optree
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
@@ -156,6 +157,8 @@ def flatten_leaves(
             for x, t in zip(leaves, is_tensor, strict=True)
         ]
     )
+    if np.ndarray in set(map(type, static)):  # a trace would turn it into a tensor
+        _refuse_numpy(static, spec)
     tensors = list(itertools.compress(leaves, is_tensor))
     wrappers: tuple[Wrapper | None, ...] = ()
     if not all(type(t) in _PLAIN for t in tensors):
@@ -164,6 +167,24 @@ def flatten_leaves(
         if not any(wrappers):
             wrappers = ()
     return tensors, Flat(spec, is_tensor, static, static_argnums, wrappers)
+
+
+def _refuse_numpy(leaves: Sequence[Any], spec: optree.PyTreeSpec) -> None:
+    """:class:`InvalidArgumentError` naming the transform and the numpy leaf's place."""
+    from ._stack import current_stack, describe_stack
+    from ._validate import check_numpy_leaves
+
+    frames = current_stack()
+    paths = spec.paths()
+
+    def where(i: int) -> str:
+        path = paths[i] if i < len(paths) else ()
+        if len(path) >= 2 and path[0] in (0, 1):  # (args, kwargs)
+            head = f"argument {path[1]}" if path[0] == 0 else f"keyword argument {path[1]!r}"
+            return head + "".join(f"[{k!r}]" for k in path[2:])
+        return "the value at " + ("".join(f"[{k!r}]" for k in path) or "the root")
+
+    check_numpy_leaves(describe_stack(frames) if frames else "functrans", leaves, where)
 
 
 def rebuild_leaves(flat: Flat, tensors: Sequence[Any]) -> list[Any]:

@@ -488,6 +488,7 @@ def remat(
     >>> sorted(s.name for s in p.saved)
     ['mm', 'primals_1', 'primals_2']
     """
+    _check_options(f, prevent_cse, static_argnums)
     if f is None:
         policies.normalize(policy)  # a bad policy is refused here, not at the first call
         # mypy sees partial(remat) through remat's first overload only
@@ -498,6 +499,15 @@ def remat(
     if isinstance(f, torch.nn.Module):
         return RematModule(f, policy=policy)
     return _remat_function(f, policy)
+
+
+def _check_options(f: object, prevent_cse: object, static_argnums: object) -> None:
+    from ._validate import check_bool, check_callable, check_static_argnums
+
+    if f is not None:
+        check_callable("remat", "f", f)
+    check_bool("remat", "prevent_cse", prevent_cse)
+    check_static_argnums("remat", static_argnums)
 
 
 def _remat_function(f: Callable[_P, _R], policy: PolicyLike) -> Callable[_P, _R]:

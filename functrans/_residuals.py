@@ -98,6 +98,9 @@ def saved_residuals(
     f32[4, 4] 0 B from the argument 'w' -> used by permute_1 in backward
     f32[4, 4] 64 B output of aten.tanh.default from ... -> used by mul in backward
     """
+    from ._validate import check_callable
+
+    check_callable("saved_residuals", "f", f)
     fn, call_args = _functional(f, args)
     jg = joint(fn, dynamic=dynamic)(*call_args)
     p = _partition_of(jg, partition, options)

@@ -29,6 +29,7 @@ from ._graph import (
     check_tensors,
 )
 from ._pytree import check_matches, flatten, unflatten
+from ._validate import check_joint, check_saved
 
 __all__ = ["BackwardGraph", "Split", "ancestors", "resolve_nodes", "split"]
 
@@ -137,6 +138,8 @@ def split(joint: JointGraph, saved: Iterable[str | fx.Node]) -> Split:
     >>> [n.name for n in s.saved], [n.name for n in s.recomputed]
     (['primals_1'], [])
     """
+    check_joint("split", joint)
+    check_saved("split", saved)
     chosen = _unpack_tuples(resolve_nodes(joint, saved))
     tangents = set(joint.tangents())
     bwd = ancestors(joint.grad_outputs(), chosen | tangents)

@@ -24,6 +24,7 @@ import torch.fx.traceback as fx_traceback
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
+    FakeTensorDeviceMismatchError,
 )
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
@@ -39,14 +40,22 @@ from ._dynamic import (
     resolve,
     symbolic_fakes,
 )
-from ._errors import TraceError, UnsupportedOpError
+from ._errors import InvalidArgumentError, TraceError, UnsupportedOpError
 from ._format import op_name
 from ._graph import SOURCE, Graph, Role
 from ._logs import log
 from ._passes import InputSpec, canonicalize, identifier, out_of_place
 from ._pytree import NAMESPACE, Flat, Wrapper, flatten, unflatten
 from ._rng import seeded_then_drew, tracing_guard
+from ._stack import current_stack, describe_stack
 from ._state import autocast_off
+from ._validate import (
+    check_bool,
+    check_callable,
+    check_numpy_leaves,
+    check_static_argnums,
+    check_static_range,
+)
 
 __all__ = [
     "Decompositions",
@@ -115,6 +124,14 @@ def flatten_args(
     an :class:`UnsupportedOpError` naming the argument."""
     try:
         return flatten(tree, static_argnums=static_argnums)
+    except InvalidArgumentError:  # a numpy array: name the argument
+        leaves, spec = optree.tree_flatten(tree, namespace=NAMESPACE)
+        flat = Flat(spec, tuple(False for _ in leaves), tuple(leaves))
+        names = arg_names(f, flat, every_leaf=True)
+        frames = current_stack()
+        where = describe_stack(frames) if frames else getattr(f, "__qualname__", str(f))
+        check_numpy_leaves(where, leaves, lambda i: f"input {names[i]}")
+        raise
     except UnsupportedOpError as e:
         leaves, spec = optree.tree_flatten(tree, namespace=NAMESPACE)
         flat = Flat(spec, tuple(False for _ in leaves), tuple(leaves))
@@ -235,6 +252,15 @@ def run_traced(fn: Callable[..., Any], user_fn: Callable[..., Any]) -> Any:
             raise seeded_then_drew(owner, seeding)
     except _DATA_DEPENDENT as e:
         raise _data_dependent_error(user_fn, e) from e
+    except FakeTensorDeviceMismatchError as e:  # eager would fail too, on the same op
+        fr = user_frame(e)
+        where = f" at {fr.filename}:{fr.lineno}: `{(fr.line or '').strip()}`" if fr else ""
+        name = getattr(user_fn, "__qualname__", repr(user_fn))
+        raise TraceError(
+            f"{name}: {e}{where}{culprit(e)}. Put every input, parameter and buffer on one "
+            "device; a model built on the 'meta' device has no data yet: materialize it first "
+            "(module.to_empty(device=...), then load or initialize its weights)"
+        ) from e
     except RuntimeError as e:  # C++ read the data of a fake tensor: a value-dependent op
         if "data is not allocated yet" not in str(e):
             raise
@@ -450,10 +476,14 @@ def trace(
     >>> g(torch.tensor([-1.0, 2.0]), {"scale": 3.0})
     {'y': tensor([0., 6.])}
     """
+    check_callable("trace", "f", f)
+    statics = check_static_argnums("trace", static_argnums)
+    check_bool("trace", "cse", cse)
     table = decomposition_table(decompositions)
 
     def traced(*args: Any, **kwargs: Any) -> Graph:
-        tensors, in_flat = flatten_args(f, (args, kwargs), tuple(static_argnums))
+        check_static_range("trace", statics, len(args))
+        tensors, in_flat = flatten_args(f, (args, kwargs), statics)
         check_inputs(f, tensors, in_flat)
         names = arg_names(f, in_flat)
         out_box: list[Flat] = []

@@ -7,13 +7,14 @@ authors get :func:`check_names`, :func:`check_option`, :func:`check_number` and
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import inspect
 import math
 import numbers
 import reprlib
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 
 import torch.fx as fx
@@ -207,3 +208,362 @@ def saved_items(name: str, chosen: object) -> list[str | fx.Node]:
                 f"node name; a strategy must return {RETURNS}"
             )
     return items
+
+
+# -- the public transforms' own arguments (issue #27) ---------------------------------------
+
+
+def check_callable(where: str, name: str, value: object) -> None:
+    """Raise :class:`InvalidArgumentError` unless ``value`` is callable.
+
+    >>> check_callable("grad", "f", None)
+    Traceback (most recent call last):
+    ...
+    functrans._errors.InvalidArgumentError: grad: f=None is not accepted; f must be a callable ...
+    """
+    check_option(where, name, value, callable(value), "a callable (a function or a module)")
+
+
+def check_bool(where: str, name: str, value: object) -> None:
+    """Raise :class:`InvalidArgumentError` unless ``value`` is ``True`` or ``False``.
+
+    >>> check_bool("remat", "prevent_cse", "yes")
+    Traceback (most recent call last):
+    ...
+    functrans._errors.InvalidArgumentError: remat: prevent_cse='yes' (str) is not accepted; ...
+    """
+    check_option(where, name, value, isinstance(value, bool), "True or False")
+
+
+def _is_index(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_argnums(where: str, argnums: object, *, name: str = "argnums") -> tuple[int, ...]:
+    """``argnums`` as a tuple, or :class:`InvalidArgumentError` unless it is an int or a
+    non-empty sequence of distinct ints (the range is checked against the call's arguments by
+    :func:`check_argnums_range`).
+
+    >>> check_argnums("grad", (0, 1))
+    (0, 1)
+    >>> check_argnums("grad", 1.5)
+    Traceback (most recent call last):
+    ...
+    functrans._errors.InvalidArgumentError: grad: argnums=1.5 (float) is not accepted; argnums ...
+    """
+    accepted = "an int or a non-empty tuple of distinct ints (argument positions)"
+    if _is_index(argnums):
+        return (argnums,)  # type: ignore[return-value]  # an int, checked above
+    ok = isinstance(argnums, (tuple, list)) and bool(argnums)
+    nums: tuple[Any, ...] = tuple(argnums) if ok else ()  # type: ignore[arg-type]  # a tuple or list, checked
+    ok = ok and all(_is_index(i) for i in nums) and len(set(nums)) == len(nums)
+    check_option(where, name, argnums, ok, accepted)
+    return nums
+
+
+def check_argnums_range(where: str, argnums: object, nargs: int, *, name: str = "argnums") -> None:
+    """Raise :class:`InvalidArgumentError` if ``argnums`` names an argument the call lacks."""
+    nums = check_argnums(where, argnums, name=name)
+    for i in nums:
+        if not -nargs <= i < nargs:
+            raise InvalidArgumentError(
+                f"{where}: {name}={argnums!r} names argument {i}, but the function was called "
+                f"with {nargs} positional argument{'' if nargs == 1 else 's'}; {name} must be "
+                f"in range({-nargs}, {nargs}) (negative counts from the end)"
+            )
+    if len({i % nargs for i in nums}) != len(nums):
+        raise InvalidArgumentError(f"{where}: {name}={argnums!r} names an argument twice")
+
+
+def check_static_argnums(where: str, value: object) -> tuple[int, ...]:
+    """``static_argnums`` as a tuple, or :class:`InvalidArgumentError` unless it is an int or a
+    sequence of ints.
+
+    >>> check_static_argnums("jit", [1]), check_static_argnums("jit", 0)
+    ((1,), (0,))
+    >>> check_static_argnums("remat", "x")
+    Traceback (most recent call last):
+    ...
+    functrans._errors.InvalidArgumentError: remat: static_argnums='x' (str) is not accepted; ...
+    """
+    if _is_index(value):
+        return (value,)  # type: ignore[return-value]  # an int, checked above
+    ok = isinstance(value, (tuple, list, range)) and all(_is_index(i) for i in value)
+    check_option(where, "static_argnums", value, ok, "an int or a sequence of ints")
+    return tuple(value)  # type: ignore[arg-type]  # a sequence, checked above
+
+
+def check_static_range(where: str, static_argnums: tuple[int, ...], nargs: int) -> None:
+    """Raise :class:`InvalidArgumentError` if ``static_argnums`` names a missing argument."""
+    for i in static_argnums:
+        if not -nargs <= i < nargs:
+            raise InvalidArgumentError(
+                f"{where}: static_argnums={static_argnums!r} names argument {i}, but the "
+                f"function was called with {nargs} positional argument"
+                f"{'' if nargs == 1 else 's'}"
+            )
+
+
+def check_instance(where: str, name: str, value: object, kind: type, accepted: str) -> None:
+    """Raise :class:`InvalidArgumentError` unless ``value`` is a ``kind``.
+
+    >>> import functrans as ft
+    >>> check_instance("partition", "joint", None, ft.JointGraph, "a JointGraph (ft.joint(f)(...))")
+    Traceback (most recent call last):
+    ...
+    functrans._errors.InvalidArgumentError: partition: joint=None is not accepted; joint must be ...
+    """
+    check_option(where, name, value, isinstance(value, kind), accepted)
+
+
+#: What ``joint`` arguments accept, for messages.
+JOINT = "a JointGraph, as ft.joint(f)(*args) returns"
+
+
+def check_joint(where: str, value: object) -> None:
+    """Raise :class:`InvalidArgumentError` unless ``value`` is a :class:`JointGraph`."""
+    from ._graph import JointGraph
+
+    if isinstance(value, JointGraph):
+        return
+    hint = " (this is a forward-only Graph: build it with ft.joint, not ft.trace)"
+    from ._graph import Graph
+
+    extra = hint if isinstance(value, Graph) else ""
+    raise InvalidArgumentError(
+        f"{where}: joint={describe(value)} is not accepted; joint must be {JOINT}{extra}"
+    )
+
+
+def check_numpy_leaves(
+    where: str, leaves: Iterable[object], names: Callable[[int], str] | str
+) -> None:
+    """Raise :class:`InvalidArgumentError` at the first numpy array among ``leaves`` (a static
+    value that a trace would bake in and compare by ``==``): convert it to a tensor.
+
+    >>> import numpy as np
+    >>> check_numpy_leaves("jit(f)", [np.ones(2)], lambda i: f"argument {i}")
+    Traceback (most recent call last):
+    ...
+    functrans._errors.InvalidArgumentError: jit(f): argument 0 is a numpy.ndarray ...
+    """
+    import numpy as np
+
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, np.ndarray):
+            what = names if isinstance(names, str) else names(i)
+            raise InvalidArgumentError(
+                f"{where}: {what} is a numpy.ndarray (shape {list(leaf.shape)}, dtype "
+                f"{leaf.dtype}); functrans transforms take torch tensors: pass "
+                "torch.from_numpy(array) (or torch.as_tensor) instead"
+            )
+
+
+def _short_tensor(t: Any) -> str:
+    return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)} on {t.device}"
+
+
+def check_like(where: str, what: str, value: object, like: Any) -> None:
+    """Raise :class:`InvalidArgumentError` unless ``value`` is a tensor with ``like``'s shape,
+    dtype and device (a cotangent for an output, a tangent for a primal)."""
+    import torch
+
+    if not isinstance(value, torch.Tensor):
+        raise InvalidArgumentError(
+            f"{where}: {what} is {describe(value)}; it must be a tensor like {_short_tensor(like)}"
+        )
+    if value.shape != like.shape or value.dtype != like.dtype or value.device != like.device:
+        raise InvalidArgumentError(
+            f"{where}: {what} is {_short_tensor(value)}; it must match {_short_tensor(like)} "
+            "(same shape, dtype and device)"
+        )
+
+
+def check_tree_like(
+    where: str, what: str, given: Any, like: Any, like_what: str
+) -> list[tuple[str, Any, Any]]:
+    """``(path, given leaf, like leaf)`` for each leaf of ``like``, or
+    :class:`InvalidArgumentError` if ``given`` has another pytree structure (None is a leaf)."""
+    import optree
+
+    from ._pytree import NAMESPACE
+
+    paths, like_leaves, like_spec = optree.tree_flatten_with_path(
+        like, none_is_leaf=True, namespace=NAMESPACE
+    )
+    given_leaves, given_spec = optree.tree_flatten(given, none_is_leaf=True, namespace=NAMESPACE)
+    if given_spec != like_spec:
+        raise InvalidArgumentError(
+            f"{where}: {what} must have the structure of {like_what} {like_spec} "
+            f"({len(like_leaves)} leaves); got {describe(given)} with structure {given_spec}"
+        )
+    return [
+        ("".join(f"[{k!r}]" for k in p), g, w)
+        for p, g, w in zip(paths, given_leaves, like_leaves, strict=True)
+    ]
+
+
+def check_cotangents(where: str, cotangents: Any, outs: Any) -> list[Any]:
+    """The cotangents of the differentiable (floating-point or complex) tensor outputs, in order, or
+    :class:`InvalidArgumentError` naming the first one that does not match its output (wrong
+    structure, count, shape, dtype or device). Other outputs' cotangents are not read."""
+    from ._dtypes import differentiable
+
+    pairs = check_tree_like(where, "cotangents", cotangents, outs, "the outputs")
+    chosen = []
+    for path, given, out in pairs:
+        if differentiable(out):
+            check_like(where, f"cotangent{path or ''} (for output{path})", given, out)
+            chosen.append(given)
+    return chosen
+
+
+# -- torch.func's own argument errors, named -------------------------------------------------
+
+_USER_ERROR = "__functrans_user_error__"
+
+
+def user_calls(func: Callable[..., Any]) -> Callable[..., Any]:
+    """``func``, marking any exception it raises as the user's own, so that
+    :func:`torch_func_arguments` lets it through unchanged."""
+    import functools
+
+    @functools.wraps(func)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return func(*args, **kwargs)
+        except BaseException as e:
+            with contextlib.suppress(AttributeError, TypeError):  # builtin exceptions take it
+                setattr(e, _USER_ERROR, True)
+            raise
+
+    return run
+
+
+def _raised_in_user_code(exc: BaseException) -> bool:
+    import os
+    import traceback
+
+    import optree
+    import torch
+
+    ours = (
+        *(os.path.dirname(m.__file__ or "") for m in (torch, optree, contextlib)),  # + stdlib
+        os.path.dirname(__file__),
+    )
+    frames = traceback.extract_tb(exc.__traceback__)
+    return any(not f.filename.startswith(ours) for f in frames)
+
+
+@contextlib.contextmanager
+def torch_func_arguments(where: str, hint: Callable[[], str] = lambda: "") -> Iterator[None]:
+    """Re-raise what torch.func raises about the transform's arguments (``in_dims`` that do
+    not fit, a non-tensor primal, an integer input to ``jacrev``...) as
+    :class:`InvalidArgumentError` naming the transform; errors from the user's function (see
+    :func:`user_calls`) and functrans' own errors pass through as they are."""
+    from ._errors import FunctransError
+
+    try:
+        yield
+    except FunctransError:
+        raise
+    except (ValueError, RuntimeError, TypeError, IndexError, AttributeError) as e:
+        if getattr(e, _USER_ERROR, False) or _raised_in_user_code(e):
+            raise
+        message = f"{where}: {e}{hint()}"
+        try:
+            named = _argument_error(type(e))(message)
+        except TypeError:  # a class with its own constructor or layout
+            named = InvalidArgumentError(message)
+        raise named from e
+
+
+_ARGUMENT_ERRORS: dict[type[Exception], type[InvalidArgumentError]] = {}
+
+
+def _argument_error(kind: type[Exception]) -> type[InvalidArgumentError]:
+    """:class:`InvalidArgumentError` that is also a ``kind`` (``except RuntimeError`` around a
+    torch.func call still catches what torch raised)."""
+    if issubclass(InvalidArgumentError, kind):
+        return InvalidArgumentError
+    if kind not in _ARGUMENT_ERRORS:
+        name = f"InvalidArgumentError[{kind.__name__}]"
+        _ARGUMENT_ERRORS[kind] = type(name, (InvalidArgumentError, kind), {})  # may raise TypeError
+    return _ARGUMENT_ERRORS[kind]
+
+
+def check_dims(where: str, name: str, dims: object) -> None:
+    """Raise :class:`InvalidArgumentError` unless every leaf of ``dims`` (``vmap``'s
+    ``in_dims``/``out_dims``) is an int or None."""
+    import optree
+
+    from ._pytree import NAMESPACE
+
+    accepted = "an int, None, or a tuple (pytree prefix of the arguments) of ints and Nones"
+    check_option(where, name, dims, not isinstance(dims, (str, bytes)), accepted)
+    tree: Any = dims  # any pytree
+    leaves: list[Any] = optree.tree_leaves(tree, none_is_leaf=True, namespace=NAMESPACE)
+    for leaf in leaves:
+        if leaf is not None and not _is_index(leaf):
+            raise InvalidArgumentError(
+                f"{where}: {name}={describe(dims)} holds {describe(leaf)}; {name} must be "
+                f"{accepted}"
+            )
+
+
+def check_primals(where: str, primals: tuple[Any, ...]) -> None:
+    """Raise :class:`InvalidArgumentError` unless every leaf of ``primals`` is a floating-point
+    (or complex) tensor, as forward mode needs."""
+    import optree
+    import torch
+
+    from ._pytree import NAMESPACE
+
+    for i, p in enumerate(primals):
+        paths, leaves, _ = optree.tree_flatten_with_path(p, none_is_leaf=True, namespace=NAMESPACE)
+        for path, leaf in zip(paths, leaves, strict=True):
+            what = f"primals[{i}]" + "".join(f"[{k!r}]" for k in path)
+            if not isinstance(leaf, torch.Tensor):
+                check_numpy_leaves(where, [leaf], what)
+                raise InvalidArgumentError(
+                    f"{where}: {what} is {describe(leaf)}; primals must be floating-point tensors"
+                )
+            if not (leaf.is_floating_point() or leaf.is_complex()):
+                raise InvalidArgumentError(
+                    f"{where}: {what} is a {leaf.dtype} tensor; primals must be floating-point "
+                    "tensors (forward mode has no tangent for integers)"
+                )
+
+
+def check_tangents(where: str, tangents: tuple[Any, ...], primals: tuple[Any, ...]) -> None:
+    """Raise :class:`InvalidArgumentError` unless ``tangents`` has one tensor per primal leaf,
+    each with that primal's shape, dtype and device."""
+    if len(tangents) != len(primals):
+        raise InvalidArgumentError(
+            f"{where}: got {len(tangents)} tangents for {len(primals)} primals; pass one tangent "
+            "per primal, with its structure, shape and dtype"
+        )
+    for i, (t, p) in enumerate(zip(tangents, primals, strict=True)):
+        for path, given, like in check_tree_like(where, f"tangents[{i}]", t, p, f"primals[{i}]"):
+            check_like(where, f"tangents[{i}]{path}", given, like)
+
+
+def check_saved(where: str, saved: object) -> None:
+    """Raise :class:`InvalidArgumentError` unless ``saved`` is an iterable (not a string) of
+    forward nodes or node names."""
+    if isinstance(saved, (str, bytes)):
+        raise InvalidArgumentError(
+            f"{where}: saved={describe(saved)} is a string; saved must be {RETURNS}, e.g. "
+            f"[{saved!r}]"
+        )
+    if not isinstance(saved, Iterable):
+        raise InvalidArgumentError(
+            f"{where}: saved={describe(saved)} is not accepted; saved must be {RETURNS}"
+        )
+    if isinstance(saved, Collection):
+        for item in saved:
+            if not isinstance(item, (str, fx.Node)):
+                raise InvalidArgumentError(
+                    f"{where}: saved holds {describe(item)}, neither a node nor a node name; "
+                    f"saved must be {RETURNS}"
+                )

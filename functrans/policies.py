@@ -147,7 +147,7 @@ def offload_dot_with_no_batch_dims(
 
 def save_only_these_names(*names: str) -> PolicyFn:
     """Save exactly the values named with ``checkpoint_name`` in ``names``."""
-    wanted = frozenset(names)
+    wanted = _name_args("save_only_these_names", names)
 
     def policy(op: Any, *args: Any, **kwargs: Any) -> bool:
         return op is _name_op() and args[1] in wanted
@@ -223,6 +223,23 @@ def _names(where: str, argument: str, names: Any) -> frozenset[str]:
     return frozenset(names)
 
 
+def _name_args(where: str, names: tuple[Any, ...]) -> frozenset[str]:
+    """``*names`` of ``where``, each a str (a list passed as one argument is refused with the
+    spelling that works)."""
+    for i, name in enumerate(names):
+        if not isinstance(name, str):
+            hint = (
+                f"; pass the names as separate arguments: {where}(*{name!r})"
+                if isinstance(name, (list, tuple, set, frozenset))
+                else ""
+            )
+            raise InvalidPolicyError(
+                f"{where}: argument {i} is {describe(name)}, not a name; {where} takes the "
+                f"names (str) given to checkpoint_name{hint}"
+            )
+    return frozenset(names)
+
+
 #: JAX's memory kinds that offloading moves between: device memory to (pinned) host memory.
 _OFFLOAD_SRC, _OFFLOAD_DST = ("device",), ("pinned_host",)
 
@@ -245,7 +262,7 @@ def _check_offload(where: str, src: Any, dst: Any) -> None:
 
 def save_any_names_but_these(*names: str) -> PolicyFn:
     """Save every named value except those in ``names``."""
-    unwanted = frozenset(names)
+    unwanted = _name_args("save_any_names_but_these", names)
 
     def policy(op: Any, *args: Any, **kwargs: Any) -> bool:
         return op is _name_op() and args[1] not in unwanted
