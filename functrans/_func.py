@@ -32,7 +32,7 @@ import torch
 from ._errors import InvalidArgumentError
 from ._pytree import NAMESPACE
 from ._stack import transform_frame
-from ._trace import is_tracing
+from ._trace import _no_saved_tensor_hooks, is_tracing
 
 __all__ = [
     "GRAD_SPEC",
@@ -75,13 +75,21 @@ class GradSpec:
     options: tuple[tuple[str, Any], ...]
 
 
-def _frame(name: str, f: Callable[..., Any], call: Callable[..., _R]) -> Callable[..., _R]:
-    """``call`` run inside transform frame ``name`` of ``f``, with ``f``'s name and docs."""
+def _frame(
+    name: str, f: Callable[..., Any], call: Callable[..., _R], reverse: bool = False
+) -> Callable[..., _R]:
+    """``call`` run inside transform frame ``name`` of ``f``, with ``f``'s name and docs.
+    ``reverse``: ``call`` is torch.func's reverse mode, which refuses to start under
+    saved-tensor hooks; the caller's (an eager ``remat`` region's, ``save_on_cpu``) are set
+    aside while it runs, as a trace does, and its values are saved as without them."""
 
     @functools.wraps(f, updated=())
     def run(*args: Any, **kwargs: Any) -> _R:
         with transform_frame(name, f):
-            return call(*args, **kwargs)
+            if not reverse:
+                return call(*args, **kwargs)
+            with _no_saved_tensor_hooks():
+                return call(*args, **kwargs)
 
     return run
 
@@ -348,9 +356,8 @@ def jacrev(
     tensor([[2., 0.],
             [0., 4.]])
     """
-    return _frame(
-        "jacrev", func, torch.func.jacrev(func, argnums, has_aux=has_aux, chunk_size=chunk_size)
-    )
+    call = torch.func.jacrev(func, argnums, has_aux=has_aux, chunk_size=chunk_size)
+    return _frame("jacrev", func, call, reverse=True)
 
 
 def jacfwd(
@@ -378,7 +385,7 @@ def hessian(func: Callable[..., Any], argnums: int | tuple[int, ...] = 0) -> Cal
     tensor([[ 6.,  0.],
             [ 0., 12.]])
     """
-    return _frame("hessian", func, torch.func.hessian(func, argnums))
+    return _frame("hessian", func, torch.func.hessian(func, argnums), reverse=True)
 
 
 def stop_gradient(x: _T) -> _T:
