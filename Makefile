@@ -43,7 +43,7 @@ unit: $(STAMP) browser
 test: lint typecheck unit
 
 fuzz: $(STAMP)
-	HYPOTHESIS_PROFILE=nightly $(VPY) -m pytest -q tests -k "property"
+	HYPOTHESIS_PROFILE=nightly $(VPY) -m pytest -q -n 2 tests -k "property"
 
 # Every OpInfo with float32 autograd on CPU through trace, joint and every strategy; rewrites
 # tests/conformance/opinfo_status.json (FUNCTRANS_CONFORMANCE_SAMPLES caps samples per op).

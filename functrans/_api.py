@@ -19,7 +19,7 @@ from ._joint import joint, normalize_argnums
 from ._partition import Strategy, partition
 from ._pytree import NAMESPACE, flatten
 from ._stack import transform_frame
-from ._trace import is_tracing
+from ._trace import _no_saved_tensor_hooks, is_tracing
 from ._validate import (
     check_argnums,
     check_bool,
@@ -135,18 +135,22 @@ def _partition(jg: Any, strategy: str | Strategy, options: dict[str, Any]) -> An
 # Under torch.func transforms (torch.func.grad(ft.grad(f)), vmap(ft.grad(f)) for per-example
 # gradients), the arguments are functorch's wrapped tensors, which a trace cannot take: the
 # same derivative comes from torch.func itself, with the same calling conventions. Which
-# values are saved is then torch.func's business, not the partition strategy's.
+# values are saved is then torch.func's business, not the partition strategy's. torch.func
+# refuses to start under saved-tensor hooks (an eager remat region around a vmap): they are set
+# aside while it runs.
 def _torch_func_vjp(
     f: Callable[..., _R], primals: tuple[Any, ...]
 ) -> tuple[_R, Callable[[Any], tuple[Any, ...]]]:
-    found: Any = torch.func.vjp(f, *primals)
+    with _no_saved_tensor_hooks():
+        found: Any = torch.func.vjp(f, *primals)
     return found[0], found[1]
 
 
 def _torch_func_value_and_grad(
     f: Callable[..., Any], argnums: Any, has_aux: bool, args: Any, kwargs: Any
 ) -> tuple[Any, Any]:
-    result = torch.func.grad_and_value(f, argnums, has_aux)(*args, **kwargs)
+    with _no_saved_tensor_hooks():
+        result = torch.func.grad_and_value(f, argnums, has_aux)(*args, **kwargs)
     return result[1], result[0]
 
 

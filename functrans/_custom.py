@@ -39,6 +39,7 @@ from ._errors import FunctransError, InvalidArgumentError, UnsupportedOpError
 from ._pytree import NAMESPACE
 from ._stack import fn_name, transform_frame
 from ._tags import REMAT, Policy
+from ._trace import _no_saved_tensor_hooks
 
 __all__ = ["custom_jvp", "custom_vjp"]
 
@@ -204,7 +205,8 @@ def _float_vjp(
             full[i] = t
         return fn(*full)
 
-    found: Any = torch.func.vjp(over_floats, *[inputs[i] for i in where])
+    with _no_saved_tensor_hooks():  # torch.func refuses to start under any (eager remat's)
+        found: Any = torch.func.vjp(over_floats, *[inputs[i] for i in where])
     outs, vjp_fn = found[0], found[1]
 
     def full_vjp(cots: Any) -> list[Any]:

@@ -34,7 +34,7 @@ from ._dtypes import differentiable
 from ._errors import InvalidArgumentError
 from ._pytree import NAMESPACE
 from ._stack import transform_frame
-from ._trace import is_tracing
+from ._trace import _no_saved_tensor_hooks, is_tracing
 from ._validate import (
     check_argnums,
     check_bool,
@@ -89,16 +89,26 @@ class GradSpec:
 
 
 def _frame(
-    name: str, f: Callable[..., Any], call: Callable[..., _R], hint: Callable[[], str] = str
+    name: str,
+    f: Callable[..., Any],
+    call: Callable[..., _R],
+    hint: Callable[[], str] = str,
+    reverse: bool = False,
 ) -> Callable[..., _R]:
     """``call`` run inside transform frame ``name`` of ``f``, with ``f``'s name and docs; what
     torch.func raises about the arguments is an :class:`InvalidArgumentError` naming ``name``
-    (and ``hint()``), what ``f`` raises is left as it is."""
+    (and ``hint()``), what ``f`` raises is left as it is. ``reverse``: ``call`` is torch.func's
+    reverse mode, which refuses to start under saved-tensor hooks; the caller's (an eager
+    ``remat`` region's, ``save_on_cpu``) are set aside while it runs, as a trace does, and its
+    values are saved as without them."""
 
     @functools.wraps(f, updated=())
     def run(*args: Any, **kwargs: Any) -> _R:
         with transform_frame(name, f), torch_func_arguments(name, hint):
-            return call(*args, **kwargs)
+            if not reverse:
+                return call(*args, **kwargs)
+            with _no_saved_tensor_hooks():
+                return call(*args, **kwargs)
 
     return run
 
@@ -399,7 +409,7 @@ def jacrev(
     _check_jacobian("jacrev", func, argnums, has_aux)
     _check_chunk_size("jacrev", chunk_size)
     jac = torch.func.jacrev(user_calls(func), argnums, has_aux=has_aux, chunk_size=chunk_size)
-    return _frame("jacrev", func, jac, lambda: f" (jacrev's argnums={argnums!r})")
+    return _frame("jacrev", func, jac, lambda: f" (jacrev's argnums={argnums!r})", reverse=True)
 
 
 def _check_jacobian(where: str, func: Any, argnums: Any, has_aux: Any) -> None:
@@ -438,7 +448,7 @@ def hessian(func: Callable[..., Any], argnums: int | tuple[int, ...] = 0) -> Cal
     """
     _check_jacobian("hessian", func, argnums, False)
     hess = torch.func.hessian(user_calls(func), argnums)
-    return _frame("hessian", func, hess, lambda: f" (hessian's argnums={argnums!r})")
+    return _frame("hessian", func, hess, lambda: f" (hessian's argnums={argnums!r})", reverse=True)
 
 
 def stop_gradient(x: _T) -> _T:

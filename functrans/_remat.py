@@ -8,7 +8,13 @@
   backward needs is produced) with our dispatch modes at the op layer: forward keeps only the
   outputs the policy saves, keyed by (op, call index); recomputation serves them back. Outputs
   it offloads (``MUST_OFFLOAD``) are copied to host memory once when the region ends and back
-  in each recomputation. The same policy object decides in both modes.
+  in each recomputation. A random op given its own ``generator=`` draws again from a copy of
+  that generator's state at the op (checkpoint restores the default generators only). The
+  same policy object decides in both modes.
+- The body runs once per call and once per recomputation, never retried: functrans's
+  reverse-mode transforms inside an eager region set its saved-tensor hooks aside while they
+  run (torch.func's refuse them on entry); a direct torch.func call there raises
+  :class:`~functrans.UnsupportedOpError`.
 """
 
 from __future__ import annotations
@@ -31,10 +37,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 from . import _transfer, policies
+from ._errors import UnsupportedOpError
 from ._module_view import ModuleView
 from ._passes import _IDENTITY_OPS
 from ._pytree import NAMESPACE
-from ._stack import transform_frame
+from ._stack import fn_name, transform_frame
 from ._tags import REMAT, REMAT_OP, Policy, PolicyLike, RematOp
 from ._trace import is_tracing
 
@@ -84,6 +91,8 @@ class _Cache:
 
     def __init__(self) -> None:
         self.store: dict[tuple[Any, int], _Entry] = {}
+        # a random op's own generators' states before it ran (see _with_generators)
+        self.draws: dict[tuple[Any, int], tuple[torch.Tensor, ...]] = {}
         self.offloads: list[tuple[Any, int]] = []  # keys to copy to host at the forward's end
         self.held: set[_Where] = set()  # storages of the region's inputs and outputs
         self.ended = False  # the forward ended: what the caller holds is known
@@ -196,9 +205,14 @@ class _Record(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's cl
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        if _faking():  # a trace inside the region (``ft.vmap(ft.grad(g))`` plans one)
+            return func(*args, **kwargs)  # runs on fake tensors: nothing to keep or count
         key = (func, self.calls[func])
         self.calls[func] += 1
+        generators = _generators((args, kwargs))
+        if generators:
+            self.cache.draws[key] = tuple(g.get_state() for g in generators)
+        out = func(*args, **kwargs)
         decision = self.decide(func, *args, **kwargs)
         if decision in _SAVES and not _aliases(func):
             self.cache.put(key, out, offload=decision is Policy.MUST_OFFLOAD)
@@ -225,12 +239,45 @@ class _Replay(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's cl
         return self  # what TorchDispatchMode.__enter__ returns
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if _faking():  # as in _Record (a recomputation may reuse the trace's result)
+            return func(*args, **(kwargs or {}))
         key = (func, self.calls[func])
         self.calls[func] += 1
         entry = self.cache.take(key)  # None too when mutated after the region (user code)
         if entry is not None:
             return entry.served()
+        if key in self.cache.draws:  # the same numbers, the caller's generator untouched
+            args, kwargs = _with_generators((args, kwargs or {}), self.cache.draws[key])
         return func(*args, **(kwargs or {}))
+
+
+def _faking() -> bool:
+    """Whether a fake-tensor or tracing mode is active (a trace run inside an eager region,
+    its fake inputs made before it starts included): its ops compute no real values."""
+    keys = torch._C._TorchDispatchModeKey
+    get = torch._C._get_dispatch_mode
+    return get(keys.FAKE) is not None or get(keys.PROXY) is not None
+
+
+def _generators(tree: Any) -> list[torch.Generator]:
+    """The ``torch.Generator`` objects an op call was given (``generator=`` of ``rand``,
+    ``bernoulli_``, ``multinomial``...)."""
+    return [g for g in optree.tree_leaves(tree) if isinstance(g, torch.Generator)]
+
+
+def _with_generators(tree: Any, states: tuple[torch.Tensor, ...]) -> Any:
+    """``tree`` (an op call's ``(args, kwargs)``) with each generator replaced by a copy set to
+    the state it had when forward ran the op. Checkpointing restores the default generators'
+    states only: a recomputation would otherwise draw other numbers from the caller's
+    generator (a wrong gradient) and advance it a second time."""
+    leaves, spec = optree.tree_flatten(tree)
+    found = iter(states)
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Generator):
+            copy = torch.Generator(device=leaf.device)
+            copy.set_state(next(found))
+            leaves[i] = copy
+    return optree.tree_unflatten(spec, leaves)
 
 
 _SAVES = (Policy.MUST_SAVE, Policy.PREFER_SAVE, Policy.MUST_OFFLOAD)
@@ -246,7 +293,16 @@ def _detach(x: Any) -> Any:
         return x.detach()
 
 
-_HOOKS_REFUSED = "don't yet support saved tensor hooks"
+def _hooks_refused(e: BaseException) -> bool:
+    """Whether ``e`` is torch refusing to disable saved-tensor hooks that are in use (what
+    torch.func's grad/vjp do on entry under eager remat's): raised from torch's
+    ``disable_saved_tensors_hooks``, told by the raising frame's code, not by message text."""
+    disable: Any = torch.autograd.graph.disable_saved_tensors_hooks
+    code = getattr(getattr(disable, "__wrapped__", None), "__code__", None)
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and code is not None and tb.tb_frame.f_code is code
 
 
 def _under_functorch_autodiff() -> bool:
@@ -270,10 +326,8 @@ def _eager(f: Callable[_P, _R], decide: Callable[..., Policy], args: Any, kwargs
     from torch.utils.checkpoint import checkpoint
 
     out: _R  # checkpoint returns what f returns
-    if decide is _SAVE_NOTHING:  # no op-layer modes needed: plain checkpointing
-        out = checkpoint(f, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
-        return out
-
+    # the modes run whatever the policy (nothing_saveable too): they also replay the draws
+    # from generators passed to random ops, which checkpoint's RNG restore does not cover
     cache = _Cache()  # checkpoint asks for the contexts once per call
 
     def region(*a: Any, **k: Any) -> Any:
@@ -522,17 +576,21 @@ def _remat_function(f: Callable[_P, _R], policy: PolicyLike) -> Callable[_P, _R]
                 return _traced(f, decide, args, kwargs)
             if _under_functorch_autodiff():
                 return f(*args, **kwargs)
-            rng = torch.get_rng_state()
+            # decided here, once: the body runs once per call (and once per recomputation).
+            # functrans's reverse-mode transforms inside it set the region's saved-tensor
+            # hooks aside while they run (torch.func's refuse them), so nothing is retried
             try:
                 return _eager(f, decide, args, kwargs)
             except RuntimeError as e:
-                if _HOOKS_REFUSED not in str(e):
+                if not _hooks_refused(e):
                     raise
-                # the region runs torch.func's grad/vjp/jacrev inside, which refuses the
-                # saved-tensor hooks eager remat works with: run it as written (same values,
-                # memory as without remat), from the same random state
-                torch.set_rng_state(rng)
-                return f(*args, **kwargs)
+                raise UnsupportedOpError(
+                    f"remat({fn_name(f)}): the region calls torch.func's reverse mode "
+                    "(torch.func.grad, vjp, jacrev or hessian) directly, which refuses the "
+                    "saved-tensor hooks eager remat runs the region under. Call functrans's "
+                    "own (ft.grad, ft.vjp, ft.jacrev, ft.hessian: they set the hooks aside "
+                    "while they run) or move the call out of the region."
+                ) from e
 
     return wrapped
 
