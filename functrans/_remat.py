@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import operator
 from collections import Counter, defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple, ParamSpec, Protocol, TypeVar, cast, overload
 
 import optree
@@ -262,16 +262,24 @@ def _under_functorch_autodiff() -> bool:
     return any(i.key() in autodiff for i in retrieve_all_functorch_interpreters())
 
 
-def _eager(f: Callable[_P, _R], decide: Callable[..., Policy], args: Any, kwargs: Any) -> _R:
+def _eager(
+    f: Callable[_P, _R],
+    decide: Callable[..., Policy],
+    args: Any,
+    kwargs: Any,
+    options: Mapping[str, Any] | None = None,
+) -> _R:
     """torch's non-reentrant checkpoint (saved-tensor hooks, RNG replay, early stop) with our
-    caching modes at the op layer."""
+    caching modes at the op layer. ``options``: more of torch's checkpoint keywords
+    (``ft.checkpoint`` passes ``preserve_rng_state``, ``determinism_check``, ``debug``...)."""
     if not torch.is_grad_enabled():
         return f(*args, **kwargs)
     from torch.utils.checkpoint import checkpoint
 
+    opts = {"preserve_rng_state": True, **(options or {})}
     out: _R  # checkpoint returns what f returns
     if decide is _SAVE_NOTHING:  # no op-layer modes needed: plain checkpointing
-        out = checkpoint(f, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+        out = checkpoint(f, *args, use_reentrant=False, **opts, **kwargs)
         return out
 
     cache = _Cache()  # checkpoint asks for the contexts once per call
@@ -284,9 +292,7 @@ def _eager(f: Callable[_P, _R], decide: Callable[..., Policy], args: Any, kwargs
     def contexts() -> tuple[_Record, _Replay]:
         return _Record(decide, cache), _Replay(cache)
 
-    out = checkpoint(
-        region, *args, use_reentrant=False, context_fn=contexts, preserve_rng_state=True, **kwargs
-    )
+    out = checkpoint(region, *args, use_reentrant=False, context_fn=contexts, **opts, **kwargs)
     return out
 
 
@@ -500,7 +506,9 @@ def remat(
     return _remat_function(f, policy)
 
 
-def _remat_function(f: Callable[_P, _R], policy: PolicyLike) -> Callable[_P, _R]:
+def _remat_function(
+    f: Callable[_P, _R], policy: PolicyLike, options: Mapping[str, Any] | None = None
+) -> Callable[_P, _R]:
     decide = (
         _SAVE_NOTHING if policy in (None, policies.nothing_saveable) else policies.normalize(policy)
     )
@@ -514,7 +522,7 @@ def _remat_function(f: Callable[_P, _R], policy: PolicyLike) -> Callable[_P, _R]
                 return f(*args, **kwargs)
             rng = torch.get_rng_state()
             try:
-                return _eager(f, decide, args, kwargs)
+                return _eager(f, decide, args, kwargs, options)
             except RuntimeError as e:
                 if _HOOKS_REFUSED not in str(e):
                     raise

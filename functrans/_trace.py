@@ -190,6 +190,11 @@ _TRACING: contextvars.ContextVar[bool] = contextvars.ContextVar("functrans_traci
 TRACE_LOCK = threading.RLock()
 
 
+#: context managers entered around every trace, registered by the modules that need them
+#: (``_checkpoint`` routes ``torch.utils.checkpoint`` calls to remat regions while one runs)
+TRACE_CONTEXTS: list[Callable[[], contextlib.AbstractContextManager[Any]]] = []
+
+
 def is_tracing() -> bool:
     """True while functrans traces a function (transforms like ``remat`` switch to graph mode)."""
     return _TRACING.get()
@@ -226,7 +231,10 @@ def run_traced(fn: Callable[..., Any], user_fn: Callable[..., Any]) -> Any:
         # saved-tensor hooks of the caller (an eager remat/checkpoint around this call) are
         # not for the trace's own autograd
         with TRACE_LOCK, tracing_guard(owner) as seeding, _no_saved_tensor_hooks():
-            result = fn()
+            with contextlib.ExitStack() as contexts:
+                for context in TRACE_CONTEXTS:
+                    contexts.enter_context(context())
+                result = fn()
         if (
             seeding.call is not None
             and isinstance(result, fx.GraphModule)
