@@ -197,8 +197,10 @@ def _run(
     region = _remat._remat_function(target, policy, options.eager)
     if reentrant and torch.is_grad_enabled() and not _any_requires_grad((args, kwargs)):
         # reentrant checkpoint is an autograd.Function of its tensor arguments: with none
-        # requiring grad its result requires none, and nothing inside gets a gradient
-        warnings.warn(_NO_GRAD_INPUTS, stacklevel=3)
+        # requiring grad its result requires none, and nothing inside gets a gradient (torch
+        # warns when it runs; a trace runs once, for every later call: no warning there)
+        if not _trace.is_tracing():
+            warnings.warn(_NO_GRAD_INPUTS, stacklevel=3)
         with torch.no_grad():
             return region(*args, **kwargs)
     return region(*args, **kwargs)

@@ -230,11 +230,15 @@ def run_traced(fn: Callable[..., Any], user_fn: Callable[..., Any]) -> Any:
     try:
         # saved-tensor hooks of the caller (an eager remat/checkpoint around this call) are
         # not for the trace's own autograd
-        with TRACE_LOCK, tracing_guard(owner) as seeding, _no_saved_tensor_hooks():
-            with contextlib.ExitStack() as contexts:
-                for context in TRACE_CONTEXTS:
-                    contexts.enter_context(context())
-                result = fn()
+        with (
+            TRACE_LOCK,
+            tracing_guard(owner) as seeding,
+            _no_saved_tensor_hooks(),
+            contextlib.ExitStack() as contexts,
+        ):
+            for context in TRACE_CONTEXTS:
+                contexts.enter_context(context())
+            result = fn()
         if (
             seeding.call is not None
             and isinstance(result, fx.GraphModule)
