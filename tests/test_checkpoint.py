@@ -194,7 +194,7 @@ def test_other_context_fn_is_refused() -> None:
     with pytest.raises(ft.UnsupportedOpError, match="not torch's selective-checkpoint"):
         ft.checkpoint(_block, x, w, context_fn=lambda: (nullcontext(), nullcontext()))
     with pytest.raises(ft.InvalidArgumentError, match="function=3"):
-        ft.checkpoint(3, x)  # type: ignore[call-overload]
+        ft.checkpoint(3, x)  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------------------------------------
