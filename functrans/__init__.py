@@ -45,6 +45,7 @@ from ._trace import trace as trace
 
 __version__ = "0.1.0"
 from . import policies as policies
+from ._checkpoint import checkpoint as checkpoint
 from ._dynamo import dynamo_backend as dynamo_backend
 from ._jit_api import jit as jit
 from ._logs import set_logs as set_logs

@@ -4,8 +4,9 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import optree
@@ -114,7 +115,8 @@ class JitModule(ModuleView):
     True
     """
 
-    _derived = ("_jitted",)  # compiled entries hold graphs and kernels: compile again
+    # compiled entries hold graphs and kernels: compile again; the signature is the module's
+    _derived = ("_jitted", "forward", "__wrapped__", "__signature__")
 
     def __init__(self, module: torch.nn.Module, options: _Options) -> None:
         super().__init__(module)
@@ -122,7 +124,20 @@ class JitModule(ModuleView):
         self._derive()
 
     def _derive(self) -> None:
-        self.__dict__["_jitted"] = _compiled_call(self._wrapped, self.__dict__["_opts"])
+        module = self._wrapped
+        self.__dict__["_jitted"] = _compiled_call(module, self.__dict__["_opts"])
+        # frameworks read the forward's parameters (Hugging Face's Trainer keeps only the
+        # dataset columns ``inspect.signature(model.forward)`` names): show the module's
+        self.__dict__["__wrapped__"] = module
+        forward = functools.partial(JitModule.forward, self)
+        try:
+            signature = inspect.signature(module.forward)
+        except (TypeError, ValueError):  # a forward inspect cannot read: ours stays
+            return
+        self.__dict__["__signature__"] = signature
+        self.__dict__["forward"] = functools.update_wrapper(
+            _Forward(forward, signature), module.forward, updated=()
+        )
 
     @property
     def _compiled(self) -> Jitted[..., Any]:
@@ -160,6 +175,18 @@ class JitModule(ModuleView):
                     # the backward may have saved the buffer itself
                     buffers[name].copy_(value)
         return torch_pytree.tree_unflatten(leaves, spec.spec)
+
+
+class _Forward:
+    """``jit(module).forward``: the compiled forward, showing the module forward's signature
+    (``inspect.signature`` reads ``__signature__``; ``__wrapped__`` is the module's)."""
+
+    def __init__(self, call: Callable[..., Any], signature: inspect.Signature) -> None:
+        self._call = call
+        self.__signature__ = signature
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._call(*args, **kwargs)
 
 
 class _TorchSpec:

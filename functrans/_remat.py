@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import operator
 from collections import Counter, defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple, ParamSpec, Protocol, TypeVar, cast, overload
 
 import optree
@@ -37,7 +37,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 from . import _transfer, policies
-from ._errors import UnsupportedOpError
+from ._errors import InvalidArgumentError, UnsupportedOpError
 from ._module_view import ModuleView
 from ._passes import _IDENTITY_OPS
 from ._pytree import NAMESPACE
@@ -318,14 +318,30 @@ def _under_functorch_autodiff() -> bool:
     return any(i.key() in autodiff for i in retrieve_all_functorch_interpreters())
 
 
-def _eager(f: Callable[_P, _R], decide: Callable[..., Policy], args: Any, kwargs: Any) -> _R:
+def _eager(
+    f: Callable[_P, _R],
+    decide: Callable[..., Policy],
+    args: Any,
+    kwargs: Any,
+    options: Mapping[str, Any] | None = None,
+) -> _R:
     """torch's non-reentrant checkpoint (saved-tensor hooks, RNG replay, early stop) with our
-    caching modes at the op layer."""
+    caching modes at the op layer. ``options``: more of torch's checkpoint keywords
+    (``ft.checkpoint`` passes ``preserve_rng_state``, ``determinism_check``, ``debug``...)."""
     if not torch.is_grad_enabled():
         return f(*args, **kwargs)
     from torch.utils.checkpoint import checkpoint
 
+    opts = {"preserve_rng_state": True, **(options or {})}
     out: _R  # checkpoint returns what f returns
+    if opts.get("debug"):  # torch's debug trace runs without op-layer contexts only
+        if decide is not _SAVE_NOTHING:
+            raise InvalidArgumentError(
+                "checkpoint: debug=True records torch's own operator trace, which torch allows "
+                "only without a selective policy; drop debug or use policy=None"
+            )
+        out = checkpoint(f, *args, use_reentrant=False, **opts, **kwargs)
+        return out
     # the modes run whatever the policy (nothing_saveable too): they also replay the draws
     # from generators passed to random ops, which checkpoint's RNG restore does not cover
     cache = _Cache()  # checkpoint asks for the contexts once per call
@@ -338,9 +354,7 @@ def _eager(f: Callable[_P, _R], decide: Callable[..., Policy], args: Any, kwargs
     def contexts() -> tuple[_Record, _Replay]:
         return _Record(decide, cache), _Replay(cache)
 
-    out = checkpoint(
-        region, *args, use_reentrant=False, context_fn=contexts, preserve_rng_state=True, **kwargs
-    )
+    out = checkpoint(region, *args, use_reentrant=False, context_fn=contexts, **opts, **kwargs)
     return out
 
 
@@ -564,7 +578,9 @@ def _check_options(f: object, prevent_cse: object, static_argnums: object) -> No
     check_static_argnums("remat", static_argnums)
 
 
-def _remat_function(f: Callable[_P, _R], policy: PolicyLike) -> Callable[_P, _R]:
+def _remat_function(
+    f: Callable[_P, _R], policy: PolicyLike, options: Mapping[str, Any] | None = None
+) -> Callable[_P, _R]:
     decide = (
         _SAVE_NOTHING if policy in (None, policies.nothing_saveable) else policies.normalize(policy)
     )
@@ -580,7 +596,7 @@ def _remat_function(f: Callable[_P, _R], policy: PolicyLike) -> Callable[_P, _R]
             # functrans's reverse-mode transforms inside it set the region's saved-tensor
             # hooks aside while they run (torch.func's refuse them), so nothing is retried
             try:
-                return _eager(f, decide, args, kwargs)
+                return _eager(f, decide, args, kwargs, options)
             except RuntimeError as e:
                 if not _hooks_refused(e):
                     raise

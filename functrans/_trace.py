@@ -207,6 +207,11 @@ _TRACING: contextvars.ContextVar[bool] = contextvars.ContextVar("functrans_traci
 TRACE_LOCK = threading.RLock()
 
 
+#: context managers entered around every trace, registered by the modules that need them
+#: (``_checkpoint`` routes ``torch.utils.checkpoint`` calls to remat regions while one runs)
+TRACE_CONTEXTS: list[Callable[[], contextlib.AbstractContextManager[Any]]] = []
+
+
 def is_tracing() -> bool:
     """True while functrans traces a function (transforms like ``remat`` switch to graph mode)."""
     return _TRACING.get()
@@ -242,7 +247,14 @@ def run_traced(fn: Callable[..., Any], user_fn: Callable[..., Any]) -> Any:
     try:
         # saved-tensor hooks of the caller (an eager remat/checkpoint around this call) are
         # not for the trace's own autograd
-        with TRACE_LOCK, tracing_guard(owner) as seeding, _no_saved_tensor_hooks():
+        with (
+            TRACE_LOCK,
+            tracing_guard(owner) as seeding,
+            _no_saved_tensor_hooks(),
+            contextlib.ExitStack() as contexts,
+        ):
+            for context in TRACE_CONTEXTS:
+                contexts.enter_context(context())
             result = fn()
         if (
             seeding.call is not None
