@@ -4,12 +4,14 @@ A function closing over a tensor (``w`` in ``lambda x: x @ w``), a global, or a 
 reads state the trace would otherwise bake in as a constant: replaced later (``w =
 torch.randn(...)``), the graph would keep the old one; a parameter requiring grad would get no
 gradient. :func:`reach` walks from the function to what it can read (closure cells, the
-globals its code names, ``self`` of bound methods, ``functools.partial`` arguments, module
-parameters, buffers and submodules, containers and plain objects' attributes) and records a
-:class:`Path` to each tensor and module. ``jit`` lifts the captured tensors its trace actually
-used to graph inputs, re-reads them through their paths on every call (so a replaced or
-updated tensor is seen, and gradients reach captured parameters), and guards the ``training``
-flags of the modules found.
+globals its code names, the attributes of imported modules its code names (``helpers.SCALE``,
+``helpers.apply`` and, through it, that module's globals), ``self`` of bound methods,
+``functools.partial`` arguments, module parameters, buffers and submodules, containers and
+plain objects' attributes) and records a :class:`Path` to each tensor and module, and the
+plain values user code reads from module globals (:class:`Value`). ``jit`` lifts the captured
+tensors its trace actually used to graph inputs, re-reads them through their paths on every
+call (so a replaced or updated tensor is seen, and gradients reach captured parameters), and
+guards the ``training`` flags of the modules found and those plain values.
 
 >>> import torch
 >>> w = torch.ones(2)
@@ -294,10 +296,12 @@ def _value(obj: Any, step: PathStep, name: str, home: Any) -> Value | None:
     if kind == "global" and isinstance(obj, types.FunctionType):
         if obj.__globals__ is home or classify(obj.__code__.co_filename) == "user":
             return Value(obj.__globals__, key, name)
-    elif kind == "attr" and isinstance(obj, _ModuleView):
-        if classify(getattr(obj.module, "__file__", None) or "") in ("user", "unknown"):
-            return Value(vars(obj.module), key, name)
-    return None
+        return None
+    if kind != "attr" or not isinstance(obj, _ModuleView):
+        return None
+    if classify(getattr(obj.module, "__file__", None) or "") not in ("user", "unknown"):
+        return None
+    return Value(vars(obj.module), key, name)
 
 
 @functools.lru_cache(maxsize=4096)

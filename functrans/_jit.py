@@ -6,14 +6,16 @@ type, dispatch keys, shape, strides, dtype, device and ``requires_grad``; the gl
 (grad and inference mode, autocast per device, default dtype, deterministic algorithms: see
 :mod:`functrans._state`); the ``training`` flag of every module the function reaches; and the
 tensors it captures (closures, globals, module attributes), which are lifted to graph inputs and
-re-read on every call (:mod:`functrans._capture`). Calls are looked up through cheap guards
-first (:class:`~functrans._pytree.Guards`), then by the exact key; the cache keeps the
-``cache_size`` most recently used entries (:mod:`functrans._jit_cache`).
+re-read on every call (:mod:`functrans._capture`); ``torch.Generator`` arguments, keyed by
+device and drawn from at run time (:meth:`Jitted._run_drawing`). Calls are looked up through
+cheap guards first (:class:`~functrans._pytree.Guards`), then by the exact key; the cache keeps
+the ``cache_size`` most recently used entries (:mod:`functrans._jit_cache`).
 
 Training calls run the forward graph inside a ``torch.autograd.Function`` that saves exactly the
 partition's saved values; inference calls (nothing requires grad, or grad mode off) run a
-forward-only graph that saves nothing. Under torch.func transforms (``vmap``, ``grad``, ``jvp``)
-and inside other functrans traces the function runs as written, so the transform sees its ops.
+forward-only graph that saves nothing, unless the body turns grad mode back on itself (see
+:meth:`Jitted._compile`). Under torch.func transforms (``vmap``, ``grad``, ``jvp``) and inside
+other functrans traces the function runs as written, so the transform sees its ops.
 """
 
 from __future__ import annotations
