@@ -4,12 +4,14 @@ A function closing over a tensor (``w`` in ``lambda x: x @ w``), a global, or a 
 reads state the trace would otherwise bake in as a constant: replaced later (``w =
 torch.randn(...)``), the graph would keep the old one; a parameter requiring grad would get no
 gradient. :func:`reach` walks from the function to what it can read (closure cells, the
-globals its code names, ``self`` of bound methods, ``functools.partial`` arguments, module
-parameters, buffers and submodules, containers and plain objects' attributes) and records a
-:class:`Path` to each tensor and module. ``jit`` lifts the captured tensors its trace actually
-used to graph inputs, re-reads them through their paths on every call (so a replaced or
-updated tensor is seen, and gradients reach captured parameters), and guards the ``training``
-flags of the modules found.
+globals its code names, the attributes of imported modules its code names (``helpers.SCALE``,
+``helpers.apply`` and, through it, that module's globals), ``self`` of bound methods,
+``functools.partial`` arguments, module parameters, buffers and submodules, containers and
+plain objects' attributes) and records a :class:`Path` to each tensor and module, and the
+plain values user code reads from module globals (:class:`Value`). ``jit`` lifts the captured
+tensors its trace actually used to graph inputs, re-reads them through their paths on every
+call (so a replaced or updated tensor is seen, and gradients reach captured parameters), and
+guards the ``training`` flags of the modules found and those plain values.
 
 >>> import torch
 >>> w = torch.ones(2)
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import types
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -29,9 +32,10 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ._fingerprint import classify
 from ._graph import SOURCE
 
-__all__ = ["Path", "Reach", "Reader", "captured_constants", "reach", "swapped"]
+__all__ = ["Path", "Reach", "Reader", "Value", "captured_constants", "reach", "swapped"]
 
 # a step from one object to the next: (kind, key); kinds are the rows of _READ
 PathStep = tuple[str, Any]
@@ -121,6 +125,8 @@ class Reach:
     root: Any
     tensors: dict[int, list[Path]] = field(default_factory=dict)
     modules: list[tuple[Path, torch.nn.Module]] = field(default_factory=list)
+    #: plain values user code reads from module globals (guarded by ``jit``), once each
+    values: list[Value] = field(default_factory=list)
 
 
 # Bounds on the walk: state hidden deeper than this is not found (and a trace that uses such a
@@ -136,7 +142,10 @@ _MODULE_INTERNALS = frozenset(torch.nn.Module().__dict__) | {"_compiled_call_imp
 def _library(obj: Any) -> bool:
     """Objects of torch's (and Python's) own types, which hold no user state worth walking."""
     module = getattr(type(obj), "__module__", "") or ""
-    return module.split(".", 1)[0] in ("torch", "builtins", "numpy", "optree", "functrans")
+    return module.split(".", 1)[0] in _LIBRARIES
+
+
+_LIBRARIES = frozenset({"torch", "builtins", "numpy", "optree", "functrans"})
 
 
 def reach(f: Any) -> Reach:
@@ -146,15 +155,23 @@ def reach(f: Any) -> Reach:
     seen: set[int] = {id(f)}
     frontier: list[tuple[Any, tuple[PathStep, ...], str]] = [(f, (), "")]
     budget = _MAX_OBJECTS
+    home = getattr(f, "__globals__", None)  # the root's own globals: FunctionValues reads them
+    values: dict[tuple[int, str], Value] = {}
     for _ in range(_MAX_DEPTH):
         nxt: list[tuple[Any, tuple[PathStep, ...], str]] = []
         for obj, steps, name in frontier:
-            for step, child, child_name, child_writable in _children(obj, name):
+            for step, child, child_name, child_writable in _children(obj, name, home):
                 if isinstance(child, torch.Tensor):
                     to_tensor = Path((*steps, step), child_name, child_writable)
                     found.tensors.setdefault(id(child), []).append(to_tensor)
                     continue
-                if isinstance(child, _ATOMS) or id(child) in seen:
+                if isinstance(child, _ATOMS) or type(child) is tuple:
+                    value = _value(obj, step, child_name, home)
+                    if value is not None:
+                        values.setdefault((id(value.namespace), value.key), value)
+                    if isinstance(child, _ATOMS):
+                        continue
+                if id(child) in seen:
                     continue
                 seen.add(id(child))
                 budget -= 1
@@ -165,16 +182,20 @@ def reach(f: Any) -> Reach:
         frontier = nxt
         if not frontier or budget <= 0:
             break
+    found.values = list(values.values())
     return found
 
 
 _Child = tuple[PathStep, Any, str, bool]
 
 
-def _children(obj: Any, name: str) -> Iterator[_Child]:
-    """The objects one step from ``obj``: (step, child, child's name, writable)."""
+def _children(obj: Any, name: str, home: Any = None) -> Iterator[_Child]:
+    """The objects one step from ``obj``: (step, child, child's name, writable); ``home``: the
+    root function's globals (names read there stay unqualified)."""
     if isinstance(obj, types.FunctionType):
-        yield from _function_children(obj, name)
+        yield from _function_children(obj, name, home)
+    elif isinstance(obj, _ModuleView):
+        yield from _module_attrs(obj, name)
     elif isinstance(obj, types.MethodType):
         yield ("self", None), obj.__self__, name.rpartition(".")[0] or "self", False
         yield ("func", None), obj.__func__, name, False
@@ -183,7 +204,7 @@ def _children(obj: Any, name: str) -> Iterator[_Child]:
         yield from _items(obj.args, name, writable=False)
         yield from _items(obj.keywords, name, writable=True)
     elif isinstance(obj, torch.nn.Module):
-        yield from _module_children(obj, name)
+        yield from _module_children(obj, name, home)
     elif isinstance(obj, (dict, list)):
         yield from _items(obj, name, writable=True)
     elif isinstance(obj, tuple):
@@ -195,17 +216,92 @@ def _children(obj: Any, name: str) -> Iterator[_Child]:
                 yield ("attr", key), value, f"{name}.{key}", True
 
 
-def _function_children(f: types.FunctionType, name: str) -> Iterator[_Child]:
+def _function_children(f: types.FunctionType, name: str, home: Any) -> Iterator[_Child]:
     code = f.__code__
     for i, (var, cell) in enumerate(zip(code.co_freevars, f.__closure__ or (), strict=True)):
         try:
             value = cell.cell_contents
         except ValueError:  # an empty cell: the variable is not bound yet
             continue
+        if isinstance(value, types.ModuleType):  # a module imported inside the enclosing code
+            if _walked_module(value):
+                yield ("cell", i), _ModuleView(value, _global_names(code)), var, True
+            continue
         yield ("cell", i), value, var, True
-    for var in _global_names(code):
-        if var in f.__globals__:
-            yield ("global", var), f.__globals__[var], var, True
+    yield from _globals_read("global", f.__globals__, _global_names(code), home)
+
+
+def _globals_read(
+    kind: str, glb: dict[str, Any], names: tuple[str, ...], home: Any
+) -> Iterator[_Child]:
+    """The globals ``names`` of the module dict ``glb`` (a function's, a module's forward's);
+    an imported module among them stands for the attributes of it that the code names
+    (``helpers.SCALE``, ``helpers.apply``: see :class:`_ModuleView`)."""
+    prefix = "" if glb is home else f"{glb.get('__name__', '?')}."
+    for var in names:
+        if var not in glb:
+            continue
+        value = glb[var]
+        if isinstance(value, types.ModuleType):
+            if _walked_module(value):
+                yield (kind, var), _ModuleView(value, names), prefix + var, True
+            continue
+        yield (kind, var), value, prefix + var, True
+
+
+@dataclass(frozen=True, eq=False)
+class _ModuleView:
+    """An imported module as the walk sees it: only the attributes the code that reached it
+    names (``helpers.apply(x)`` names ``apply``), not everything the module holds. Its path
+    step leads to the module itself; the steps after it are ``attr`` steps into the module's
+    ``__dict__`` (so a replaced ``helpers.SCALE`` is read anew, and swapped while tracing)."""
+
+    module: types.ModuleType
+    names: tuple[str, ...]
+
+
+def _walked_module(m: types.ModuleType) -> bool:
+    """Modules whose globals may be user state: not Python's, torch's or functrans' own."""
+    top = str(getattr(m, "__name__", "")).partition(".")[0]
+    return top not in sys.stdlib_module_names and top not in _LIBRARIES
+
+
+def _module_attrs(view: _ModuleView, name: str) -> Iterator[_Child]:
+    attrs = vars(view.module)
+    for key in view.names:
+        if key not in attrs:
+            continue
+        value = attrs[key]
+        if isinstance(value, types.ModuleType):  # ``pkg.sub.X``
+            if _walked_module(value):
+                yield ("attr", key), _ModuleView(value, view.names), f"{name}.{key}", True
+            continue
+        yield ("attr", key), value, f"{name}.{key}", True
+
+
+class Value(NamedTuple):
+    """A plain value (a number, a string, a flag) some code the function reaches reads from a
+    module's globals: ``namespace[key]``, named ``name`` in messages."""
+
+    namespace: dict[str, Any]
+    key: str
+    name: str
+
+
+def _value(obj: Any, step: PathStep, name: str, home: Any) -> Value | None:
+    """The :class:`Value` a step to a plain value reads, where it is a global of user code
+    (a helper module's ``SCALE = 2.0``): installed packages' flags are theirs, and reading
+    all of them on every call would cost more than they are worth."""
+    kind, key = step
+    if kind == "global" and isinstance(obj, types.FunctionType):
+        if obj.__globals__ is home or classify(obj.__code__.co_filename) == "user":
+            return Value(obj.__globals__, key, name)
+        return None
+    if kind != "attr" or not isinstance(obj, _ModuleView):
+        return None
+    if classify(getattr(obj.module, "__file__", None) or "") not in ("user", "unknown"):
+        return None
+    return Value(vars(obj.module), key, name)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -219,7 +315,7 @@ def _global_names(code: types.CodeType) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names))
 
 
-def _module_children(m: torch.nn.Module, name: str) -> Iterator[_Child]:
+def _module_children(m: torch.nn.Module, name: str, home: Any) -> Iterator[_Child]:
     prefix = f"{name}." if name else ""
     for key, p in m._parameters.items():
         if p is not None:
@@ -236,9 +332,8 @@ def _module_children(m: torch.nn.Module, name: str) -> Iterator[_Child]:
     forward = type(m).forward
     if isinstance(forward, types.FunctionType) and not _library(m):
         # the globals a user module's forward reads (a module-level tensor, say)
-        for var in _global_names(forward.__code__):
-            if var in forward.__globals__:
-                yield ("forward_global", var), forward.__globals__[var], var, True
+        names = _global_names(forward.__code__)
+        yield from _globals_read("forward_global", forward.__globals__, names, home)
 
 
 def _items(c: Any, name: str, *, writable: bool) -> Iterator[_Child]:

@@ -6,14 +6,16 @@ type, dispatch keys, shape, strides, dtype, device and ``requires_grad``; the gl
 (grad and inference mode, autocast per device, default dtype, deterministic algorithms: see
 :mod:`functrans._state`); the ``training`` flag of every module the function reaches; and the
 tensors it captures (closures, globals, module attributes), which are lifted to graph inputs and
-re-read on every call (:mod:`functrans._capture`). Calls are looked up through cheap guards
-first (:class:`~functrans._pytree.Guards`), then by the exact key; the cache keeps the
-``cache_size`` most recently used entries (:mod:`functrans._jit_cache`).
+re-read on every call (:mod:`functrans._capture`); ``torch.Generator`` arguments, keyed by
+device and drawn from at run time (:meth:`Jitted._run_drawing`). Calls are looked up through
+cheap guards first (:class:`~functrans._pytree.Guards`), then by the exact key; the cache keeps
+the ``cache_size`` most recently used entries (:mod:`functrans._jit_cache`).
 
 Training calls run the forward graph inside a ``torch.autograd.Function`` that saves exactly the
 partition's saved values; inference calls (nothing requires grad, or grad mode off) run a
-forward-only graph that saves nothing. Under torch.func transforms (``vmap``, ``grad``, ``jvp``)
-and inside other functrans traces the function runs as written, so the transform sees its ops.
+forward-only graph that saves nothing, unless the body turns grad mode back on itself (see
+:meth:`Jitted._compile`). Under torch.func transforms (``vmap``, ``grad``, ``jvp``) and inside
+other functrans traces the function runs as written, so the transform sees its ops.
 """
 
 from __future__ import annotations
@@ -128,6 +130,50 @@ class _Retry(Exception):
     __functrans_control_flow__ = True
 
 
+class _GradOn(Exception):
+    """A trace under ``torch.no_grad()`` saw the body turn grad mode on (see _compile)."""
+
+    __functrans_control_flow__ = True
+
+
+class _GradWatch(torch.overrides.TorchFunctionMode):
+    """Raises :class:`_GradOn` at the first torch call the body makes with grad mode on. The
+    trace stops there, before the on-disk cache stores it: a stored forward trace of a call
+    whose inputs require grad is one whose body left grad mode off."""
+
+    def __torch_function__(
+        self,
+        func: Any,
+        types: Any,
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        if func is not _SET_GRAD and torch.is_grad_enabled():  # the setter itself is seen
+            raise _GradOn
+        return func(*args, **(kwargs or {}))
+
+
+_SET_GRAD = torch._C._set_grad_enabled
+
+
+def _watched(call: Callable[..., Any]) -> Callable[..., Any]:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with _GradWatch():
+            return call(*args, **kwargs)
+
+    return run
+
+
+def _grad_off(call: Callable[..., Any]) -> Callable[..., Any]:
+    """``call`` with grad mode off around it (the joint graph traces with it on)."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with torch.no_grad():
+            return call(*args, **kwargs)
+
+    return run
+
+
 class _AsWritten(Exception):
     """The call cannot be compiled (tensor subclasses): run the function as written."""
 
@@ -145,6 +191,7 @@ def inline() -> bool:
 
 
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+_GENERATOR = torch.Generator
 
 
 def _plain(t: torch.Tensor) -> bool:
@@ -176,6 +223,8 @@ class Jitted(Generic[_P, _R]):
         self._warned: set[str] = set()
         self._disk_misses = 0  # traces the on-disk cache did not have
         self._reads: tuple[FunctionValues, ...] = ()  # the plain globals f's code reads
+        #: stand-ins for generator arguments, by (place among the call's generators, device)
+        self._generators: dict[tuple[int, torch.device], torch.Generator] = {}
         functools.update_wrapper(self, f)
 
     @property
@@ -222,11 +271,15 @@ class Jitted(Generic[_P, _R]):
             return None
 
     def _run(
-        self, args: Any, kwargs: Any, module_flags: ModuleFlags | None
+        self, args: Any, kwargs: Any, module_flags: ModuleFlags | None, drawing: bool = False
     ) -> tuple[list[Any], Entry, Sequence[torch.Tensor]]:
         """Flat outputs, the entry that computed them and the inputs in the entry's order.
 
         This is every call's path: each line here costs on every step of a training loop."""
+        if not drawing and (
+            _GENERATOR in map(type, args) or (kwargs and _GENERATOR in map(type, kwargs.values()))
+        ):
+            return self._run_drawing(args, kwargs, module_flags)
         statics = self._opts.static_argnums
         tree_args = wrap_static(args, statics) if statics else args
         for _ in range(4):  # a retry follows a compile that found captured tensors to lift
@@ -252,6 +305,9 @@ class Jitted(Generic[_P, _R]):
                     continue
                 apply = Apply.apply
             entry = slot.entry
+            if entry.enable_grad:  # see _compile: grad mode off outside, on in the body
+                with torch.enable_grad(), no_autocast(state):
+                    return _execute(apply, entry, ordered), entry, ordered
             if entry.subclass:
                 apply = ApplySubclass.apply
                 if entry.backward is None:
@@ -264,6 +320,43 @@ class Jitted(Generic[_P, _R]):
             return list(apply(entry, *ordered)), entry, ordered
         raise TraceError(f"{self._owner}: the captured tensors keep changing while compiling")
 
+    def _run_drawing(
+        self, args: Any, kwargs: Any, module_flags: ModuleFlags | None
+    ) -> tuple[list[Any], Entry, Sequence[torch.Tensor]]:
+        """:meth:`_run` for a call with ``torch.Generator`` arguments. Generators are inputs,
+        like tensors: keyed by device, drawn from at run time. Each is replaced by this
+        function's own stand-in generator for its place and device (the n-th distinct
+        generator of the call by the n-th stand-in, so one generator passed twice stays one),
+        which the trace records and the graph draws from; the stand-in takes the generator's
+        state before the call and hands it back after, so the numbers drawn and the state left
+        behind are eager's. Such calls run one at a time (a stand-in holds one call's state)."""
+        with self._lock:
+            stand_ins: dict[int, torch.Generator] = {}
+            pairs: list[tuple[torch.Generator, torch.Generator]] = []
+
+            def stand_in(v: Any) -> Any:
+                if type(v) is not _GENERATOR:
+                    return v
+                found = stand_ins.get(id(v))
+                if found is None:
+                    key = (len(stand_ins), v.device)
+                    found = self._generators.get(key)
+                    if found is None:
+                        found = self._generators[key] = torch.Generator(device=v.device)
+                    stand_ins[id(v)] = found
+                    pairs.append((v, found))
+                return found
+
+            a = tuple(map(stand_in, args))
+            kw = {k: stand_in(v) for k, v in kwargs.items()}
+            for real, mine in pairs:
+                mine.set_state(real.get_state())
+            try:
+                return self._run(a, kw, module_flags, drawing=True)
+            finally:
+                for real, mine in pairs:
+                    real.set_state(mine.get_state())
+
     def _module_flags(self) -> ModuleFlags:
         """``(module, training)`` of every module the function reaches, read now."""
         reader = self._modules
@@ -272,7 +365,7 @@ class Jitted(Generic[_P, _R]):
             reader = Reader([p for p, _ in found.modules]).readable(self._f)
             self._modules = reader
             self._module_names = tuple(p.name for p in reader.paths)
-            values = FunctionValues(self._f)
+            values = FunctionValues(self._f, found.values)
             self._reads = (values,) if values.names else ()
             self._module_names += ("",) * (len(self._reads) + 1)  # globals, global hooks
         reads: ModuleFlags = tuple([(r, module_state(r)) for r in self._reads])
@@ -380,15 +473,29 @@ class Jitted(Generic[_P, _R]):
             return self._f(*args, **kwargs)
 
     def _compile(
-        self, flat: Flat, tensors: list[torch.Tensor], state: State, key: Any
+        self,
+        flat: Flat,
+        tensors: list[torch.Tensor],
+        state: State,
+        key: Any,
+        grad_inside: bool = False,
     ) -> Slot[Entry]:
-        training = grad_enabled(state) and any(t.requires_grad for t in tensors)
+        """The entry for this call. ``grad_inside``: called again after the body was seen to
+        turn grad mode on under the caller's ``torch.no_grad()`` (a ``torch.enable_grad()``
+        block): eager records what that block computes from inputs that require grad, so the
+        entry is a training one, traced with grad mode off around the body as the caller had
+        it (its other ops stay unrecorded) and run with grad mode on."""
+        training = (grad_enabled(state) or grad_inside) and any(t.requires_grad for t in tensors)
+        # grad off here, yet inputs require grad: the body may turn grad on (watched below)
+        watch = not training and not state.inference and any(t.requires_grad for t in tensors)
         diff = [
             i for i, t in enumerate(tensors) if training and t.requires_grad and differentiable(t)
         ]
         chosen = set(diff)
         other = [i for i in range(len(tensors)) if i not in chosen]
-        call = self._call
+        call = _grad_off(self._call) if grad_inside else self._call
+        if watch:
+            call = _watched(call)
 
         def flat_f(
             diff_leaves: tuple[torch.Tensor, ...], other_leaves: tuple[torch.Tensor, ...]
@@ -434,8 +541,14 @@ class Jitted(Generic[_P, _R]):
             planned=getattr(flat_f, _PLANNED, None) is not None,
             store=self._disk_misses < DISK_STORES,
         )
-        entry, gm = self._build_dynamic(flat_f, example, training, disk, dims)
+        try:
+            entry, gm = self._build_dynamic(flat_f, example, training, disk, dims)
+        except _GradOn:
+            torch._C._set_grad_enabled(False)  # as the caller had it (watch: grad was off)
+            return self._compile(flat, tensors, state, key, grad_inside=True)
         self._lift_captures(gm)
+        if grad_inside and entry.backward is not None:
+            entry = dataclasses.replace(entry, enable_grad=True)
         modules = self._module_names if self._given_names is None else self._given_names()
         signature = Signature.of(flat, self._names(flat, every_leaf=True), tensors, state, modules)
         return Slot(entry, diff + other, signature, key, shape=entry.shape, rank=rank_key(key))
@@ -495,7 +608,7 @@ class Jitted(Generic[_P, _R]):
             try:
                 with _quiet_fake_tensor_log():
                     return self._build(flat_f, example, training, disk, dims)
-            except (_Retry, DynamicSpecError):  # the inputs break the user's own dynamic=
+            except (_Retry, _GradOn, DynamicSpecError):  # the inputs break the user's dynamic=
                 raise
             except Exception as e:  # the static trace reports real errors
                 why = f"the symbolic trace failed ({type(e).__name__}: {e})"

@@ -77,6 +77,9 @@ class Entry:
     saved_tensors: tuple[bool, ...] | None = None
     #: differentiated inputs no output depends on: their gradient is None, as in eager
     absent: tuple[int, ...] = ()
+    #: the function turns grad mode on itself (``torch.enable_grad()`` in a body called under
+    #: ``torch.no_grad()``): run through autograd with grad mode on, as its body ran
+    enable_grad: bool = False
 
     @functools.cached_property
     def frozen(self) -> tuple[int, ...]:

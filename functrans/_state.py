@@ -107,15 +107,24 @@ class FunctionValues:
     (('SCALE',), (2.0,))
     """
 
-    def __init__(self, f: Any) -> None:
+    def __init__(self, f: Any, reached: Sequence[tuple[dict[str, Any], str, str]] = ()) -> None:
+        """``reached``: ``(namespace, key, name)`` of the plain globals of other code the
+        function reaches (a helper module's ``K``: ``functrans._capture.reach`` finds them)."""
         code = getattr(f, "__code__", None)
         glb = getattr(f, "__globals__", {})
         cells = getattr(f, "__closure__", None) or ()
         names = _names_of(code) if code is not None else set()
-        self._globals = [(glb, k) for k in sorted(names) if k in glb and _is_value(glb[k])]
+        own = [(glb, k, k) for k in sorted(names) if k in glb and _is_value(glb[k])]
+        seen = {(id(d), k) for d, k, _ in own}
+        more = []
+        for d, k, n in reached:
+            if (id(d), k) not in seen and k in d and _is_value(d[k]):
+                seen.add((id(d), k))
+                more.append((d, k, n))
+        self._globals = [(d, k) for d, k, _ in own + more]
         free = code.co_freevars if code is not None else ()
         self._cells = [(name, c) for name, c in zip(free, cells, strict=False) if _cell_value(c)]
-        self.names = tuple(k for _, k in self._globals) + tuple(n for n, _ in self._cells)
+        self.names = tuple(n for _, _, n in own + more) + tuple(n for n, _ in self._cells)
 
     def values(self) -> tuple[Any, ...]:
         glb = tuple(d.get(k) for d, k in self._globals)

@@ -128,13 +128,7 @@ def test_jit_module_with_a_frozen_forward():
     torch.testing.assert_close(got, want)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a body that turns grad back on under an outer no_grad: jit compiles an inference "
-    "entry when grad is off at the call; tracing the joint under the caller's grad mode is "
-    "left for later",
-)
-def test_enable_grad_body_called_under_no_grad():
+def test_enable_grad_body_called_under_no_grad():  # more in test_trace_state.py
     def f(x):
         with torch.enable_grad():
             return x.sin()
