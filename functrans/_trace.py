@@ -211,6 +211,39 @@ def _no_saved_tensor_hooks() -> Iterator[None]:
             autograd._push_saved_tensors_default_hooks(pack, unpack)
 
 
+# Recurrent layers whose fused kernels (oneDNN's ``mkldnn_rnn_layer`` on CPU, cuDNN's
+# ``_cudnn_rnn`` on GPU) return a workspace that only a forward run under grad mode fills: a
+# compiled forward runs without it (the autograd Function's), and the fake workspace is sized
+# 0 where the real one is not. Traced through torch's plain path (matmuls and pointwise ops, as
+# with the fused kernels disabled), their backward is ordinary ops; AOTAutograd does the same.
+_RNNS = frozenset(
+    getattr(torch._C._VariableFunctions, name) for name in ("lstm", "gru", "rnn_tanh", "rnn_relu")
+)
+
+
+class _PlainRNNs(torch.overrides.TorchFunctionMode):
+    """While a trace runs: a differentiated LSTM/GRU/RNN call takes the unfused path."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func not in _RNNS or not torch.is_grad_enabled() or not _requires_grad(args):
+            return func(*args, **kwargs)
+        ctx = torch._C
+        mkldnn, cudnn = ctx._get_mkldnn_enabled(), ctx._get_cudnn_enabled()
+        ctx._set_mkldnn_enabled(False)
+        ctx._set_cudnn_enabled(False)
+        try:
+            return func(*args, **kwargs)
+        finally:
+            ctx._set_mkldnn_enabled(mkldnn)
+            ctx._set_cudnn_enabled(cudnn)
+
+
+def _requires_grad(args: Any) -> bool:
+    leaves: list[Any] = optree.tree_leaves(list(args), none_is_leaf=True)  # type: ignore[arg-type]
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves)
+
+
 def run_traced(fn: Callable[..., Any], user_fn: Callable[..., Any]) -> Any:
     """Call ``fn`` (which traces ``user_fn``), translating tracing failures into TraceErrors."""
     fn_or_wrapper: Any = user_fn
@@ -225,7 +258,7 @@ def run_traced(fn: Callable[..., Any], user_fn: Callable[..., Any]) -> Any:
     try:
         # saved-tensor hooks of the caller (an eager remat/checkpoint around this call) are
         # not for the trace's own autograd
-        with TRACE_LOCK, tracing_guard(owner) as seeding, _no_saved_tensor_hooks():
+        with TRACE_LOCK, tracing_guard(owner) as seeding, _no_saved_tensor_hooks(), _PlainRNNs():
             result = fn()
         if (
             seeding.call is not None
