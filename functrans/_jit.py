@@ -43,7 +43,15 @@ from ._dtypes import differentiable
 from ._dynamic import Dims, DynamicSpecError, JitDynamic, ShapeGuard, resolve, shape_env_of
 from ._errors import TraceError, UnsupportedOpError
 from ._func import GRAD_SPEC, PER_EXAMPLE, GradSpec, PerExample, VmapOfGrad, plan_per_example
-from ._jit_apply import Apply, ApplySubclass, Entry, OutMeta, apply_graphs, inner_tensors
+from ._jit_apply import (
+    Apply,
+    ApplySubclass,
+    Entry,
+    OutMeta,
+    apply_graphs,
+    inner_tensors,
+    saved_inputs,
+)
 from ._jit_cache import Cache, Signature, Slot, changed_dims, leaves_order, rank_key
 from ._joint import joint
 from ._logs import log
@@ -226,6 +234,12 @@ class Jitted(Generic[_P, _R]):
         #: stand-ins for generator arguments, by (place among the call's generators, device)
         self._generators: dict[tuple[int, torch.device], torch.Generator] = {}
         functools.update_wrapper(self, f)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Copied (``pickle``, ``torch.save``, ``copy.deepcopy``) as the function and the
+        options: compiled entries hold kernels, locks and graphs; the copy compiles again on
+        first use. The function itself must pickle (a module-level function does)."""
+        return (Jitted, (self._f, self._opts, self._given_names))
 
     @property
     def fn(self) -> Callable[_P, _R]:
@@ -873,6 +887,9 @@ class Jitted(Generic[_P, _R]):
             shape=_shape_guard(primals) if dims is not None else None,
             saved_tensors=_saved_tensors(p),
             absent=jg.absent_grads(),
+            saved_inputs=saved_inputs(
+                p.forward.graph_module, len(jg.forward_outputs()), len(example[0])
+            ),
         )
         return entry, jg.graph_module
 

@@ -9,6 +9,7 @@ when differentiated (:func:`_once`), rather than dropping a gradient penalty's t
 
 from __future__ import annotations
 
+import contextvars
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from ._pytree import Flat, Wrapper, rebuild_leaves
 from ._state import autocast_off
 
 __all__ = [
+    "OVERWRITES",
     "Apply",
     "ApplySubclass",
     "Entry",
@@ -80,12 +82,62 @@ class Entry:
     #: the function turns grad mode on itself (``torch.enable_grad()`` in a body called under
     #: ``torch.no_grad()``): run through autograd with grad mode on, as its body ran
     enable_grad: bool = False
+    #: ``(saved position, input index)`` for saved values that are non-differentiated inputs
+    #: or views of one (buffers, the batch): what :data:`OVERWRITES` may have to copy
+    saved_inputs: tuple[tuple[int, int], ...] = ()
 
     @functools.cached_property
     def frozen(self) -> tuple[int, ...]:
         """The outputs that do not require grad (integers, booleans, values made under
         ``torch.no_grad()``): marked non-differentiable, as eager autograd leaves them."""
         return tuple(i for i, m in enumerate(self.out_meta) if not m.differentiable)
+
+
+#: Set by a caller that overwrites some inputs in place once the forward returns (a jitted
+#: module writing back the buffers it updates): ``(entry, inputs) -> input indices`` it will
+#: overwrite. A saved value that is such an input (or a view of one) is saved as a copy, so that
+#: backward reads what the forward read, as eager's own saved clone would be (spectral norm's
+#: power-iteration vectors); saved by reference, the write-back would bump its version.
+OVERWRITES: contextvars.ContextVar[Callable[[Entry, Sequence[torch.Tensor]], set[int]] | None] = (
+    contextvars.ContextVar("functrans_overwrites", default=None)
+)
+
+
+def _unshared(entry: Entry, tensors: Sequence[torch.Tensor], flat: list[Any]) -> None:
+    """Replace, in ``flat``, saved values that alias an input the caller overwrites by copies
+    of the same sizes and strides."""
+    hook = OVERWRITES.get()
+    written = hook(entry, tensors) if hook is not None else None
+    if not written:
+        return
+    n = len(entry.out_meta)
+    for at, i in entry.saved_inputs:
+        if i in written:
+            v = flat[n + at]
+            copy = torch.empty_strided(v.size(), v.stride(), dtype=v.dtype, device=v.device)
+            flat[n + at] = copy.copy_(v)
+
+
+def saved_inputs(
+    forward: torch.fx.GraphModule, num_outputs: int, num_diff: int
+) -> tuple[tuple[int, int], ...]:
+    """:attr:`Entry.saved_inputs` of a partition's forward graph: saved outputs (those after
+    the first ``num_outputs``) that are inputs from ``num_diff`` on, or views of them."""
+    index = {n: i for i, n in enumerate(forward.graph.find_nodes(op="placeholder"))}
+    out: Any = forward.graph.output_node().args[0]
+    found = []
+    for at, node in enumerate(list(out)[num_outputs:]):
+        while (
+            isinstance(node, torch.fx.Node)
+            and node.op == "call_function"
+            and isinstance(node.target, torch._ops.OpOverload)
+            and node.target.is_view
+        ):
+            node = node.args[0]
+        i = index.get(node) if isinstance(node, torch.fx.Node) else None
+        if i is not None and i >= num_diff:
+            found.append((at, i))
+    return tuple(found)
 
 
 class Apply(torch.autograd.Function):
@@ -95,6 +147,9 @@ class Apply(torch.autograd.Function):
     def forward(ctx: Any, entry: Entry, *tensors: torch.Tensor) -> Any:
         n = len(entry.out_meta)
         flat = entry.forward(*tensors)
+        if entry.saved_inputs:
+            flat = list(flat)
+            _unshared(entry, tensors, flat)
         ctx.entry = entry
         if entry.saved_tensors is None:
             ctx.save_for_backward(*flat[n:])

@@ -3,10 +3,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import optree
@@ -15,6 +16,7 @@ import torch.utils._pytree as torch_pytree
 
 from ._errors import TraceError
 from ._jit import CacheInfo, Jitted, _Options, inline
+from ._jit_apply import OVERWRITES, Entry
 from ._module_view import ModuleView
 from ._partition import Partition
 from ._pytree import NAMESPACE, unflatten
@@ -31,7 +33,8 @@ def _compiled_call(module: torch.nn.Module, options: _Options) -> Jitted[..., An
         params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], *args: Any, **kw: Any
     ) -> Any:
         fresh = {k: v.clone() for k, v in buffers.items()}  # in-place updates land here
-        out = torch.func.functional_call(module, {**params, **fresh}, args, kw)
+        with _swapped(module, {**params, **fresh}):
+            out = module(*args, **kw)
         state = {k: v.detach() for k, v in fresh.items()}  # state, not differentiated
         return _take_apart(out, type(module).__name__), state
 
@@ -91,12 +94,51 @@ def _gather(
     return params, buffers, tuple(flags)
 
 
+@contextlib.contextmanager
+def _swapped(module: torch.nn.Module, values: Mapping[str, torch.Tensor]) -> Iterator[None]:
+    """``module`` with the tensors named in ``values`` replaced, everywhere they are held
+    (tied weights too), and put back after: ``functional_call``'s reparametrization, by table
+    slot. A view (``remat(self.blk)`` beside ``self.blk``) shares the tables of its module:
+    torch's swap-by-name visits such a slot twice and puts the stand-in back on exit."""
+    slots: dict[int, list[tuple[dict[str, Any], str]]] = {}  # tensor id -> slots holding it
+    seen: set[tuple[int, str]] = set()
+    tables: dict[str, dict[str, Any]] = {}  # name (as _gather gives it) -> its table
+    stack: list[tuple[str, torch.nn.Module]] = [("", module)]
+    visited: set[int] = set()
+    while stack:
+        prefix, m = stack.pop()
+        if id(m) in visited:
+            continue
+        visited.add(id(m))
+        own: tuple[dict[str, Any], ...] = (m._parameters, m._buffers)
+        for held_in in own:
+            for key, t in held_in.items():
+                tables.setdefault(prefix + key, held_in)
+                if t is not None and (id(held_in), key) not in seen:
+                    seen.add((id(held_in), key))
+                    slots.setdefault(id(t), []).append((held_in, key))
+        children = [(f"{prefix}{k}.", c) for k, c in m._modules.items() if c is not None]
+        stack.extend(reversed(children))  # _gather's order: its names are found here
+    restore: list[tuple[dict[str, Any], str, Any]] = []
+    try:
+        for name, value in values.items():
+            held = tables[name][name.rpartition(".")[2]]
+            for table, key in slots.pop(id(held), ()):
+                restore.append((table, key, table[key]))
+                table[key] = value
+        yield
+    finally:
+        for table, key, old in reversed(restore):
+            table[key] = old
+
+
 class JitModule(ModuleView):
     """``jit(module)``: the module's parameters and buffers are lifted to graph inputs on every
-    call (``functional_call``), so an optimizer updating them in place keeps working and nothing
-    is baked in as a constant. Buffers the module updates in place (BatchNorm's running
-    statistics in training mode) are updated on copies inside the graph, returned as extra
-    outputs and written back after the call: the same values as eager. The ``training`` flag
+    call (swapped in by table slot, as ``functional_call`` swaps by name), so an optimizer
+    updating them in place keeps working and nothing is baked in as a constant. Buffers the
+    module updates in place (BatchNorm's running statistics in training mode) are updated on
+    copies inside the graph, returned as extra outputs and written back after the call: the
+    same values as eager. The ``training`` flag
     of the module and of each submodule is part of every cache key. Otherwise it is the module
     (a :class:`~functrans._module_view.ModuleView`): same ``state_dict`` keys, parameter names
     and attributes; copies compile again on first use.
@@ -161,19 +203,24 @@ class JitModule(ModuleView):
             with transform_frame("jit", self.module):
                 return self.module(*args, **kwargs)
         params, buffers, flags = _gather(self.module)
-        run = jitted.run_or_none((params, buffers, *args), kwargs, flags)
+
+        def overwrites(entry: Entry, ordered: Sequence[torch.Tensor]) -> set[int]:
+            at = {id(t): i for i, t in enumerate(ordered)}
+            return {at[id(buffers[name])] for name in _written(entry, ordered, buffers)}
+
+        token = OVERWRITES.set(overwrites)  # saved buffers the write-back changes: copies
+        try:
+            run = jitted.run_or_none((params, buffers, *args), kwargs, flags)
+        finally:
+            OVERWRITES.reset(token)
         if run is None:
             return self.module(*args, **kwargs)
         outs, entry, ordered = run
         (spec, leaves), updated = unflatten(entry.out_flat, outs)
-        _, slots = unflatten(entry.out_flat, range(len(outs)))  # buffer name -> flat output
         with torch.no_grad():
-            for name, value in updated.items():
-                source = entry.copies.get(slots[name])
-                if source is None or ordered[source] is not buffers[name]:
-                    # only buffers the module changed: a copy_ bumps the version counter, and
-                    # the backward may have saved the buffer itself
-                    buffers[name].copy_(value)
+            # only buffers the module changed: a copy_ bumps the version counter
+            for name in _written(entry, ordered, buffers):
+                buffers[name].copy_(updated[name])
         return torch_pytree.tree_unflatten(leaves, spec.spec)
 
 
@@ -187,6 +234,19 @@ class _Forward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._call(*args, **kwargs)
+
+
+def _written(
+    entry: Entry, ordered: Sequence[torch.Tensor], buffers: Mapping[str, torch.Tensor]
+) -> list[str]:
+    """The buffers a call of ``entry`` changed (its state output is not the buffer as given)."""
+    _, slots = unflatten(entry.out_flat, range(len(entry.out_meta)))  # name -> flat output
+    out = []
+    for name, slot in slots.items():
+        source = entry.copies.get(slot)
+        if source is None or ordered[source] is not buffers[name]:
+            out.append(name)
+    return out
 
 
 class _TorchSpec:

@@ -208,7 +208,8 @@ TRACE_LOCK = threading.RLock()
 
 
 #: context managers entered around every trace, registered by the modules that need them
-#: (``_checkpoint`` routes ``torch.utils.checkpoint`` calls to remat regions while one runs)
+#: (``_checkpoint`` routes ``torch.utils.checkpoint`` calls to remat regions while one runs;
+#: :class:`_PlainRNNs`, below, sends differentiated RNN calls down torch's unfused path)
 TRACE_CONTEXTS: list[Callable[[], contextlib.AbstractContextManager[Any]]] = []
 
 
@@ -231,6 +232,42 @@ def _no_saved_tensor_hooks() -> Iterator[None]:
     finally:
         for pack, unpack in reversed(popped):
             autograd._push_saved_tensors_default_hooks(pack, unpack)
+
+
+# Recurrent layers whose fused kernels (oneDNN's ``mkldnn_rnn_layer`` on CPU, cuDNN's
+# ``_cudnn_rnn`` on GPU) return a workspace that only a forward run under grad mode fills: a
+# compiled forward runs without it (the autograd Function's), and the fake workspace is sized
+# 0 where the real one is not. Traced through torch's plain path (matmuls and pointwise ops, as
+# with the fused kernels disabled), their backward is ordinary ops; AOTAutograd does the same.
+_RNNS = frozenset(
+    getattr(torch._C._VariableFunctions, name) for name in ("lstm", "gru", "rnn_tanh", "rnn_relu")
+)
+
+
+class _PlainRNNs(torch.overrides.TorchFunctionMode):
+    """While a trace runs: a differentiated LSTM/GRU/RNN call takes the unfused path."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func not in _RNNS or not torch.is_grad_enabled() or not _requires_grad(args):
+            return func(*args, **kwargs)
+        ctx = torch._C
+        mkldnn, cudnn = ctx._get_mkldnn_enabled(), ctx._get_cudnn_enabled()
+        ctx._set_mkldnn_enabled(False)
+        ctx._set_cudnn_enabled(False)
+        try:
+            return func(*args, **kwargs)
+        finally:
+            ctx._set_mkldnn_enabled(mkldnn)
+            ctx._set_cudnn_enabled(cudnn)
+
+
+TRACE_CONTEXTS.append(_PlainRNNs)
+
+
+def _requires_grad(args: Any) -> bool:
+    leaves: list[Any] = optree.tree_leaves(list(args), none_is_leaf=True)  # type: ignore[arg-type]
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves)
 
 
 def run_traced(fn: Callable[..., Any], user_fn: Callable[..., Any]) -> Any:
