@@ -16,7 +16,7 @@ from ._errors import FunctransError, InvalidArgumentError, UnsupportedOpError
 from ._func import GRAD_SPEC, GradSpec
 from ._inline import inline_value_and_grad, inline_vjp
 from ._joint import joint, normalize_argnums
-from ._partition import Strategy, partition
+from ._partition import Strategy, check_partition_options, partition
 from ._pytree import NAMESPACE, flatten
 from ._stack import transform_frame
 from ._trace import _no_saved_tensor_hooks, is_tracing
@@ -72,6 +72,7 @@ def vjp(
     (tensor([1., 1.]),)
     """
     check_callable("vjp", "f", f)
+    check_partition_options("vjp", partition, options)
     if has_aux:  # torch.func.vjp's form: f returns (output, aux); aux is not differentiated
         return _vjp_with_aux(f, primals, partition, options)
     with transform_frame("vjp", f):
@@ -187,6 +188,8 @@ def _value_and_grad_fn(
     options: dict[str, Any],
     name: str,
 ) -> Callable[_P, tuple[_R, Any]]:
+    check_partition_options(name, partition, options)
+
     def run(*args: _P.args, **kwargs: _P.kwargs) -> tuple[_R, Any]:
         with transform_frame(name, f):
             return _value_and_grad(args, kwargs)

@@ -40,6 +40,7 @@ from ._pytree import NAMESPACE
 from ._stack import fn_name, transform_frame
 from ._tags import REMAT, Policy
 from ._trace import _no_saved_tensor_hooks
+from ._validate import check_callable
 
 __all__ = ["custom_jvp", "custom_vjp"]
 
@@ -369,6 +370,7 @@ class custom_vjp(Generic[_P, _R]):  # JAX's name
                 f"custom_vjp: residual_policy={residual_policy!r}; accepted: a "
                 f"functrans.extend.Policy ({', '.join(p.name for p in Policy)})"
             )
+        check_callable("custom_vjp", "fun", fun)
         self.fun = fun
         self.nondiff_argnums = _argnums(nondiff_argnums, "custom_vjp", fun)
         self.residual_policy = residual_policy
@@ -579,6 +581,7 @@ class custom_jvp(Generic[_P, _R]):  # JAX's name
     """
 
     def __init__(self, fun: Callable[_P, _R], nondiff_argnums: int | Sequence[int] = ()) -> None:
+        check_callable("custom_jvp", "fun", fun)
         self.fun = fun
         self.nondiff_argnums = _argnums(nondiff_argnums, "custom_jvp", fun)
         self.jvp: Callable[..., Any] | None = None

@@ -17,7 +17,7 @@ from ._dynamic import JitDynamic, check_dynamic
 from ._errors import UnsupportedOpError
 from ._jit import CACHE_SIZE, Jitted, _Options
 from ._jit_module import JitModule
-from ._partition import Strategy, get_strategy
+from ._partition import Strategy, check_partition_options, get_strategy
 from ._validate import check_callable, check_number, check_option, check_static_argnums
 
 __all__ = ["JitDecorator", "jit"]
@@ -116,6 +116,7 @@ def jit(
     (torch.Size([3, 3]), 1)
     """
     _check_options(f, partition, backend, static_argnums, decompositions, cache_size)
+    check_partition_options("jit", partition, partition_options)
     if f is None:
         # mypy sees partial(jit) through jit's first overload only
         decorate = functools.partial(

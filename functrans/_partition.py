@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import importlib
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +28,7 @@ from ._cost import (
 )
 from ._cut_problem import cut_problem
 from ._dynamic import hint, is_symbolic, legend
-from ._errors import InvalidArgumentError, InvalidPartitionError
+from ._errors import FunctransError, InvalidArgumentError, InvalidPartitionError
 from ._format import format_value_type, op_name
 from ._graph import SOURCE, Graph, JointGraph
 from ._logs import log
@@ -358,6 +358,39 @@ def get_strategy(strategy: str | Strategy) -> tuple[str, Strategy]:
         f"partition: strategy={describe(strategy)} is not accepted; strategy must be a "
         f"registered name ({known}) or a callable (joint, **options) -> nodes to save"
     )
+
+
+#: partition()'s own parameters: never options of a strategy
+_OWN_PARAMETERS = ("joint", "strategy")
+
+
+def check_partition_options(
+    where: str, strategy: str | Strategy, options: Mapping[str, object]
+) -> None:
+    """Check a transform's partition ``options`` against ``strategy`` when the transform is
+    made, not at its first call: an option the strategy does not take, or one of
+    :func:`partition`'s own parameters, raises :class:`InvalidArgumentError` naming it. A
+    strategy name not registered yet is checked when it is used.
+
+    >>> check_partition_options("jit", "min_cut", {"strategy": "default"})
+    Traceback (most recent call last):
+    ...
+    functrans._errors.InvalidArgumentError: jit: strategy='default' (str) is not a partition
+    option; the strategy is chosen with partition=..., e.g. partition='default'
+    """
+    for key in _OWN_PARAMETERS:
+        if key in options:
+            raise InvalidArgumentError(
+                f"{where}: {key}={describe(options[key])} is not a partition option; the "
+                f"strategy is chosen with partition=..., e.g. partition={options[key]!r}"
+            )
+    try:
+        name, fn = get_strategy(strategy)
+    except FunctransError:
+        if isinstance(strategy, str):  # may be registered before the first call
+            return
+        raise
+    check_call(name, fn, options)
 
 
 def partition(joint: JointGraph, strategy: str | Strategy = "default", **options: Any) -> Partition:

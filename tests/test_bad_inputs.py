@@ -135,7 +135,8 @@ for fname, bad in BAD_FUNCS.items():
         "linearize": lambda f: ft.linearize(f, X),
         "eval_shape": lambda f: ft.eval_shape(f, X),
         "saved_residuals": lambda f: ft.saved_residuals(f, X),
-        # custom_vjp / custom_jvp are left to their own rework (functrans/_custom.py)
+        "custom_vjp": lambda f: ft.custom_vjp(f),
+        "custom_jvp": lambda f: ft.custom_jvp(f),
     }.items():
         case(f"{op}-f-{fname}", lambda make=make, bad=bad: make(bad), op, "callable")
 
@@ -253,6 +254,15 @@ for op, make in {
     "saved_residuals": lambda: ft.saved_residuals(u_sum, X, budgt=0.3),
 }.items():
     case(f"{op}-unknown-option", make, "budgt")
+# partition()'s own parameter given as an option: named, with the keyword that takes it
+for op, make in {
+    "grad": lambda: ft.grad(u_sum, strategy="min_cut"),
+    "value_and_grad": lambda: ft.value_and_grad(u_sum, strategy="min_cut"),
+    "vjp": lambda: ft.vjp(u_sum, X, strategy="min_cut"),
+    "jit": lambda: ft.jit(u_sum, strategy="min_cut"),
+    "jit-module": lambda: ft.jit(torch.nn.Linear(3, 3), joint=None),
+}.items():
+    case(f"{op}-partition-parameter-as-option", make, "partition=")
 
 # every option of every built-in strategy, given nonsense
 JG = None
