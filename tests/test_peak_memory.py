@@ -23,8 +23,8 @@ from hypothesis import strategies as st
 
 import functrans as ft
 from functrans.testing import assert_close, measure_peak, programs
-from functrans.testing._program import InputSpec, Program, Step
 from functrans.testing._check import partition_and_check
+from functrans.testing._program import InputSpec, Program, Step
 
 _ROOT = str(Path(__file__).resolve().parent.parent)
 if _ROOT not in sys.path:  # the benchmarks package lives at the repository root
