@@ -264,6 +264,11 @@ class _PlainRNNs(torch.overrides.TorchFunctionMode):
 
 TRACE_CONTEXTS.append(_PlainRNNs)
 
+#: passes run on every raw trace before the input-mutation check and functionalization,
+#: registered by the modules that emit placeholder ops while tracing (``_regions`` expands
+#: the calls of repeated regions into copies of their graphs)
+TRACE_PASSES: list[Callable[[fx.GraphModule], fx.GraphModule]] = []
+
 
 def _requires_grad(args: Any) -> bool:
     leaves: list[Any] = optree.tree_leaves(list(args), none_is_leaf=True)  # type: ignore[arg-type]
@@ -484,6 +489,8 @@ def trace_module(
         _allow_non_fake_inputs=True,
     )
     gm: fx.GraphModule = run_traced(lambda: traced(*inputs), user_fn)
+    for rewrite in TRACE_PASSES:
+        gm = rewrite(gm)
     check_no_input_mutation(gm, input_paths)
     check_static_shapes(gm)
     return functionalize(gm, table)
