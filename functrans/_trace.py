@@ -244,10 +244,18 @@ _RNNS = frozenset(
 )
 
 
+#: Called (with no arguments) at every torch function a traced function calls, before it runs:
+#: what :class:`functrans._code_deps.Recorder` watches the running code with.
+TORCH_CALL_WATCHERS: list[Callable[[], None]] = []
+
+
 class _PlainRNNs(torch.overrides.TorchFunctionMode):
-    """While a trace runs: a differentiated LSTM/GRU/RNN call takes the unfused path."""
+    """While a trace runs: a differentiated LSTM/GRU/RNN call takes the unfused path (and the
+    :data:`TORCH_CALL_WATCHERS` see each torch call)."""
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        for watch in TORCH_CALL_WATCHERS:
+            watch()
         kwargs = kwargs or {}
         if func not in _RNNS or not torch.is_grad_enabled() or not _requires_grad(args):
             return func(*args, **kwargs)
