@@ -52,6 +52,7 @@ __all__ = [
     "Dims",
     "Dynamic",
     "DynamicSpecError",
+    "EveryInput",
     "JitDynamic",
     "ShapeGuard",
     "SizeConstants",
@@ -75,7 +76,21 @@ Dims: TypeAlias = tuple[Mapping[int, str | None], ...]
 #: What ``dynamic=`` accepts on ``trace`` and ``joint`` (``jit`` also takes ``"auto"``; a
 #: :data:`Dims` is what ``jit`` hands them, already resolved).
 Dynamic: TypeAlias = bool | Mapping[str, Mapping[int, str | None] | Sequence[int]] | Dims | None
-JitDynamic: TypeAlias = bool | Literal["auto"] | Mapping[str, Any]
+JitDynamic: TypeAlias = bool | Literal["auto"] | Mapping[str, Any] | "EveryInput"
+
+
+@dataclass(frozen=True)
+class EveryInput:
+    """``dynamic=True`` on a module's compiled call: every dimension of every tensor input is
+    symbolic except under the paths ``static`` (its parameters and buffers: a weight's sizes are
+    the model's, not the data's, as ``torch.compile(dynamic=True)`` treats them).
+
+    >>> spec = EveryInput(static=("params",))
+    >>> resolve(spec, ["params['w']", "args[0]"], [torch.ones(3, 3), torch.ones(4, 3)])
+    ({}, {0: None, 1: None})
+    """
+
+    static: tuple[str, ...]
 
 
 class DynamicSpecError(TraceError):
@@ -86,6 +101,8 @@ def check_dynamic(dynamic: Any) -> JitDynamic:
     """``jit``'s ``dynamic=`` checked (mappings are checked against the arguments at the
     first call)."""
     if dynamic is True or dynamic is False or dynamic == "auto" or isinstance(dynamic, Mapping):
+        return dynamic  # type: ignore[no-any-return]
+    if isinstance(dynamic, EveryInput):
         return dynamic  # type: ignore[no-any-return]
     raise TraceError(
         f"jit: dynamic={dynamic!r}: expected False, True, 'auto' or a mapping from argument "
@@ -102,6 +119,12 @@ def resolve(dynamic: Any, names: Sequence[str], tensors: Sequence[torch.Tensor])
         return dynamic if any(dynamic) else None
     if dynamic is True:
         return tuple({d: None for d in range(t.dim())} for t in tensors)
+    if isinstance(dynamic, EveryInput):
+        every = tuple(
+            {} if any(_under(n, k) for k in dynamic.static) else dict.fromkeys(range(t.dim()))
+            for n, t in zip(names, tensors, strict=True)
+        )
+        return every if any(every) else None
     if not isinstance(dynamic, Mapping):
         raise TraceError(
             f"dynamic={dynamic!r}: expected False, True, 'auto' (jit only) or a mapping from "

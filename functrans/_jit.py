@@ -40,7 +40,15 @@ from ._capture import Path, Reader, captured_constants, reach, swapped
 from ._decomp import Decompositions
 from ._disk_cache import DiskKey
 from ._dtypes import differentiable
-from ._dynamic import Dims, DynamicSpecError, JitDynamic, ShapeGuard, resolve, shape_env_of
+from ._dynamic import (
+    Dims,
+    DynamicSpecError,
+    EveryInput,
+    JitDynamic,
+    ShapeGuard,
+    resolve,
+    shape_env_of,
+)
 from ._errors import TraceError, UnsupportedOpError
 from ._func import GRAD_SPEC, PER_EXAMPLE, GradSpec, PerExample, VmapOfGrad, plan_per_example
 from ._jit_apply import (
@@ -581,6 +589,8 @@ class Jitted(Generic[_P, _R]):
         if dynamic is False:
             return None
         ordered = [tensors[i] for i in order]
+        if dynamic is True:  # tensors it reads (a closure's weights) keep their sizes, as torch's
+            dynamic = EveryInput(static=tuple(p for p in paths if p.endswith(" (captured)")))
         if dynamic != "auto":
             return resolve(dynamic, paths, ordered)
         rank = rank_key(key)
@@ -632,9 +642,10 @@ class Jitted(Generic[_P, _R]):
                 why = f"the symbolic trace failed ({type(e).__name__}: {e})"
         log("dynamic", f"{self._owner}: one entry per shape", lambda: why or "")
         if self._opts.dynamic != "auto":  # asked for by name: say so once, not only in logs
+            asked = True if isinstance(self._opts.dynamic, EveryInput) else self._opts.dynamic
             self._warn_once(
                 "dynamic",
-                f"{self._owner}: dynamic={self._opts.dynamic!r} was asked for, but {why}; "
+                f"{self._owner}: dynamic={asked!r} was asked for, but {why}; "
                 "it compiles an entry per shape (FUNCTRANS_LOGS=dynamic says why each time)",
             )
         return self._build(flat_f, example, training, disk)

@@ -14,6 +14,7 @@ import optree
 import torch
 import torch.utils._pytree as torch_pytree
 
+from ._dynamic import EveryInput
 from ._errors import TraceError
 from ._jit import CacheInfo, Jitted, _Options, inline
 from ._jit_apply import OVERWRITES, Entry
@@ -50,7 +51,11 @@ def _compiled_call(module: torch.nn.Module, options: _Options) -> Jitted[..., An
 
 def _forward_names(module: torch.nn.Module, dynamic: Any) -> Any:
     """``dynamic={"idx": {0: "batch"}}`` names ``forward``'s parameters; the compiled call
-    takes them as ``args[i]`` (after the parameters and buffers): rename the keys."""
+    takes them as ``args[i]`` (after the parameters and buffers): rename the keys.
+    ``dynamic=True`` makes the inputs' sizes symbolic and keeps the parameters' and buffers'
+    static (name one, ``{"params['wte.weight']": (0,)}``, to make it symbolic)."""
+    if dynamic is True:
+        return EveryInput(static=("params", "buffers"))
     if not isinstance(dynamic, Mapping):
         return dynamic
     try:

@@ -513,3 +513,44 @@ def test_review_module_dynamic_names_are_forwards_parameters() -> None:
         x = torch.randn(n, 3)
         torch.testing.assert_close(jm(x), lin(x))
     assert jm.cache_info().misses == 1
+
+
+class _Table(torch.nn.Module):
+    def __init__(self, rows: int) -> None:
+        super().__init__()
+        self.e = torch.nn.Embedding(rows, 4)
+        self.register_buffer("scale", torch.ones(4))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return (self.e(idx) * self.scale).tanh().sum()
+
+
+def _table_calls(m: _Table, jm: torch.nn.Module) -> None:
+    g = torch.Generator().manual_seed(0)
+    for b, t in [(2, 5), (3, 7)]:
+        idx = torch.randint(0, 10, (b, t), generator=g)
+        torch.testing.assert_close(jm(idx), m(idx))
+    m.e.weight = torch.nn.Parameter(torch.randn(16, 4))  # a table of another size
+    idx = torch.randint(0, 16, (4, 6), generator=g)
+    torch.testing.assert_close(jm(idx), m(idx))
+    jm(idx).backward()
+    grad = m.e.weight.grad
+    m.e.weight.grad = None
+    m(idx).backward()
+    torch.testing.assert_close(grad, m.e.weight.grad)
+
+
+def test_dynamic_true_keeps_a_modules_parameter_sizes_static() -> None:
+    m = _Table(10)
+    jm = ft.jit(m, dynamic=True)
+    _table_calls(m, jm)
+    # the inputs' sizes are symbolic (one entry for both); the table's rows are not, so a
+    # table of 16 rows is a new entry
+    assert jm.cache_info().misses == 2
+
+
+def test_a_named_parameter_dimension_is_symbolic() -> None:
+    m = _Table(10)
+    jm = ft.jit(m, dynamic={"idx": (0, 1), "params['e.weight']": (0,)})
+    _table_calls(m, jm)
+    assert jm.cache_info().misses == 1
