@@ -18,74 +18,10 @@ of group ``functrans.backends``. An entry point names a backend object (anything
     my_backend = "my_package.backend:BACKEND"
 """
 
-from __future__ import annotations
-
-from collections.abc import Callable, Sequence
-from typing import Any, Protocol, cast
-
-import torch
-
-from functrans.extend import Graph, InvalidArgumentError, PluginRegistry
+from functrans.extend import BACKEND_GROUP as GROUP
+from functrans.extend import Backend as Backend
+from functrans.extend import backend_names as names
+from functrans.extend import get_backend as get_backend
+from functrans.extend import register_backend as register_backend
 
 __all__ = ["GROUP", "Backend", "get_backend", "names", "register_backend"]
-
-#: The entry point group installed backends are discovered in.
-GROUP = "functrans.backends"
-
-
-class Backend(Protocol):
-    """Compiles a graph for the given example inputs into a flat-tensor callable."""
-
-    def compile(
-        self, graph: Graph, example_inputs: Sequence[torch.Tensor]
-    ) -> Callable[..., Any]: ...
-
-
-def _adopt(name: str, obj: object) -> object:
-    """Register what an entry point names: a backend object."""
-    if isinstance(obj, type) or not callable(getattr(obj, "compile", None)):
-        raise InvalidArgumentError(
-            f"a {GROUP} entry point must name a backend object (with compile(graph, "
-            f"example_inputs) -> callable; an instance, not a class) or a module that calls "
-            f"functrans.codegen.register_backend; got {obj!r}"
-        )
-    return register_backend(name, cast(Backend, obj))  # checked above: it has compile
-
-
-_BACKENDS: PluginRegistry[Backend] = PluginRegistry(
-    "codegen backend", package=__name__, group=GROUP, adopt=_adopt
-)
-
-
-def register_backend(name: str, backend: Backend, *, replace: bool = False) -> Backend:
-    """Register ``backend`` under ``name``; returns it.
-
-    >>> from functrans import codegen
-    >>> class Eager:
-    ...     def compile(self, graph, example_inputs):
-    ...         return graph.graph_module
-    >>> _ = codegen.register_backend("eager_fx", Eager(), replace=True)
-    >>> "eager_fx" in codegen.names()
-    True
-    """
-    return _BACKENDS.register(name, backend, replace=replace)
-
-
-def get_backend(name: str) -> Backend:
-    """The backend registered as ``name``; unknown names list the registered ones.
-
-    >>> from functrans import codegen
-    >>> type(codegen.get_backend("aten")).__name__
-    'AtenBackend'
-    """
-    return _BACKENDS.get(name)
-
-
-def names() -> list[str]:
-    """Names of the registered backends.
-
-    >>> from functrans import codegen
-    >>> "aten" in codegen.names()
-    True
-    """
-    return _BACKENDS.names()

@@ -11,21 +11,22 @@ from typing import Any, Literal, ParamSpec, TypeVar, overload
 import optree
 import torch
 
+from ._context import is_tracing
+from ._describe import check_numpy_leaves
 from ._dtypes import differentiable
-from ._errors import FunctransError, InvalidArgumentError, UnsupportedOpError
-from ._func import GRAD_SPEC, GradSpec
+from ._errors import InvalidArgumentError, NonScalarOutputError, UnsupportedOpError
 from ._inline import inline_value_and_grad, inline_vjp
 from ._joint import joint, normalize_argnums
 from ._partition import Strategy, check_partition_options, partition
+from ._plans import GRAD_SPEC, GradSpec
 from ._pytree import NAMESPACE, flatten
 from ._stack import transform_frame
-from ._trace import _no_saved_tensor_hooks, is_tracing
+from ._trace import _no_saved_tensor_hooks
 from ._validate import (
     check_argnums,
     check_bool,
     check_callable,
     check_cotangents,
-    check_numpy_leaves,
     describe,
 )
 
@@ -236,10 +237,6 @@ def scalar_output(f: Callable[..., Any], value: Any, has_aux: bool) -> torch.Ten
             f"{_describe_output(out)}"
         )
     return out
-
-
-class NonScalarOutputError(FunctransError, ValueError):
-    """grad/value_and_grad on a function whose output is not a scalar float tensor."""
 
 
 def _describe_output(out: Any) -> str:

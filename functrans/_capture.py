@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ._fingerprint import classify
+from ._context import classify
 from ._graph import SOURCE
 
 __all__ = ["Path", "Reach", "Reader", "Value", "captured_constants", "reach", "swapped"]

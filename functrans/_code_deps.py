@@ -32,7 +32,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._fingerprint import Fingerprint, Unhashable, _dirs, classify, code_names
+from ._context import classify, library_dirs
+from ._fingerprint import Fingerprint, Unhashable, code_names
 
 __all__ = [
     "Deps",
@@ -68,7 +69,7 @@ def file_digest(path: str) -> str | None:
 def functrans_digest() -> str:
     """sha256 over functrans' own source files (core, codegen, partitioners)."""
     h = hashlib.sha256()
-    trusted, _ = _dirs()
+    trusted, _ = library_dirs()
     for d in trusted[1:]:
         for root, dirs, files in sorted(os.walk(d)):
             dirs[:] = sorted(x for x in dirs if x != "__pycache__")

@@ -9,6 +9,7 @@ __all__ = [
     "FunctransError",
     "InvalidArgumentError",
     "InvalidPartitionError",
+    "NonScalarOutputError",
     "TraceError",
     "UnknownNameError",
     "UnsupportedOpError",
@@ -80,3 +81,7 @@ class UnknownNameError(FunctransError, KeyError):
 
     def __str__(self) -> str:  # KeyError would repr() the message
         return str(self.args[0]) if self.args else ""
+
+
+class NonScalarOutputError(FunctransError, ValueError):
+    """grad/value_and_grad on a function whose output is not a scalar float tensor."""

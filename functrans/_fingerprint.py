@@ -26,11 +26,8 @@ import collections
 import enum
 import functools
 import hashlib
-import importlib.util
 import logging
-import os
 import sys
-import sysconfig
 import threading
 import types
 import weakref
@@ -38,6 +35,8 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+
+from ._context import classify
 
 __all__ = ["Fingerprint", "Unhashable", "classify", "code_digest", "code_names"]
 
@@ -384,46 +383,3 @@ def code_names(code: types.CodeType) -> frozenset[str]:
         if isinstance(c, types.CodeType):
             names |= code_names(c)
     return frozenset(names)
-
-
-# -- which code is whose ----------------------------------------------------------------------
-
-
-def _dirs() -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(trusted dirs: torch, functrans, the standard library; site dirs)."""
-    trusted = [os.path.dirname(torch.__file__)]
-    for name in ("functrans", "functrans.codegen", "functrans.partitioners"):
-        spec = importlib.util.find_spec(name)
-        trusted.extend(spec.submodule_search_locations or () if spec else ())
-    paths = sysconfig.get_paths()
-    stdlib = [paths["stdlib"], paths["platstdlib"]]
-    return tuple(os.path.join(d, "") for d in trusted), tuple(os.path.join(d, "") for d in stdlib)
-
-
-_TRUSTED: tuple[tuple[str, ...], tuple[str, ...]] | None = None
-_SITE_PARTS = (f"{os.sep}site-packages{os.sep}", f"{os.sep}dist-packages{os.sep}")
-
-
-@functools.lru_cache(maxsize=16384)
-def classify(filename: str) -> str:
-    """Whose code a file holds: ``"trusted"`` (torch, functrans, the standard library: their
-    versions key the cache), ``"site"`` (installed packages: hashed), ``"user"`` (hashed, and
-    the globals its code reads are recorded), or ``"unknown"`` (code from no file).
-
-    >>> classify(torch.__file__), classify(__file__), classify("/home/me/train.py")
-    ('trusted', 'trusted', 'user')
-    """
-    global _TRUSTED
-    if not filename or filename.startswith("<"):
-        return "unknown"
-    if _TRUSTED is None:
-        _TRUSTED = _dirs()
-    trusted, stdlib = _TRUSTED
-    path = os.path.abspath(filename)
-    if path.startswith(trusted):
-        return "trusted"
-    if any(part in path for part in _SITE_PARTS):
-        return "site"
-    if path.startswith(stdlib):
-        return "trusted"
-    return "user"

@@ -30,11 +30,13 @@ from typing import Any, ParamSpec, TypeVar, cast
 import optree
 import torch
 
-from ._dtypes import differentiable
+from ._api import _value_and_grad_fn
+from ._context import is_tracing
 from ._errors import InvalidArgumentError
+from ._plans import GRAD_SPEC, PER_EXAMPLE, GradSpec, Rewrap, VmapOfGrad, plan_per_example
 from ._pytree import NAMESPACE
 from ._stack import transform_frame
-from ._trace import _no_saved_tensor_hooks, is_tracing
+from ._trace import _no_saved_tensor_hooks
 from ._validate import (
     check_argnums,
     check_bool,
@@ -48,19 +50,13 @@ from ._validate import (
 )
 
 __all__ = [
-    "GRAD_SPEC",
-    "PER_EXAMPLE",
-    "GradSpec",
-    "PerExample",
     "ShapeDtypeStruct",
-    "VmapOfGrad",
     "eval_shape",
     "hessian",
     "jacfwd",
     "jacrev",
     "jvp",
     "linearize",
-    "plan_per_example",
     "stop_gradient",
     "vmap",
 ]
@@ -69,23 +65,7 @@ _P = ParamSpec("_P")
 _R = TypeVar("_R")
 _T = TypeVar("_T")
 
-#: Attribute on the functions ``grad``/``value_and_grad`` return: their :class:`GradSpec`.
-GRAD_SPEC = "__functrans_grad__"
 _RANDOMNESS = ("error", "different", "same")
-
-
-@dataclass(frozen=True)
-class GradSpec:
-    """What a ``grad``/``value_and_grad`` function differentiates, and how (``vmap`` of one
-    plans per-example gradients as one joint graph)."""
-
-    run: Callable[..., Any]  # the function grad returned (wrappers copying attributes differ)
-    f: Callable[..., Any]
-    argnums: int | tuple[int, ...]
-    has_aux: bool
-    with_value: bool
-    partition: Any
-    options: tuple[tuple[str, Any], ...]
 
 
 def _frame(
@@ -177,21 +157,6 @@ def _check_chunk_size(where: str, chunk_size: object) -> None:
         )
 
 
-#: Attribute on the function ``vmap(grad(f))`` returns: its :class:`VmapOfGrad`.
-PER_EXAMPLE = "__functrans_per_example__"
-
-
-@dataclass(frozen=True)
-class VmapOfGrad:
-    """What a ``vmap(grad(f))`` function batches, so ``jit`` of it can plan the per-example
-    joint graph as the eager call does (see :func:`plan_per_example`)."""
-
-    run: Callable[..., Any]
-    spec: GradSpec
-    in_dims: Any
-    randomness: str
-
-
 _NOT_PLANNED = object()
 _functorch_active = torch._C._are_functorch_transforms_active
 
@@ -201,84 +166,11 @@ def _batched_jit(
 ) -> Callable[..., Any] | None:
     """For ``vmap(jit(f))``: the batched ``f``, jitted with ``jit``'s options (one compiled
     graph of the batched function, as ``jax.vmap(jax.jit(f))`` gives); else None."""
-    from ._jit import Jitted
-
-    if not isinstance(func, Jitted):
+    if not isinstance(func, Rewrap):
         return None
     inner = torch.func.vmap(func.fn, in_dims, out_dims, randomness, chunk_size=chunk_size)
     functools.update_wrapper(inner, func.fn)
     return func.rewrap(inner)
-
-
-@dataclass(frozen=True)
-class PerExample:
-    """``vmap(grad(f))`` planned as the gradient of ``sum_i f(...)`` (:attr:`total`) with
-    respect to per-example copies of the shared differentiated arguments (:attr:`args`)."""
-
-    spec: GradSpec
-    total: Callable[..., tuple[torch.Tensor, Any]]
-    args: tuple[Any, ...]
-
-    def finish(self, values: Any, grads: Any) -> Any:
-        """What ``vmap(grad(f))`` returns, from the per-example values and the gradients."""
-        if self.spec.with_value:
-            return values, grads
-        return (grads, values[1]) if self.spec.has_aux else grads
-
-
-def plan_per_example(
-    spec: GradSpec,
-    f: Callable[..., Any],
-    in_dims: Any,
-    randomness: str,
-    args: tuple[Any, ...],
-) -> PerExample | None:
-    """The :class:`PerExample` plan of ``vmap(grad(f), in_dims)(*args)`` (``f``: the function
-    ``spec`` differentiates, or a stand-in for it); None where it does not apply (batch dims
-    other than 0 or None, a batch it cannot read: torch.func's own path names the problem)."""
-    if not args:
-        return None
-    dims = in_dims if isinstance(in_dims, tuple) else (in_dims,) * len(args)
-    if len(dims) != len(args) or any(d not in (0, None) for d in dims):
-        return None
-    batched = [
-        t
-        for a, d in zip(args, dims, strict=True)
-        if d == 0
-        for t in optree.tree_leaves(a, namespace=NAMESPACE)
-        if isinstance(t, torch.Tensor)
-    ]
-    batch = {t.shape[0] for t in batched if t.dim() > 0}
-    if len(batch) != 1 or any(t.dim() == 0 for t in batched):
-        return None
-    (size,) = batch
-    nums = (spec.argnums,) if isinstance(spec.argnums, int) else spec.argnums
-    nums = tuple(i % len(args) for i in nums)
-    new_args, new_dims = list(args), list(dims)
-    for i in nums:
-        if dims[i] is None:  # shared: per-example copies of its float tensors, batched at 0
-            new_args[i] = optree.tree_map(
-                lambda t: _per_example_copy(t, size), args[i], namespace=NAMESPACE
-            )
-            new_dims[i] = optree.tree_map(
-                lambda t: 0 if _is_float_tensor(t) else None, args[i], namespace=NAMESPACE
-            )
-    each = torch.func.vmap(f, tuple(new_dims), 0, randomness)
-
-    def total(*a: Any, **kw: Any) -> tuple[torch.Tensor, Any]:
-        values = each(*a, **kw)
-        out = values[0] if spec.has_aux else values
-        if not (isinstance(out, torch.Tensor) and out.dim() > 0 and out.numel() == size):
-            from ._api import NonScalarOutputError
-
-            raise NonScalarOutputError(
-                f"grad needs {getattr(spec.f, '__qualname__', spec.f)} to return a scalar "
-                f"float tensor per example; under vmap it returned {_describe(out, size)}"
-            )
-        return out.sum(), values
-
-    total.__qualname__ = getattr(spec.f, "__qualname__", "f")
-    return PerExample(spec, total, tuple(new_args))
 
 
 def _per_example(
@@ -287,8 +179,6 @@ def _per_example(
     """``vmap(grad(f), in_dims)(*args)`` as one joint graph cut by the grad's strategy (see
     :func:`plan_per_example`); ``_NOT_PLANNED`` inside traces and other transforms, where the
     enclosing graph decides, and where the plan does not apply."""
-    from ._api import _value_and_grad_fn
-
     if is_tracing() or _functorch_active():
         return _NOT_PLANNED
     plan = plan_per_example(spec, spec.f, in_dims, randomness, args)
@@ -299,21 +189,6 @@ def _per_example(
         plan.total, spec.argnums, True, spec.partition, dict(spec.options), name
     )(*plan.args, **kwargs)
     return plan.finish(values, grads)
-
-
-def _is_float_tensor(t: Any) -> bool:
-    return differentiable(t)  # floating point or complex: what grad differentiates
-
-
-def _per_example_copy(t: Any, size: int) -> Any:
-    """``size`` stride-0 copies of ``t`` (a view: gradients still flow to ``t``)."""
-    return t.unsqueeze(0).expand(size, *t.shape) if _is_float_tensor(t) else t
-
-
-def _describe(out: Any, size: int) -> str:
-    if isinstance(out, torch.Tensor):
-        return f"a tensor of shape {list(out.shape[1:])} per example (batch {size})"
-    return type(out).__name__
 
 
 def jvp(

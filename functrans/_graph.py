@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from ._describe import describe
 from ._dtypes import differentiable as is_differentiable
 from ._dynamic import ShapeGuard, readable, shape_env_of
 from ._errors import FunctransError
@@ -100,8 +101,6 @@ class Graph:
         root: torch.nn.Module | None = None,
     ) -> None:
         if not isinstance(graph, (fx.GraphModule, fx.Graph)):
-            from ._validate import describe
-
             raise GraphError(
                 f"{type(self).__name__}: graph={describe(graph)} is not accepted; graph must be "
                 "a torch.fx.GraphModule or torch.fx.Graph"
@@ -165,8 +164,6 @@ class Graph:
             )
         for node, t in zip(placeholders, tensors, strict=True):
             if not isinstance(t, (torch.Tensor, int)):
-                from ._validate import describe
-
                 raise GraphError(f"{what}: input {node.name} is {describe(t)}; expected a tensor")
         return list(self.graph_module(*check_tensors(placeholders, list(tensors), what)))
 
@@ -389,8 +386,6 @@ def verify(graph: Graph) -> None:
     >>> ft.joint(lambda x: x.exp().sum())(torch.ones(2)).verify()
     """
     if not isinstance(graph, Graph):
-        from ._validate import describe
-
         raise GraphError(
             f"verify: graph={describe(graph)} is not accepted; graph must be a functrans Graph "
             "(what ft.trace, ft.joint or ft.partition produce)"

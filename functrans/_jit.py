@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import importlib
 import logging
 import threading
 import time
@@ -35,8 +34,10 @@ from typing import Any, Generic, ParamSpec, TypeVar
 import torch
 
 from . import _disk_cache as disk_cache
+from ._backends import get_backend
 from ._boxed import boxed
 from ._capture import Path, Reader, captured_constants, reach, swapped
+from ._context import _TRACING, is_tracing
 from ._decomp import Decompositions
 from ._disk_cache import DiskKey
 from ._dtypes import differentiable
@@ -50,7 +51,6 @@ from ._dynamic import (
     shape_env_of,
 )
 from ._errors import TraceError, UnsupportedOpError
-from ._func import GRAD_SPEC, PER_EXAMPLE, GradSpec, PerExample, VmapOfGrad, plan_per_example
 from ._jit_apply import (
     Apply,
     ApplySubclass,
@@ -64,6 +64,15 @@ from ._jit_cache import Cache, Signature, Slot, changed_dims, leaves_order, rank
 from ._joint import joint
 from ._logs import log
 from ._partition import Partition, Strategy, partition
+from ._plans import (
+    GRAD_SPEC,
+    PER_EXAMPLE,
+    GradSpec,
+    PerExample,
+    VmapOfGrad,
+    grad_name,
+    plan_per_example,
+)
 from ._pytree import (
     Flat,
     exact_key,
@@ -85,7 +94,7 @@ from ._state import (
     module_state,
     no_autocast,
 )
-from ._trace import _TRACING, arg_names, is_tracing, trace
+from ._trace import arg_names, trace
 
 __all__ = ["CACHE_SIZE", "CacheInfo", "Jitted"]
 
@@ -134,10 +143,6 @@ class _Options:
     partition_options: dict[str, Any]
     cache_size: int = CACHE_SIZE
     dynamic: JitDynamic = "auto"
-
-
-def _grad_name(spec: GradSpec) -> str:
-    return "value_and_grad" if spec.with_value else "grad"
 
 
 #: On a jit's flat function: how to build the function to trace instead (``jit(grad(f))``).
@@ -624,7 +629,7 @@ class Jitted(Generic[_P, _R]):
         only, or the symbolic trace fails, a static entry (and a ``dynamic`` log line)."""
         if dims is None:
             return self._build(flat_f, example, training, disk)
-        backend = importlib.import_module("functrans.codegen").get_backend(self._opts.backend)
+        backend = get_backend(self._opts.backend)
         why = None
         if not getattr(backend, "dynamic", False):
             why = f"backend {self._opts.backend!r} compiles static shapes only"
@@ -719,7 +724,7 @@ class Jitted(Generic[_P, _R]):
 
         def plan(decompositions: Decompositions) -> Callable[..., Any]:
             a, kw = unflatten(flat, leaves)
-            with transform_frame(_grad_name(spec), spec.f):  # errors name jit(grad(f))
+            with transform_frame(grad_name(spec), spec.f):  # errors name jit(grad(f))
                 check_differentiable(spec.f, a, spec.argnums)
                 jg = joint(
                     target,
@@ -761,7 +766,7 @@ class Jitted(Generic[_P, _R]):
             first = plan_for(a)
             if first is None:
                 return None
-            with transform_frame("vmap", spec.f), transform_frame(_grad_name(spec), spec.f):
+            with transform_frame("vmap", spec.f), transform_frame(grad_name(spec), spec.f):
                 jg = joint(
                     first.total, argnums=spec.argnums, has_aux=True, decompositions=decompositions
                 )(*first.args, **kw)
@@ -820,7 +825,7 @@ class Jitted(Generic[_P, _R]):
         disk: Callable[..., DiskKey],
         dims: Dims | None = None,
     ) -> tuple[Entry, torch.fx.GraphModule]:
-        backend = importlib.import_module("functrans.codegen").get_backend(self._opts.backend)
+        backend = get_backend(self._opts.backend)
         decompositions = self._opts.decompositions
         if decompositions == "auto":
             decompositions = getattr(backend, "decompositions", "core")

@@ -17,6 +17,7 @@ from ._dynamic import JitDynamic, check_dynamic
 from ._errors import UnsupportedOpError
 from ._jit import CACHE_SIZE, Jitted, _Options
 from ._jit_module import JitModule
+from ._module_view import is_fsdp_module
 from ._partition import Strategy, check_partition_options, get_strategy
 from ._validate import check_callable, check_number, check_option, check_static_argnums
 
@@ -168,8 +169,6 @@ def _check_options(
 def _refuse_fsdp(module: torch.nn.Module) -> None:
     """``jit`` of a module FSDP2 shards is refused with the supported way: its parameters are
     DTensors that FSDP all-gathers in hooks around each unit, outside any trace."""
-    from .distributed import is_fsdp_module
-
     if any(is_fsdp_module(m) for m in module.modules()):
         raise UnsupportedOpError(
             f"jit({type(module).__name__}): the model is sharded with FSDP2 (fully_shard); "

@@ -20,7 +20,7 @@ from ._jit import CacheInfo, Jitted, _Options, inline
 from ._jit_apply import OVERWRITES, Entry
 from ._module_view import ModuleView
 from ._partition import Partition
-from ._pytree import NAMESPACE, unflatten
+from ._pytree import NAMESPACE, TorchSpec, unflatten
 from ._stack import transform_frame
 from ._state import GLOBAL_HOOKS, ModuleFlags, module_state
 
@@ -254,17 +254,7 @@ def _written(
     return out
 
 
-class _TorchSpec:
-    """A torch pytree spec carried through the trace as one static output leaf."""
-
-    def __init__(self, spec: torch_pytree.TreeSpec) -> None:
-        self.spec = spec
-
-    def __repr__(self) -> str:
-        return f"_TorchSpec({self.spec})"
-
-
-def _take_apart(out: Any, owner: str) -> tuple[_TorchSpec, list[Any]]:
+def _take_apart(out: Any, owner: str) -> tuple[TorchSpec, list[Any]]:
     """Flatten a module's output with torch's pytree (which knows ``ModelOutput`` and friends);
     what torch leaves whole optree flattens next. An object left opaque to both that holds
     tensors would return the trace's fake tensors, so it is an error."""
@@ -279,7 +269,7 @@ def _take_apart(out: Any, owner: str) -> tuple[_TorchSpec, list[Any]]:
                     "torch.utils._pytree), return plain tensors, or turn it off (for Hugging Face "
                     "models: use_cache=False)."
                 )
-    return _TorchSpec(spec), leaves
+    return TorchSpec(spec), leaves
 
 
 def _holds_tensor(obj: Any, depth: int = 4) -> bool:

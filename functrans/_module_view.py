@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ModuleView"]
+__all__ = ["ModuleView", "is_fsdp_module"]
 
 _SHARED = ("_parameters", "_buffers", "_modules")
 
@@ -91,3 +91,16 @@ class ModuleView(torch.nn.Module):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self._wrapped!r})"
+
+
+def is_fsdp_module(module: Any) -> bool:
+    """Whether ``module`` was given to FSDP2's ``fully_shard``.
+
+    >>> is_fsdp_module(torch.nn.Linear(2, 2))
+    False
+    """
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch built without distributed
+        return False
+    return isinstance(module, FSDPModule)

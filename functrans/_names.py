@@ -12,6 +12,8 @@ from typing import Any, TypeVar, cast
 import optree
 import torch
 
+from ._context import is_tracing
+from ._describe import describe
 from ._pytree import NAMESPACE
 
 __all__ = ["checkpoint_name", "checkpoint_name_op"]
@@ -37,8 +39,6 @@ def checkpoint_name_op() -> Any:
 
 
 def _tracing() -> bool:
-    from ._trace import is_tracing  # late: _trace imports much of the core
-
     return is_tracing()
 
 
@@ -52,7 +52,6 @@ def checkpoint_name(x: _T, name: str) -> _T:
     """
     if not isinstance(name, str):
         from ._errors import InvalidArgumentError
-        from ._validate import describe
 
         raise InvalidArgumentError(
             f"checkpoint_name: name={describe(name)} is not accepted; name must be a str (what "

@@ -8,7 +8,6 @@ time, so the core never imports them) or are passed directly as callables
 from __future__ import annotations
 
 import functools
-import importlib
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ from ._memory import MemoryProfile, simulate
 from ._offload import Cut, insert_transfers
 from ._passes import no_gc
 from ._split import resolve_nodes, split
+from ._strategies import registered_strategy, strategy_names
 from ._tags import Policy
 from ._validate import check_call, check_joint, describe, saved_items
 
@@ -347,13 +347,11 @@ def format_bytes(n: int) -> str:
 def get_strategy(strategy: str | Strategy) -> tuple[str, Strategy]:
     """Resolve a strategy name (via the registry) or accept a callable as is."""
     if isinstance(strategy, str):
-        registry = importlib.import_module("functrans.partitioners")
-        found: Strategy = registry.get(strategy)
+        found: Strategy = registered_strategy(strategy)
         return strategy, found
     if callable(strategy):
         return getattr(strategy, "__name__", type(strategy).__name__), strategy
-    registry = importlib.import_module("functrans.partitioners")
-    known = ", ".join(repr(n) for n in registry.names(aliases=True))
+    known = ", ".join(repr(n) for n in strategy_names(aliases=True))
     raise InvalidArgumentError(
         f"partition: strategy={describe(strategy)} is not accepted; strategy must be a "
         f"registered name ({known}) or a callable (joint, **options) -> nodes to save"

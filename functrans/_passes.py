@@ -16,8 +16,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ._cost import is_collective, is_random
 from ._graph import PATH, ROLE, SOURCE, Role
+from ._ops import is_collective, is_random
 from ._tags import REMAT
 
 __all__ = ["InputSpec", "canonicalize", "no_gc", "out_of_place", "source_of"]

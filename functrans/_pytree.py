@@ -20,9 +20,12 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 import optree
 import torch
+import torch.utils._pytree as torch_pytree
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from ._describe import check_numpy_leaves
 from ._errors import TraceError, UnsupportedOpError
+from ._stack import current_stack, describe_stack
 
 NAMESPACE = "functrans"
 
@@ -30,6 +33,7 @@ __all__ = [
     "NAMESPACE",
     "Flat",
     "Guards",
+    "TorchSpec",
     "Wrapper",
     "check_matches",
     "exact_key",
@@ -171,9 +175,6 @@ def flatten_leaves(
 
 def _refuse_numpy(leaves: Sequence[Any], spec: optree.PyTreeSpec) -> None:
     """:class:`InvalidArgumentError` naming the transform and the numpy leaf's place."""
-    from ._stack import current_stack, describe_stack
-    from ._validate import check_numpy_leaves
-
     frames = current_stack()
     paths = spec.paths()
 
@@ -568,3 +569,19 @@ def tensor_leaves(tree: Any) -> list[torch.Tensor]:
     [[0.0, 0.0], [1.0, 1.0], [7.0]]
     """
     return flatten(tree)[0]
+
+
+class TorchSpec:
+    """A torch pytree spec carried through a trace as one static output leaf (``jit(module)``
+    flattens outputs with torch's pytree, which knows ``ModelOutput`` and friends).
+
+        >>> import torch.utils._pytree as torch_pytree
+        >>> TorchSpec(torch_pytree.tree_flatten((1, 2))[1]).spec.num_leaves
+        2
+    """
+
+    def __init__(self, spec: torch_pytree.TreeSpec) -> None:
+        self.spec = spec
+
+    def __repr__(self) -> str:
+        return f"TorchSpec({self.spec})"

@@ -36,14 +36,15 @@ from torch.fx.experimental.proxy_tensor import (
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
-from . import _transfer, policies
+from . import _policies as policies
+from . import _transfer
+from ._context import is_tracing
 from ._errors import InvalidArgumentError, UnsupportedOpError
 from ._module_view import ModuleView
 from ._passes import _IDENTITY_OPS
 from ._pytree import NAMESPACE
 from ._stack import fn_name, transform_frame
 from ._tags import REMAT, REMAT_OP, Policy, PolicyLike, RematOp
-from ._trace import is_tracing
 
 __all__ = ["RematDecorator", "RematModule", "remat"]
 

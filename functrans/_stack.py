@@ -28,11 +28,11 @@ inside jit(vmap(grad(loss))): RuntimeError (`aten.mv.default`...) at <doctest ..
 from __future__ import annotations
 
 import contextvars
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from ._context import culprit, user_frame
 from ._errors import FunctransError
 
 __all__ = ["TransformError", "describe_stack", "transform_frame"]
@@ -110,18 +110,6 @@ class transform_frame:  # used as a function: with transform_frame(...)
         return False  # the exception goes on, as itself
 
 
-def _user_line(e: BaseException) -> traceback.FrameSummary | None:
-    """The innermost frame of user code (notebook cells and doctests included)."""
-    from ._trace import LIBRARY_DIRS
-
-    frames = [
-        fr
-        for fr in traceback.extract_tb(e.__traceback__)
-        if not fr.filename.startswith((*LIBRARY_DIRS, "<frozen"))
-    ]
-    return frames[-1] if frames else None
-
-
 _CLASSES: dict[type[Exception], type[Exception]] = {}
 
 
@@ -144,9 +132,7 @@ def _name(e: Exception, frames: tuple[Frame, ...]) -> Exception:
             e.add_note(stack)
         setattr(e, _NAMED, True)
         return e
-    from ._trace import culprit
-
-    fr = _user_line(e)
+    fr = user_frame(e, cells=True)
     where = f" at {fr.filename}:{fr.lineno}: `{(fr.line or '').strip()}`" if fr else ""
     head = f"{stack}: {type(e).__name__}{culprit(e)}{where}"
     named = e

@@ -9,11 +9,8 @@ op and the argument.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import inspect
-import os
 import threading
-import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -29,8 +26,9 @@ from torch._subclasses.fake_tensor import (
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
-from ._cost import is_random
+from ._context import _TRACING, LIBRARY_DIRS, culprit, is_tracing, user_frame
 from ._decomp import Decompositions, decomposition_table
+from ._describe import check_numpy_leaves
 from ._dynamic import (
     Dynamic,
     SizeConstants,
@@ -44,6 +42,7 @@ from ._errors import InvalidArgumentError, TraceError, UnsupportedOpError
 from ._format import op_name
 from ._graph import SOURCE, Graph, Role
 from ._logs import log
+from ._ops import is_random
 from ._passes import InputSpec, canonicalize, identifier, out_of_place
 from ._pytree import NAMESPACE, Flat, Wrapper, flatten, unflatten
 from ._rng import seeded_then_drew, tracing_guard
@@ -52,7 +51,6 @@ from ._state import autocast_off
 from ._validate import (
     check_bool,
     check_callable,
-    check_numpy_leaves,
     check_static_argnums,
     check_static_range,
 )
@@ -73,10 +71,6 @@ _DATA_DEPENDENT = (
     GuardOnDataDependentSymNode,
     DataDependentOutputException,
     DynamicOutputShapeException,
-)
-LIBRARY_DIRS = (
-    *(os.path.dirname(m.__file__ or "") + os.sep for m in (torch, optree, contextlib)),
-    os.path.dirname(__file__) + os.sep,
 )
 
 
@@ -105,16 +99,6 @@ def arg_names(f: Callable[..., Any], flat: Flat, *, every_leaf: bool = False) ->
             name = index.strip("'\"")
         out.append(name + tail)
     return out
-
-
-def user_frame(exc: BaseException) -> traceback.FrameSummary | None:
-    """The innermost traceback frame that belongs to user code (not torch, optree, functrans)."""
-    frames = [
-        fr
-        for fr in traceback.extract_tb(exc.__traceback__)
-        if not fr.filename.startswith(LIBRARY_DIRS) and not fr.filename.startswith("<")
-    ]
-    return frames[-1] if frames else None
 
 
 def flatten_args(
@@ -165,28 +149,6 @@ def check_inputs(f: Callable[..., Any], tensors: Sequence[torch.Tensor], flat: F
             )
 
 
-def culprit(exc: BaseException) -> str:
-    """Which ATen op needed a tensor's value, as `` (`aten.equal.default`, called by torch.cov
-    in the backward pass)``; empty when the traceback does not say.
-    """
-    op = getattr(exc, "func", None)
-    api, backward = None, False
-    tb = exc.__traceback__
-    while tb is not None:
-        frame = tb.tb_frame
-        backward = backward or frame.f_code.co_name == "_engine_run_backward"
-        func = frame.f_locals.get("func") if frame.f_code.co_name.startswith("__torch_") else None
-        if isinstance(func, torch._ops.OpOverload):
-            op = op or func
-        elif func is not None and not backward:
-            api = api or getattr(func, "__name__", None)
-        tb = tb.tb_next
-    parts = [f"`{op}`"] if op is not None else []
-    parts += [f"called by torch.{api}"] if api and not backward else []
-    parts += ["in the backward pass"] if backward else []
-    return f" ({', '.join(parts)})" if parts else ""
-
-
 def _data_dependent_error(fn: Callable[..., Any], exc: BaseException) -> TraceError:
     fr = user_frame(exc)
     where = f" at {fr.filename}:{fr.lineno}: `{(fr.line or '').strip()}`" if fr else ""
@@ -200,8 +162,6 @@ def _data_dependent_error(fn: Callable[..., Any], exc: BaseException) -> TraceEr
     )
 
 
-_TRACING: contextvars.ContextVar[bool] = contextvars.ContextVar("functrans_tracing", default=False)
-
 # make_fx is not thread-safe (torch.fx keeps its patcher in a global): one trace at a time,
 # process-wide; compiled graphs still run in parallel
 TRACE_LOCK = threading.RLock()
@@ -211,11 +171,6 @@ TRACE_LOCK = threading.RLock()
 #: (``_checkpoint`` routes ``torch.utils.checkpoint`` calls to remat regions while one runs;
 #: :class:`_PlainRNNs`, below, sends differentiated RNN calls down torch's unfused path)
 TRACE_CONTEXTS: list[Callable[[], contextlib.AbstractContextManager[Any]]] = []
-
-
-def is_tracing() -> bool:
-    """True while functrans traces a function (transforms like ``remat`` switch to graph mode)."""
-    return _TRACING.get()
 
 
 @contextlib.contextmanager

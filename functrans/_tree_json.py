@@ -27,7 +27,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as torch_pytree
 
-from ._pytree import NAMESPACE, Flat
+from ._pytree import NAMESPACE, Flat, TorchSpec
 
 __all__ = [
     "CorruptEntry",
@@ -196,9 +196,7 @@ def flat_doc(flat: Flat) -> Any:
 
 
 def _static(s: Any) -> Any:
-    from ._jit_module import _TorchSpec  # jit(module)'s outputs: a torch pytree spec
-
-    if type(s) is _TorchSpec:
+    if type(s) is TorchSpec:
         try:
             text = torch_pytree.treespec_dumps(s.spec)
             same = torch_pytree.treespec_loads(text) == s.spec
@@ -214,9 +212,7 @@ def _static(s: Any) -> Any:
 
 def _unstatic(doc: Any) -> Any:
     if type(doc) is dict and "torch_spec" in doc:
-        from ._jit_module import _TorchSpec
-
-        return _TorchSpec(torch_pytree.treespec_loads(doc["torch_spec"]))
+        return TorchSpec(torch_pytree.treespec_loads(doc["torch_spec"]))
     return decode(doc, {})
 
 

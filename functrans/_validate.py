@@ -13,12 +13,13 @@ import difflib
 import inspect
 import math
 import numbers
-import reprlib
+import traceback
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 
 import torch.fx as fx
 
+from ._describe import _REPR, check_numpy_leaves, describe
 from ._errors import InvalidArgumentError, InvalidPartitionError
 
 __all__ = [
@@ -33,20 +34,8 @@ __all__ = [
 
 _Options = TypeVar("_Options")
 
-_REPR = reprlib.Repr()
-_REPR.maxstring = _REPR.maxother = 60
-
 #: What a strategy must return, for messages.
 RETURNS = "an iterable of forward nodes (torch.fx.Node) or node names (str) to save"
-
-
-def describe(value: object) -> str:
-    """A short repr of ``value`` and its type, for messages.
-
-    >>> describe("x"), describe(float("nan")), describe(None)
-    ("'x' (str)", 'nan (float)', 'None')
-    """
-    return "None" if value is None else f"{_REPR.repr(value)} ({type(value).__name__})"
 
 
 def check_option(where: str, name: str, value: object, ok: bool, accepted: str) -> None:
@@ -335,30 +324,6 @@ def check_joint(where: str, value: object) -> None:
     )
 
 
-def check_numpy_leaves(
-    where: str, leaves: Iterable[object], names: Callable[[int], str] | str
-) -> None:
-    """Raise :class:`InvalidArgumentError` at the first numpy array among ``leaves`` (a static
-    value that a trace would bake in and compare by ``==``): convert it to a tensor.
-
-    >>> import numpy as np
-    >>> check_numpy_leaves("jit(f)", [np.ones(2)], lambda i: f"argument {i}")
-    Traceback (most recent call last):
-    ...
-    functrans._errors.InvalidArgumentError: jit(f): argument 0 is a numpy.ndarray ...
-    """
-    import numpy as np
-
-    for i, leaf in enumerate(leaves):
-        if isinstance(leaf, np.ndarray):
-            what = names if isinstance(names, str) else names(i)
-            raise InvalidArgumentError(
-                f"{where}: {what} is a numpy.ndarray (shape {list(leaf.shape)}, dtype "
-                f"{leaf.dtype}); functrans transforms take torch tensors: pass "
-                "torch.from_numpy(array) (or torch.as_tensor) instead"
-            )
-
-
 def _short_tensor(t: Any) -> str:
     return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)} on {t.device}"
 
@@ -441,18 +406,10 @@ def user_calls(func: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _raised_in_user_code(exc: BaseException) -> bool:
-    import os
-    import traceback
+    from ._context import LIBRARY_DIRS
 
-    import optree
-    import torch
-
-    ours = (
-        *(os.path.dirname(m.__file__ or "") for m in (torch, optree, contextlib)),  # + stdlib
-        os.path.dirname(__file__),
-    )
     frames = traceback.extract_tb(exc.__traceback__)
-    return any(not f.filename.startswith(ours) for f in frames)
+    return any(not f.filename.startswith(LIBRARY_DIRS) for f in frames)
 
 
 @contextlib.contextmanager

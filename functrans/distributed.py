@@ -26,21 +26,13 @@ import torch
 
 from ._errors import InvalidArgumentError
 from ._jit_api import jit
+from ._module_view import is_fsdp_module as is_fsdp_module
 from ._remat import remat
 from ._tags import PolicyLike
 
 __all__ = ["fsdp_units", "is_fsdp_module", "jit_blocks"]
 
 _JITTED = "__functrans_jit_blocks__"
-
-
-def is_fsdp_module(module: Any) -> bool:
-    """Whether ``module`` was given to FSDP2's ``fully_shard``."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # torch built without distributed
-        return False
-    return isinstance(module, FSDPModule)
 
 
 def fsdp_units(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -64,6 +64,11 @@ Every class and function here documents itself with an example. The other names:
 False
 """
 
+from ._backends import BACKEND_GROUP as BACKEND_GROUP
+from ._backends import Backend as Backend
+from ._backends import backend_names as backend_names
+from ._backends import get_backend as get_backend
+from ._backends import register_backend as register_backend
 from ._boxed import Boxed as Boxed
 from ._boxed import BoxedCallable as BoxedCallable
 from ._boxed import boxed as boxed
@@ -128,6 +133,12 @@ from ._segments import differentiated_primals as differentiated_primals
 from ._segments import segments as segments
 from ._split import ancestors as ancestors
 from ._split import split as split
+from ._strategies import STRATEGY_GROUP as STRATEGY_GROUP
+from ._strategies import RegisteredStrategy as RegisteredStrategy
+from ._strategies import register_strategy as register_strategy
+from ._strategies import registered_strategy as registered_strategy
+from ._strategies import strategy_examples as strategy_examples
+from ._strategies import strategy_names as strategy_names
 from ._tags import REMAT as REMAT
 from ._tags import Policy as Policy
 from ._tags import policy_of as policy_of

@@ -3,12 +3,12 @@ with eager autograd."""
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from .._backends import get_backend
 from .._graph import JointGraph
 from .._joint import joint
 from .._partition import Partition, Strategy, partition
@@ -22,7 +22,7 @@ __all__ = ["check_backend", "check_compiled", "compile_partition"]
 def _backend(backend: Any) -> Any:
     """A registered backend by name, or a backend object (anything with ``compile``) as is."""
     if isinstance(backend, str):
-        return importlib.import_module("functrans.codegen").get_backend(backend)
+        return get_backend(backend)
     return backend
 
 
