@@ -24,7 +24,15 @@ BACKEND_GROUP = "functrans.backends"
 
 
 class Backend(Protocol):
-    """Compiles a graph for the given example inputs into a flat-tensor callable."""
+    """Compiles a graph for the given example inputs into a flat-tensor callable.
+
+    >>> import torch, functrans as ft
+    >>> from functrans.extend import Backend, get_backend
+    >>> aten: Backend = get_backend("aten")
+    >>> g = ft.trace(lambda x: x.sin())(torch.zeros(2))
+    >>> aten.compile(g, [torch.zeros(2)])(torch.zeros(2))
+    [tensor([0., 0.])]
+    """
 
     def compile(
         self, graph: Graph, example_inputs: Sequence[torch.Tensor]

@@ -23,7 +23,10 @@ Every class and function here documents itself with an example. The other names:
   input (masks, rotary tables): it belongs to no segment;
 - ``HOST``: node meta key, True on a value that lives in host memory (an offloaded copy and the
   backward input that receives it); ``OFFLOAD_OPS``: the ops that copy a value out, copy it
-  back and wait for the copy (``functrans::to_host``, ``to_device``, ``wait_copy``).
+  back and wait for the copy (``functrans::to_host``, ``to_device``, ``wait_copy``);
+- ``STRATEGY_GROUP`` and ``BACKEND_GROUP``: the entry point groups installed strategies and
+  backends are discovered in (the registries are the core's; ``functrans.partitioners`` and
+  ``functrans.codegen`` fill them and re-export these functions under shorter names).
 
 >>> import torch, functrans as ft
 >>> from functrans import policies
@@ -62,6 +65,9 @@ Every class and function here documents itself with an example. The other names:
 >>> from functrans.extend import SHARED, segments
 >>> SHARED in segments(plain).index.values()
 False
+>>> from functrans.extend import BACKEND_GROUP, STRATEGY_GROUP
+>>> STRATEGY_GROUP, BACKEND_GROUP
+('functrans.partitioners', 'functrans.backends')
 """
 
 from ._backends import BACKEND_GROUP as BACKEND_GROUP

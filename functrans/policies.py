@@ -53,3 +53,6 @@ __all__ = [
     "save_only_these_names",
     "save_ops",
 ]
+
+# its error class is printed in tracebacks as this module's
+InvalidPolicyError.__module__ = __name__
