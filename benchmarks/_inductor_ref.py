@@ -56,8 +56,8 @@ from unittest import mock
 
 import torch
 import torch.fx as fx
-from functrans.codegen.inductor import decompose_for_inductor
 
+from functrans.codegen.inductor import decompose_for_inductor
 from functrans.extend import Graph, OpClass, nbytes, op_class, read_bytes
 
 __all__ = [

@@ -25,11 +25,10 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from functrans.codegen.triton import TritonBackend
-
 import functrans as ft
 from benchmarks import output_path, zoo
 from benchmarks._inductor_ref import aten_bytes, inductor_kernels
+from functrans.codegen.triton import TritonBackend
 from functrans.extend import tensor_leaves
 
 RESULTS = Path(__file__).resolve().parent / "results" / "codegen.json"

@@ -59,7 +59,6 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 
 import torch
 import torch.fx as fx
-from functrans.codegen.aten import AtenBackend
 from torch._functorch._aot_autograd.utils import make_boxed_func  # = aot_autograd.make_boxed_func
 from torch._functorch.aot_autograd import aot_function
 from torch._functorch.partitioners import min_cut_rematerialization_partition
@@ -68,6 +67,7 @@ from torch.utils._pytree import tree_leaves
 import functrans as ft
 from benchmarks import _disk_first_call, output_path, remat, zoo
 from functrans import codegen
+from functrans.codegen.aten import AtenBackend
 from functrans.extend import tensor_leaves
 
 RESULTS = Path(__file__).resolve().parent / "results" / "runtime.json"

@@ -20,11 +20,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ._errors import FunctransError
-from ._graph import JointGraph
-from ._joint import joint
-from ._offload import Offload
-from ._partition import Partition, format_bytes, partition
+from ._core.errors import FunctransError
+from ._core.graph import JointGraph
+from ._cut.offload import Offload
+from ._cut.partition import Partition, format_bytes, partition
+from ._trace.joint import joint
 
 
 def _load(target: str) -> Any:
@@ -78,7 +78,7 @@ def explain(argv: list[str] | None = None) -> int:
     if args.compare and not args.html:
         parser.error("--compare needs --html PATH (it adds partitions to the HTML report)")
     if args.html:
-        from ._report import check_path
+        from .viz._report import check_path
 
         check_path(args.html, (".html", ".htm"), "explain --html")  # fail before the work
     try:

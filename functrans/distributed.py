@@ -24,11 +24,11 @@ from typing import Any
 
 import torch
 
-from ._errors import InvalidArgumentError
-from ._jit_api import jit
-from ._module_view import is_fsdp_module as is_fsdp_module
-from ._remat import remat
-from ._tags import PolicyLike
+from ._core.errors import InvalidArgumentError
+from ._core.module_view import is_fsdp_module as is_fsdp_module
+from ._core.tags import PolicyLike
+from ._jit.api import jit
+from ._transforms.remat import remat
 
 __all__ = ["fsdp_units", "is_fsdp_module", "jit_blocks"]
 
@@ -61,7 +61,7 @@ def jit_blocks(
     >>> jit_blocks(torch.nn.Linear(2, 2))
     Traceback (most recent call last):
     ...
-    functrans._errors.InvalidArgumentError: jit_blocks: Linear has no FSDP unit...
+    functrans._core.errors.InvalidArgumentError: jit_blocks: Linear has no FSDP unit...
     """
     chosen = fsdp_units(model) if blocks is None else list(blocks)
     if not chosen:

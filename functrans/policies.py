@@ -16,25 +16,31 @@ and so does torch's ``CheckpointPolicy.MUST_CPU_OFFLOAD``.
 (True, False)
 """
 
-from ._policies import InvalidPolicyError as InvalidPolicyError
-from ._policies import Policy as Policy
-from ._policies import PolicyFn as PolicyFn
-from ._policies import PolicyLike as PolicyLike
-from ._policies import convention as convention
-from ._policies import dots_saveable as dots_saveable
-from ._policies import dots_with_no_batch_dims_saveable as dots_with_no_batch_dims_saveable
-from ._policies import everything_saveable as everything_saveable
-from ._policies import normalize as normalize
-from ._policies import nothing_saveable as nothing_saveable
-from ._policies import offload_dot_with_no_batch_dims as offload_dot_with_no_batch_dims
-from ._policies import reshard_after_forward as reshard_after_forward
-from ._policies import save_and_offload_only_these_names as save_and_offload_only_these_names
-from ._policies import save_any_names_but_these as save_any_names_but_these
-from ._policies import save_from_both_policies as save_from_both_policies
-from ._policies import save_only_these_names as save_only_these_names
-from ._policies import save_ops as save_ops
+from ._transforms.policies import NAME_OP as NAME_OP
+from ._transforms.policies import InvalidPolicyError as InvalidPolicyError
+from ._transforms.policies import Policy as Policy
+from ._transforms.policies import PolicyFn as PolicyFn
+from ._transforms.policies import PolicyLike as PolicyLike
+from ._transforms.policies import convention as convention
+from ._transforms.policies import dots_saveable as dots_saveable
+from ._transforms.policies import (
+    dots_with_no_batch_dims_saveable as dots_with_no_batch_dims_saveable,
+)
+from ._transforms.policies import everything_saveable as everything_saveable
+from ._transforms.policies import normalize as normalize
+from ._transforms.policies import nothing_saveable as nothing_saveable
+from ._transforms.policies import offload_dot_with_no_batch_dims as offload_dot_with_no_batch_dims
+from ._transforms.policies import reshard_after_forward as reshard_after_forward
+from ._transforms.policies import (
+    save_and_offload_only_these_names as save_and_offload_only_these_names,
+)
+from ._transforms.policies import save_any_names_but_these as save_any_names_but_these
+from ._transforms.policies import save_from_both_policies as save_from_both_policies
+from ._transforms.policies import save_only_these_names as save_only_these_names
+from ._transforms.policies import save_ops as save_ops
 
 __all__ = [
+    "NAME_OP",
     "InvalidPolicyError",
     "Policy",
     "PolicyFn",

@@ -19,8 +19,8 @@ from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 import functrans as ft
 from functrans import policies
-from functrans._checkpoint import _torch_entry
-from functrans._tags import REMAT
+from functrans._core.tags import REMAT
+from functrans._transforms.checkpoint import _torch_entry
 
 aten = torch.ops.aten
 

@@ -3,13 +3,14 @@
 
 import pytest
 import torch
-from functrans.codegen import _fastcall
-from functrans.codegen.aten import AtenBackend
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import functrans as ft
 from benchmarks import zoo
 from functrans import codegen
+from functrans._core import pytree as ft_pytree
+from functrans.codegen import _fastcall
+from functrans.codegen.aten import AtenBackend
 
 
 class _Calls(TorchDispatchMode):
@@ -32,7 +33,7 @@ def test_fast_calls_dispatch_the_same_overloads_with_identical_results(name):
     params = torch.utils._pytree.tree_map(lambda t: t.requires_grad_(True), args[0])
     jitted(params, args[1]).backward()
     p = jitted.partitions()[0]
-    inputs = [t.detach() for t in ft._pytree.flatten(((params, args[1]), {}))[0]]
+    inputs = [t.detach() for t in ft_pytree.flatten(((params, args[1]), {}))[0]]
     order = next(iter(jitted._cache.by_key.values())).order
     inputs = [inputs[i] for i in order]
     slow, fast = AtenBackend(executor="fx"), AtenBackend(executor="python")

@@ -8,13 +8,13 @@ import warnings
 import pytest
 import torch
 import torch.fx as fx
-from functrans.codegen import _native
-from functrans.codegen.aten import AtenBackend
 from hypothesis import given, settings
 from torch.overrides import TorchFunctionMode
 
 import functrans as ft
 from benchmarks import zoo
+from functrans.codegen import _native
+from functrans.codegen.aten import AtenBackend
 from functrans.testing import programs
 
 pytestmark = pytest.mark.skipif(

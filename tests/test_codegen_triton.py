@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 import functrans as ft
 from benchmarks import zoo
-from functrans._pytree import flatten
+from functrans._core.pytree import flatten
 from functrans.testing import check_backend, programs
 from functrans.testing._check import tolerances
 

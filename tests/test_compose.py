@@ -231,7 +231,7 @@ def test_per_example_value_and_grad_with_aux_and_argnums(data):
 
 def test_per_example_plan_is_one_joint_graph_cut_by_the_strategy(data, monkeypatch):
     """Eager vmap(grad) runs grad's partition on the batched loss: min_cut saves no more."""
-    from functrans import _api
+    from functrans._transforms import grad as _api
 
     seen = []
     real = _api._partition
@@ -430,7 +430,7 @@ def test_eager_remat_around_torch_func_jacrev():
 def test_vmap_of_jit_compiles_the_batched_function(monkeypatch):
     """``ft.vmap(ft.jit(f))`` is one compiled graph of the batched function (as
     ``jax.vmap(jax.jit(f))``), compiled once and reused; values equal torch.func's."""
-    from functrans import _jit
+    from functrans._jit import jitted as _jit
 
     compiles = []
     real = _jit.Jitted._compile

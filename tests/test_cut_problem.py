@@ -4,7 +4,8 @@ import pytest
 import torch
 
 import functrans as ft
-from functrans import _cut_problem, partitioners
+from functrans import partitioners
+from functrans._cut import problem as _cut_problem
 from functrans.extend import (
     OP_RULES,
     REMAT,

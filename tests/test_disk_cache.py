@@ -21,7 +21,9 @@ from hypothesis import given, settings
 
 import functrans as ft
 from benchmarks.zoo import ZOO, has_transformers
-from functrans import _disk_cache, _graph_json, policies
+from functrans import policies
+from functrans._jit.disk import graph_json as _graph_json
+from functrans._jit.disk import store as _disk_cache
 from functrans.extend import REMAT, tensor_leaves
 from functrans.testing import programs
 
@@ -346,7 +348,7 @@ def _doc(entry):
 
 
 def _sealed(text):
-    from functrans._disk_cache import _sealed as seal
+    from functrans._jit.disk.store import _sealed as seal
 
     return seal(text)
 
@@ -644,7 +646,7 @@ def test_a_function_stores_its_first_traces_only(cache):
     """Recording what a trace ran doubles its time on CPython 3.11: a jitted function stores
     the traces of its first DISK_STORES misses (what every restart pays again), later misses
     only look up."""
-    from functrans._jit import DISK_STORES
+    from functrans._jit.jitted import DISK_STORES
 
     f = ft.jit(_square_sum, dynamic=False)  # an entry per shape: a miss per shape
     for n in range(1, DISK_STORES + 3):
@@ -694,7 +696,7 @@ def _sizes_helper():
 def test_the_recorder_sees_code_that_runs_no_torch():
     """Code that ran while tracing but called no torch function is on no torch call's stack:
     it is found by name (a helper calling a helper) and by the class of a method's ``self``."""
-    from functrans._code_deps import Recorder, dependencies
+    from functrans._jit.disk.code_deps import Recorder, dependencies
 
     sizes = _Sizes()
 
@@ -713,7 +715,7 @@ def test_the_recorder_sees_code_that_runs_no_torch():
 
 
 def test_a_trace_without_a_recorder_calls_no_watcher():
-    from functrans._trace import TORCH_CALL_WATCHERS
+    from functrans._trace.trace import TORCH_CALL_WATCHERS
 
     ft.trace(lambda x: x * 2)(torch.ones(2))
     assert TORCH_CALL_WATCHERS == []

@@ -9,13 +9,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from expecttest import assert_expected_inline
-from functrans.codegen.aten import AtenBackend
 from hypothesis import example, given
 from hypothesis import strategies as st
 
 import functrans as ft
 from functrans import FunctransError
-from functrans._dynamic import shape_env_of
+from functrans._core.shapes import shape_env_of
+from functrans.codegen.aten import AtenBackend
 from functrans.testing import check_dynamic_partition, programs
 from functrans.testing._program import InputSpec, Program, Step
 
@@ -393,7 +393,7 @@ def test_dynamic_training_loop_matches_eager() -> None:
 
 
 def test_dynamo_backend_compiles_a_dynamic_graph_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    import functrans._dynamo as dynamo
+    import functrans._jit.dynamo as dynamo
 
     made = []
     original = dynamo._dynamic_graph

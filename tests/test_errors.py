@@ -8,11 +8,11 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from functrans.partitioners import _ilp
-from functrans.partitioners.memory_budget import MemoryBudget
 
 import functrans as ft
 from functrans import partitioners
+from functrans.partitioners import _ilp
+from functrans.partitioners.memory_budget import MemoryBudget
 
 BUDGET_RANGE = "a finite number >= 0"
 

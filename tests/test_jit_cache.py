@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import functrans as ft
-from functrans._jit_cache import RECOMPILE_WARNING, RecompileWarning
+from functrans._jit.cache import RECOMPILE_WARNING, RecompileWarning
 
 
 @pytest.fixture

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import functrans as ft
-from functrans import _jit, _pytree
+from functrans._core import pytree as _pytree
+from functrans._jit import jitted as _jit
 
 
 def loss(params, x):

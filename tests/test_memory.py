@@ -7,7 +7,7 @@ measures (:func:`functrans.testing.measure_peak`).
 import torch
 
 import functrans as ft
-from functrans._memory import simulate
+from functrans._cut.memory import simulate
 from functrans.testing import measure_peak
 
 KB = 1024  # every f32[256] tensor below is 1 KiB

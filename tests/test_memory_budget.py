@@ -4,12 +4,12 @@ import itertools
 
 import pytest
 import torch
-from functrans.partitioners.memory_budget import MemoryBudget
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import functrans as ft
 from functrans.extend import OpClass, Phase, activation_bytes, ancestors, flops, op_class
+from functrans.partitioners.memory_budget import MemoryBudget
 from functrans.testing import check_partition, programs
 
 BUDGETS = [0.0, 0.1, 0.3, 0.5, 0.7, 0.9, 1.0]

@@ -4,12 +4,12 @@ import expecttest
 import networkx as nx
 import pytest
 import torch
-from functrans.partitioners._maxflow import INF, min_cut
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import functrans as ft
 from functrans.extend import REMAT, OpClass, Policy, op_class
+from functrans.partitioners._maxflow import INF, min_cut
 
 aten = torch.ops.aten
 

@@ -18,6 +18,7 @@ import sys
 import time
 
 import pytest
+
 from functrans.codegen import _native, _native_build
 
 pytestmark = [

@@ -10,8 +10,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from expecttest import assert_expected_inline
-from functrans.partitioners._ilp import solve_ilp
-from functrans.partitioners.memory_budget import MemoryBudget, offload_terms
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -25,6 +23,8 @@ from functrans.extend import (
     use_transfer,
     why_not_offload,
 )
+from functrans.partitioners._ilp import solve_ilp
+from functrans.partitioners.memory_budget import MemoryBudget, offload_terms
 from functrans.testing import check_partition, programs
 from functrans.testing._check import check_split, compare
 from functrans.testing._program import InputSpec, Program, Step

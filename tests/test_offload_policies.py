@@ -21,7 +21,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 import functrans as ft
 from functrans import policies
-from functrans._tags import REMAT_OP
+from functrans._core.tags import REMAT_OP
 from functrans.extend import PinnedHost, Policy, policy_of, use_transfer, why_not_offload
 from functrans.policies import InvalidPolicyError
 

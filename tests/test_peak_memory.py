@@ -195,9 +195,8 @@ def test_retain_graph_keeps_saved_values_for_a_second_backward():
 
 @pytest.mark.parametrize("executor", ["native", "python", "fx"])
 def test_every_executor_frees_saved_values(executor):
-    from functrans.codegen.aten import AtenBackend
-
     from functrans import codegen
+    from functrans.codegen.aten import AtenBackend
 
     codegen.register_backend(f"aten_{executor}", AtenBackend(executor=executor), replace=True)
     step, jitted, _, _ = _jit_step(
@@ -316,9 +315,8 @@ def test_peak_bytes_is_checked():
 @settings(max_examples=max(5, settings().max_examples // 4))
 @given(programs(dtypes=(torch.float64,)), st.floats(0.0, 1.0))
 def test_property_peak_plan_fits_and_preserves_gradients(prog, frac):
-    from functrans.partitioners._plan_peak import lowest_peak
-
     from functrans.extend import cut_problem
+    from functrans.partitioners._plan_peak import lowest_peak
 
     args = prog.example_inputs()
     jg = ft.joint(prog)(*args)

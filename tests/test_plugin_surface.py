@@ -5,7 +5,7 @@ import ``functrans`` and its public modules (``functrans.extend``, ``functrans.t
 ``functrans.policies``, ``functrans.viz``, ``functrans.partitioners``, ``functrans.codegen`` and
 their public submodules), never a private one (a dotted name with a part starting with ``_``),
 except their own package's. Partitioners and backends import nothing else but torch, numpy,
-scipy, triton and the standard library. And the modules outside the core import each other
+scipy, triton and the standard library. And all modules, the core's too, import each other
 without cycles (lazy imports included: a cycle is a missing seam, whether or not it bites).
 """
 
@@ -25,14 +25,22 @@ ROOT = Path(__file__).resolve().parent.parent
 
 #: Folder -> the package it installs as (None: loose scripts).
 PACKAGES: dict[str, str | None] = {
-    "codegen": "functrans.codegen",
-    "partitioners": "functrans.partitioners",
+    "functrans/codegen": "functrans.codegen",
+    "functrans/partitioners": "functrans.partitioners",
     "benchmarks": "benchmarks",
     "examples": None,
 }
 #: What plugins may import besides functrans and the standard library.
 PLUGIN_THIRD_PARTY = frozenset({"torch", "numpy", "scipy", "triton"})
-PLUGIN_FOLDERS = ("codegen", "partitioners")
+PLUGIN_FOLDERS = ("functrans/codegen", "functrans/partitioners")
+#: Every folder holding modules, the core included (the cycle check walks them all).
+FOLDERS: dict[str, str | None] = {"functrans": "functrans", **PACKAGES}
+
+
+def folder_of(path: Path) -> str:
+    """The FOLDERS key ``path`` lives in (the longest that contains it)."""
+    rel = path.relative_to(ROOT).as_posix()
+    return max((f for f in FOLDERS if rel.startswith(f + "/")), key=len)
 
 
 @dataclass(frozen=True)
@@ -51,11 +59,12 @@ class Import:
 
 def _module_name(path: Path) -> tuple[str | None, bool]:
     """``(dotted module name, is a package __init__)`` of a file under one of PACKAGES."""
-    rel = path.relative_to(ROOT)
-    package = PACKAGES[rel.parts[0]]
+    folder = folder_of(path)
+    package = FOLDERS[folder]
     if package is None:
         return None, False
-    parts = [package, *rel.with_suffix("").parts[1:]]
+    inner = path.relative_to(ROOT / folder).with_suffix("").parts
+    parts = [package, *inner]
     is_init = parts[-1] == "__init__"
     return ".".join(parts[:-1] if is_init else parts), is_init
 
@@ -143,8 +152,8 @@ def boundary_violations(path: Path) -> list[str]:
     """Imports of private functrans modules (or private names from functrans modules) in
     ``path``, and for plugins, imports of anything but functrans, torch, numpy, scipy, triton
     and the standard library."""
-    folder = path.relative_to(ROOT).parts[0]
-    own = PACKAGES[folder]
+    folder = folder_of(path)
+    own = FOLDERS[folder]
     found = []
     for imp in imports(path):
         targets = [imp.module, *(f"{imp.module}.{n}" for n in imp.names if n != "*")]
@@ -170,10 +179,10 @@ def test_only_the_public_surface_is_imported(folder: str) -> None:
 
 def test_the_checker_sees_private_imports(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
-    plugin = tmp_path / "partitioners" / "mine.py"
-    plugin.parent.mkdir()
+    plugin = tmp_path / "functrans" / "partitioners" / "mine.py"
+    plugin.parent.mkdir(parents=True)
     plugin.write_text(
-        "import functrans._graph\n"
+        "import functrans._core.graph\n"
         "from functrans import _split, extend\n"
         "from functrans.codegen._cache import cache_root\n"
         "from functrans.extend import _hidden\n"
@@ -184,25 +193,25 @@ def test_the_checker_sees_private_imports(tmp_path: Path, monkeypatch: pytest.Mo
         "def f():\n"
         "    import networkx\n"
         "    ft._pytree.flatten, codegen._cache, ft.__version__, ft.extend\n"
-        "    return importlib.import_module('functrans._memory')\n"
+        "    return importlib.import_module('functrans._cut.memory')\n"
     )
     found = boundary_violations(plugin)
     assert [v.split(":")[1] for v in found] == ["1", "2", "3", "4", "10", "12", "11", "11"]
     assert sorted(found[-2:]) == [
-        "partitioners/mine.py:11: codegen._cache  (private: '_cache')",
-        "partitioners/mine.py:11: ft._pytree  (private: '_pytree')",
+        "functrans/partitioners/mine.py:11: codegen._cache  (private: '_cache')",
+        "functrans/partitioners/mine.py:11: ft._pytree  (private: '_pytree')",
     ]
     assert "from functrans import _split, extend  (private: '_split')" in found[1]
 
 
 # ---------------------------------------------------------------------------------------------
-# No import cycles among the modules outside the core
+# No import cycles among any modules (the core's included)
 
 
 def _graph() -> dict[str, set[str]]:
     """Module -> the repository modules it imports (any depth, lazy and TYPE_CHECKING too)."""
     paths: dict[str, Path] = {}
-    for folder, package in PACKAGES.items():
+    for folder, package in FOLDERS.items():
         if package is not None:
             for path in _files(folder):
                 name, _ = _module_name(path)

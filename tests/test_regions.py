@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import functrans as ft
-from functrans import _regions
+from functrans._trace import regions as _regions
 
 
 class Block(nn.Module):

@@ -13,9 +13,9 @@ import torch
 from _report_fixtures import block, gpt, offload_parts, parts  # noqa: F401  # fixtures
 
 import functrans as ft
-from functrans._charts import CHAR_W, pareto_svg, place_labels, points, series
-from functrans._report import saved_table
-from functrans._svg import (
+from functrans.viz._charts import CHAR_W, pareto_svg, place_labels, points, series
+from functrans.viz._report import saved_table
+from functrans.viz._svg import (
     BOX_W,
     COLS,
     GAP_X,

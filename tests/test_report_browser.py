@@ -18,8 +18,8 @@ import torch
 from _report_fixtures import block, gpt, offload_parts, parts  # noqa: F401  # fixtures
 
 import functrans as ft
-from functrans._charts import CHAR_W, LINE
-from functrans._svg import COLOURS
+from functrans.viz._charts import CHAR_W, LINE
+from functrans.viz._svg import COLOURS
 
 CHROMIUM = shutil.which("chromium")
 TIMEOUT = 60

@@ -24,11 +24,11 @@ import optree
 import pytest
 import torch
 import torch.nn.functional as F
-from functrans.partitioners.memory_budget import MemoryBudget
 
 import functrans as ft
-from functrans._partition import format_bytes
+from functrans._cut.partition import format_bytes
 from functrans.extend import activation_bytes, saved_activation_bytes, storage_nbytes, storage_of
+from functrans.partitioners.memory_budget import MemoryBudget
 
 _ROOT = str(Path(__file__).resolve().parent.parent)
 if _ROOT not in sys.path:  # the benchmarks package lives at the repository root

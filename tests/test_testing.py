@@ -4,10 +4,10 @@ that show the program, the saved set and the mismatching value."""
 import pytest
 import torch
 import torch.nn.functional as F
-from functrans.codegen.aten import AtenBackend
 from hypothesis import Phase, settings
 
 from functrans import partitioners
+from functrans.codegen.aten import AtenBackend
 from functrans.extend import OpClass, Policy, op_class, policy_of
 from functrans.testing import (
     check_backend,

@@ -19,6 +19,9 @@ pytest.importorskip("triton")
 import triton
 import triton.language as tl
 import triton.language.extra.cuda.libdevice as cuda_libdevice
+from triton.language.extra import libdevice
+
+from functrans._core.errors import FunctransError
 from functrans.codegen.triton import aot, runtime
 from functrans.codegen.triton.aot import compile_for_gpu
 from functrans.codegen.triton.runtime import (
@@ -27,9 +30,6 @@ from functrans.codegen.triton.runtime import (
     TritonUnavailableError,
     load,
 )
-from triton.language.extra import libdevice
-
-from functrans._errors import FunctransError
 
 HEADER = "import triton\nimport triton.language as tl\n\n\n"
 

@@ -15,9 +15,9 @@ from typing_extensions import assert_type
 
 import functrans as ft
 from functrans import policies
-from functrans._jit import Jitted
-from functrans._jit_module import JitModule
-from functrans._remat import RematModule
+from functrans._jit.jitted import Jitted
+from functrans._jit.module import JitModule
+from functrans._transforms.remat import RematModule
 
 
 def loss(x: torch.Tensor, w: torch.Tensor, *, scale: float = 1.0) -> torch.Tensor:

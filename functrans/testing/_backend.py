@@ -8,12 +8,13 @@ from typing import Any
 
 import torch
 
-from .._backends import get_backend
-from .._graph import JointGraph
-from .._joint import joint
-from .._partition import Partition, Strategy, partition
-from .._pytree import flatten, unflatten
-from .._trace import trace
+from functrans._core.backends import get_backend
+from functrans._core.graph import JointGraph
+from functrans._core.pytree import flatten, unflatten
+from functrans._cut.partition import Partition, Strategy, partition
+from functrans._trace.joint import joint
+from functrans._trace.trace import trace
+
 from ._check import assert_close, compare, describe, seeded
 
 __all__ = ["check_backend", "check_compiled", "compile_partition"]

@@ -14,14 +14,15 @@ import optree
 import torch
 from hypothesis import strategies as st
 
-from .._cost import OpClass, op_class
-from .._cut_problem import ForwardValue, cut_problem
-from .._dynamic import shape_env_of
-from .._graph import JointGraph, Phase
-from .._joint import joint
-from .._partition import Partition, Strategy, partition
-from .._pytree import NAMESPACE, flatten
-from .._split import Split, split
+from functrans._core.graph import JointGraph, Phase
+from functrans._core.pytree import NAMESPACE, flatten
+from functrans._core.shapes import shape_env_of
+from functrans._cut.cost import OpClass, op_class
+from functrans._cut.partition import Partition, Strategy, partition
+from functrans._cut.problem import ForwardValue, cut_problem
+from functrans._cut.split import Split, split
+from functrans._trace.joint import joint
+
 from ._program import Program
 
 __all__ = [

@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from .._allocator import cpu_allocations
-from .._errors import InvalidArgumentError
+from functrans._core.errors import InvalidArgumentError
+from functrans._cut.allocator import cpu_allocations
 
 __all__ = ["PeakMemory", "measure_peak"]
 

@@ -11,12 +11,13 @@ import torch
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from .._cut_problem import cut_problem
-from .._joint import joint
-from .._partition import Partition, Strategy, get_strategy, partition
-from .._remat import remat
-from .._tags import Policy
-from .._trace import trace
+from functrans._core.tags import Policy
+from functrans._cut.partition import Partition, Strategy, get_strategy, partition
+from functrans._cut.problem import cut_problem
+from functrans._trace.joint import joint
+from functrans._trace.trace import trace
+from functrans._transforms.remat import remat
+
 from ._backend import check_compiled
 from ._check import describe, partition_and_check, seeded
 from ._program import Program

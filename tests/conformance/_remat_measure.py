@@ -34,8 +34,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import functrans as ft
-from functrans._cost import storage_of
-from functrans._tags import REMAT_OP
+from functrans._core.tags import REMAT_OP
+from functrans._cut.cost import storage_of
 
 # ops that move no data and allocate nothing new: checkpoint's own bookkeeping dispatches them
 _BOOKKEEPING = frozenset({"aten.detach", "aten.alias", "aten.lift_fresh", "aten._to_copy"})

@@ -30,11 +30,11 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
-from functrans.codegen import _native
 from torch.utils import _pytree as pytree
 
 import functrans as ft
 from functrans import partitioners
+from functrans.codegen import _native
 
 RANK = {"wrong": 4, "error": 3, "unsupported": 2, "passed": 1, "skipped": 0}
 # a clear refusal; any other FunctransError (GraphError, InvalidPartitionError) is a bug: "error"
@@ -214,9 +214,8 @@ RNG_SEED = 42  # every run, eager and graph, starts from this seed (OpInfo's own
 
 def _triton_backend() -> Any:
     """The ``"triton"`` codegen backend when triton is installed, else None."""
-    from functrans.codegen.triton import runtime
-
     from functrans import codegen
+    from functrans.codegen.triton import runtime
 
     return codegen.get_backend("triton") if runtime.available() else None
 

@@ -121,7 +121,7 @@ class _Op:
     name, variant_test_name = "differs_when_traced", ""
 
     def __call__(self, x: Any) -> Any:
-        from functrans._context import is_tracing
+        from functrans._core.context import is_tracing
 
         return x.sin() * (2.0 if is_tracing() else 1.0)
 

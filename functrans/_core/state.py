@@ -1,0 +1,364 @@
+"""Global state a trace reads besides its arguments, as one comparable value.
+
+A traced graph bakes in more than its inputs: autocast inserts casts, grad mode decides whether
+a backward exists, the default dtype types every ``torch.zeros(3)``, a module's ``training`` flag
+picks dropout or not. :func:`capture` reads all of it in one tuple (a few C calls) so a cache
+can compare it on every call; :func:`describe` names what changed between two captures for the
+recompile log. State deliberately *not* captured, with the reason:
+
+- ``torch.backends.*`` math flags (TF32, reduced-precision reductions): read by kernels when the
+  compiled graph runs, never by the trace, so a compiled graph follows them like eager does.
+- ``torch.use_deterministic_algorithms``: captured, though the aten backend only reads it at
+  run time, because decompositions and generated kernels may pick an algorithm by it.
+- RNG state: graphs draw from the caller's generator at run time (see ``run_traced``).
+
+>>> s = capture(())
+>>> with torch.no_grad():
+...     describe(s, capture(()))
+['grad mode True -> False']
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import operator
+import weakref
+from collections.abc import Iterator, Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+__all__ = [
+    "AUTOCAST_DEVICES",
+    "GLOBAL_HOOKS",
+    "FunctionValues",
+    "GlobalHooks",
+    "ModuleFlags",
+    "State",
+    "attribute_names",
+    "autocast_off",
+    "capture",
+    "describe",
+    "global_hooks",
+    "hooked",
+    "hooks_of",
+    "module_state",
+    "no_autocast",
+]
+
+#: Device types whose autocast state is part of every capture.
+AUTOCAST_DEVICES = ("cpu", "cuda")
+
+# the readable names of the process-wide (thread-local) flags, in State's order
+_FLAGS = ("grad mode", "inference mode", "default dtype", "deterministic algorithms")
+
+
+def _autocast(device: str) -> torch.dtype | None:
+    """The autocast dtype for ``device``, or None when autocast is off there."""
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+
+
+#: ``(module, (module.training, its public scalar attributes, its hooks))`` for every module a
+#: function reaches, in walk order (see :func:`module_state`), then :data:`GLOBAL_HOOKS`.
+ModuleFlags = tuple[tuple[Any, tuple[bool, tuple[Any, ...], tuple[Any, ...]]], ...]
+
+_VALUE_TYPES = (bool, int, float, str, type(None), torch.dtype, torch.device)
+# per module: the names of its scalar attributes and a C getter of their values
+_GETTERS: weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple[str, ...], Any]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _is_value(v: Any) -> bool:
+    kind = type(v)
+    return kind in _VALUE_TYPES or (kind is tuple and all(type(x) in _VALUE_TYPES for x in v))
+
+
+def _getter(m: torch.nn.Module) -> tuple[tuple[str, ...], Any]:
+    keys = tuple(
+        sorted(
+            k
+            for k, v in m.__dict__.items()
+            if not k.startswith("_") and k != "training" and _is_value(v)
+        )
+    )
+    if not keys:
+        get: Any = lambda d: ()  # noqa: E731
+    elif len(keys) == 1:
+        key = keys[0]
+        get = lambda d: (d[key],)  # noqa: E731
+    else:
+        get = operator.itemgetter(*keys)
+    _GETTERS[m] = (keys, get)
+    return keys, get
+
+
+class FunctionValues:
+    """The plain values a function's own code reads besides its arguments: scalar module
+    globals it names (``SCALE``) and scalar closure variables. They stand among the module
+    flags (a pseudo module, always "training"), so changing one compiles anew.
+
+    >>> SCALE = 2.0
+    >>> def f(x):
+    ...     return x * SCALE
+    >>> reads = FunctionValues(f)
+    >>> reads.names, reads.values()
+    (('SCALE',), (2.0,))
+    """
+
+    def __init__(self, f: Any, reached: Sequence[tuple[dict[str, Any], str, str]] = ()) -> None:
+        """``reached``: ``(namespace, key, name)`` of the plain globals of other code the
+        function reaches (a helper module's ``K``: ``functrans._trace.capture.reach`` finds
+        them)."""
+        code = getattr(f, "__code__", None)
+        glb = getattr(f, "__globals__", {})
+        cells = getattr(f, "__closure__", None) or ()
+        names = _names_of(code) if code is not None else set()
+        own = [(glb, k, k) for k in sorted(names) if k in glb and _is_value(glb[k])]
+        seen = {(id(d), k) for d, k, _ in own}
+        more = []
+        for d, k, n in reached:
+            if (id(d), k) not in seen and k in d and _is_value(d[k]):
+                seen.add((id(d), k))
+                more.append((d, k, n))
+        self._globals = [(d, k) for d, k, _ in own + more]
+        free = code.co_freevars if code is not None else ()
+        self._cells = [(name, c) for name, c in zip(free, cells, strict=False) if _cell_value(c)]
+        self.names = tuple(n for _, _, n in own + more) + tuple(n for n, _ in self._cells)
+
+    def values(self) -> tuple[Any, ...]:
+        glb = tuple(d.get(k) for d, k in self._globals)
+        return glb + tuple(c.cell_contents for _, c in self._cells)
+
+
+def _names_of(code: Any) -> set[str]:
+    """Global names a code object and the code nested in it (lambdas, comprehensions) use."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if hasattr(const, "co_names"):
+            names |= _names_of(const)
+    return names
+
+
+def _cell_value(cell: Any) -> bool:
+    try:
+        return _is_value(cell.cell_contents)
+    except ValueError:  # an empty cell
+        return False
+
+
+class GlobalHooks:
+    """The pseudo module whose hooks are ``torch.nn``'s global module hooks: the last of every
+    jitted function's module flags, so registering one compiles anew."""
+
+    def __repr__(self) -> str:
+        return "GLOBAL_HOOKS"
+
+
+GLOBAL_HOOKS = GlobalHooks()
+
+
+def module_state(
+    m: torch.nn.Module | FunctionValues | GlobalHooks,
+) -> tuple[bool, tuple[Any, ...], tuple[Any, ...]]:
+    """What a trace reads of module ``m`` besides its tensors: ``training``, its public scalar
+    attributes (a temperature, a dropout's ``p``, a LayerNorm's ``eps``, ``in_features``), as
+    values, and its hooks (the handles of its forward, forward-pre, backward and backward-pre
+    hooks; ``()`` for none): changing one after a compile compiles anew, as eager would compute
+    anew. One C call per module (its attribute names are found once).
+
+    >>> drop = torch.nn.Dropout(0.1)
+    >>> module_state(drop)
+    (True, (False, 0.1), ())
+    >>> handle = drop.register_forward_hook(lambda mod, args, out: None)
+    >>> module_state(drop)[2] != ()
+    True
+    """
+    if isinstance(m, FunctionValues):
+        return True, m.values(), ()
+    if isinstance(m, GlobalHooks):
+        return True, (), global_hooks()
+    d = m.__dict__
+    found = _GETTERS.get(m)
+    _, get = found if found is not None else _getter(m)
+    try:
+        return m.training, get(d), hooks_of(d)
+    except KeyError:  # an attribute was deleted: find the names again
+        return m.training, _getter(m)[1](d), hooks_of(d)
+
+
+_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
+def hooks_of(d: dict[str, Any]) -> tuple[Any, ...]:
+    """The hook handles of a module's ``__dict__`` ``d``, per kind (``()``: none at all)."""
+    tables = [d.get(k) for k in _HOOKS]
+    if not any(tables):
+        return ()
+    return tuple(tuple(t) if t else () for t in tables)
+
+
+def global_hooks() -> tuple[Any, ...]:
+    """The handles of ``torch.nn``'s global module hooks (``register_module_forward_hook``
+    and its kin), per kind (``()``: none)."""
+    return hooks_of(dict(zip(_HOOKS, _global_tables(), strict=True)))
+
+
+def hooked(flags: ModuleFlags) -> str | None:
+    """The first module of ``flags`` with hooks a trace may not stand in for, described (or
+    the global hooks), or None. torch.distributed's own hooks (tensor parallelism's layout
+    changes, FSDP2's) compute on tensors only and are traced; any other hook may do what a
+    graph cannot (count, cache activations for a probe, print)."""
+    for m, state in flags:
+        if len(state) < 3 or not state[2]:
+            continue
+        own = isinstance(m, GlobalHooks)
+        tables = _global_tables() if own else [m.__dict__[k] for k in _HOOKS]
+        kinds = [
+            k.strip("_").replace("_", " ")
+            for k, table in zip(_HOOKS, tables, strict=True)
+            if any(not _traced_hook(fn) for fn in table.values())
+        ]
+        if kinds and isinstance(m, GlobalHooks):
+            return f"torch.nn has global module {' and '.join(kinds)}"
+        if kinds:
+            return f"a {type(m).__name__} has {' and '.join(kinds)}"
+    return None
+
+
+def _traced_hook(fn: Any) -> bool:
+    """A hook from torch.distributed (a parallel layout's input/output redistribution)."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return str(getattr(fn, "__module__", "") or "").startswith("torch.distributed")
+
+
+def _global_tables() -> list[Any]:
+    from torch.nn.modules import module as nn_module
+
+    return [
+        nn_module._global_forward_pre_hooks,
+        nn_module._global_forward_hooks,
+        nn_module._global_backward_pre_hooks,
+        nn_module._global_backward_hooks,
+    ]
+
+
+def attribute_names(m: torch.nn.Module | FunctionValues | GlobalHooks) -> tuple[str, ...]:
+    """The names :func:`module_state` reads, in its order."""
+    if isinstance(m, FunctionValues):
+        return m.names
+    if isinstance(m, GlobalHooks):
+        return ()
+    found = _GETTERS.get(m)
+    return (found if found is not None else _getter(m))[0]
+
+
+class State(NamedTuple):
+    """One capture of the global state a trace reads (a tuple: hashed and compared on every
+    jitted call; built by :func:`capture`)."""
+
+    grad: bool
+    inference: bool
+    default_dtype: torch.dtype
+    deterministic: bool
+    autocast_cpu: torch.dtype | None  # the autocast dtype, None when autocast is off
+    autocast_cuda: torch.dtype | None
+    modules: ModuleFlags
+
+    @property
+    def autocast(self) -> tuple[torch.dtype | None, torch.dtype | None]:
+        """Autocast per device of :data:`AUTOCAST_DEVICES`."""
+        return (self.autocast_cpu, self.autocast_cuda)
+
+
+_any_autocast = torch._C._is_any_autocast_enabled
+_grad = torch.is_grad_enabled
+_inference = torch.is_inference_mode_enabled
+_default_dtype = torch.get_default_dtype
+_deterministic = torch.are_deterministic_algorithms_enabled
+
+
+# tuple.__new__ skips NamedTuple's Python-level __new__ (0.13 us instead of 0.33 us a call):
+# capture() runs on every jitted call and takes about 0.4 us either way
+_new_state: Any = tuple.__new__
+
+
+def capture(module_flags: ModuleFlags) -> State:
+    """Everything global a trace depends on, right now (``module_flags``: see
+    :data:`ModuleFlags`). About half a microsecond: it runs on every call of a jitted function.
+    """
+    if _any_autocast():
+        cpu, cuda = _autocast("cpu"), _autocast("cuda")
+    else:
+        cpu = cuda = None
+    state: State = _new_state(
+        State, (_grad(), _inference(), _default_dtype(), _deterministic(), cpu, cuda, module_flags)
+    )
+    return state
+
+
+def grad_enabled(state: State) -> bool:
+    return state.grad
+
+
+def describe(old: State, new: State, names: Sequence[str] = ()) -> list[str]:
+    """What changed from ``old`` to ``new``, one phrase per difference (``names``: the module
+    names of the module flags, in :data:`ModuleFlags` order)."""
+    flags = len(_FLAGS)  # the first fields of State
+    out = [
+        f"{name} {_fmt(a)} -> {_fmt(b)}"
+        for name, a, b in zip(_FLAGS, old[:flags], new[:flags], strict=True)
+        if a != b
+    ]
+    for device, a, b in zip(AUTOCAST_DEVICES, old.autocast, new.autocast, strict=True):
+        if a != b:
+            out.append(f"autocast({device!r}) {_fmt_autocast(a)} -> {_fmt_autocast(b)}")
+    before, after = old.modules, new.modules
+    if len(before) != len(after) or any(
+        m is not n for (m, _), (n, _) in zip(before, after, strict=True)
+    ):
+        out.append("the module tree changed (a submodule was added, removed or replaced)")
+    else:
+        for i, ((m, was), (_, now)) in enumerate(zip(before, after, strict=True)):
+            name = (names[i] if i < len(names) else f"module {i}") or "the module"
+            if isinstance(m, GlobalHooks):
+                name = "torch.nn's global module"
+            if was[0] != now[0]:
+                out.append(f"{name}.training {was[0]} -> {now[0]}")
+            if len(was) > 2 and was[2] != now[2]:
+                out.append(f"{name} hooks {_hook_count(was[2])} -> {_hook_count(now[2])}")
+            prefix = "" if type(m) is FunctionValues else f"{name}."
+            for attr, a, b in zip(attribute_names(m), was[1], now[1], strict=False):
+                if a != b:
+                    out.append(f"{prefix}{attr} {a!r} -> {b!r}")
+    return out
+
+
+def _hook_count(hooks: tuple[Any, ...]) -> str:
+    return f"{sum(len(h) for h in hooks)} registered"
+
+
+def _fmt(v: Any) -> str:
+    return str(v).replace("torch.", "")
+
+
+def _fmt_autocast(v: torch.dtype | None) -> str:
+    return "off" if v is None else _fmt(v)
+
+
+def autocast_off() -> contextlib.AbstractContextManager[None]:
+    """:func:`no_autocast` for the state right now."""
+    return no_autocast(capture(()))
+
+
+@contextlib.contextmanager
+def no_autocast(state: State) -> Iterator[None]:
+    """Run a compiled graph without autocast: the graph already holds the casts its trace
+    recorded, and autocast applied again at run time would change a float32 graph's results."""
+    with contextlib.ExitStack() as stack:
+        for device, dtype in zip(AUTOCAST_DEVICES, state.autocast, strict=True):
+            if dtype is not None:
+                stack.enter_context(torch.autocast(device, enabled=False))
+        yield

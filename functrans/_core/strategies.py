@@ -1,0 +1,122 @@
+"""The registry of partition strategies, owned by the core: ``functrans.partitioners`` fills it.
+
+The core looks strategies up here by name and never imports the plugin package: the registry
+names the package as data and imports its public modules on first use
+(:mod:`functrans._core.plugins`). The plugin package re-exports these functions under its own
+names (``register``, ``get``, ``names``, ``examples``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+from .errors import InvalidArgumentError
+from .plugins import PluginRegistry
+
+#: What the registry holds: ``(joint, **options) -> saved nodes`` (typed precisely as
+#: :data:`functrans.extend.Strategy`, which the cut layer defines).
+Strategy = Callable[..., Any]
+
+__all__ = [
+    "STRATEGY_GROUP",
+    "RegisteredStrategy",
+    "register_strategy",
+    "registered_strategy",
+    "strategy_examples",
+    "strategy_names",
+]
+
+#: The entry point group installed strategies are discovered in.
+STRATEGY_GROUP = "functrans.partitioners"
+
+
+@dataclass(frozen=True)
+class RegisteredStrategy:
+    """One registered strategy: the callable and the option sets the property suite runs it
+    with (read-only; :func:`examples` hands out copies).
+
+    >>> r = RegisteredStrategy(lambda joint: [], examples=(MappingProxyType({"budget": 0.5}),))
+    >>> r.examples[0]["budget"]
+    0.5
+    """
+
+    strategy: Strategy
+    examples: tuple[Mapping[str, Any], ...] = (MappingProxyType({}),)
+
+
+def _adopt(name: str, obj: object) -> object:
+    """Register what an entry point names: a strategy callable."""
+    if not callable(obj) or isinstance(obj, type):
+        raise InvalidArgumentError(
+            f"a {STRATEGY_GROUP} entry point must name a strategy callable (joint, **options) "
+            f"-> nodes to save, or a module that calls functrans.partitioners.register; got {obj!r}"
+        )
+    return register_strategy(name, obj)
+
+
+_STRATEGIES: PluginRegistry[RegisteredStrategy] = PluginRegistry(
+    "partition strategy",
+    package="functrans.partitioners",
+    group=STRATEGY_GROUP,
+    adopt=_adopt,
+    key=lambda r: r.strategy,
+)
+
+
+def register_strategy(
+    name: str,
+    strategy: Strategy,
+    *,
+    aliases: Iterable[str] = (),
+    replace: bool = False,
+    examples: Sequence[Mapping[str, Any]] = ({},),
+) -> Strategy:
+    """Register ``strategy`` under ``name`` (and ``aliases``); returns it.
+
+    ``examples`` are option sets the property suite runs the strategy with (strategies with a
+    required option, like ``memory_budget``'s budget, list a few). Registering the same callable
+    again under its name is allowed; another one needs ``replace=True``.
+
+    >>> from functrans import partitioners
+    >>> def keep_inputs(joint, *, keep=1.0):
+    ...     return list(joint.primals())
+    >>> _ = partitioners.register("keep_inputs", keep_inputs, examples=({"keep": 0.5},))
+    >>> partitioners.get("keep_inputs") is keep_inputs, partitioners.examples("keep_inputs")
+    (True, ({'keep': 0.5},))
+    """
+    record = RegisteredStrategy(strategy, tuple(MappingProxyType(dict(e)) for e in examples))
+    _STRATEGIES.register(name, record, aliases=aliases, replace=replace)
+    return strategy
+
+
+def strategy_examples(name: str) -> tuple[dict[str, Any], ...]:
+    """Option sets to exercise the strategy ``name`` with (``({},)`` unless registered).
+
+    >>> from functrans import partitioners
+    >>> partitioners.examples("default")
+    ({},)
+    """
+    return tuple(dict(e) for e in _STRATEGIES.get(name).examples)
+
+
+def registered_strategy(name: str) -> Strategy:
+    """The strategy registered as ``name``; unknown names list the registered ones.
+
+    >>> from functrans import partitioners
+    >>> partitioners.get("checkpoint") is partitioners.get("full_remat")
+    True
+    """
+    return _STRATEGIES.get(name).strategy
+
+
+def strategy_names(*, aliases: bool = False) -> list[str]:
+    """Names of every registered strategy (and their aliases with ``aliases=True``).
+
+    >>> from functrans import partitioners
+    >>> {"default", "min_cut", "full_remat"} <= set(partitioners.names())
+    True
+    """
+    return _STRATEGIES.names(aliases=aliases)

@@ -1,0 +1,1 @@
+"""What crosses from forward to backward: costs, the cut problem, split, partition."""

@@ -1,0 +1,1 @@
+"""Compile once, guard, cache, and run as one autograd node: jit and jit(module)."""

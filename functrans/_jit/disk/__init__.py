@@ -1,0 +1,1 @@
+"""Traces kept across processes: the key, the store, JSON formats, fingerprints."""

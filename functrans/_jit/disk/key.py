@@ -1,0 +1,158 @@
+"""The key of an on-disk trace (:mod:`functrans._jit.disk.store`): everything that decides a trace,
+hashed before tracing (see that module's docstring for the soundness argument).
+
+>>> import torch
+>>> meta = _tensors((torch.ones(2, 3),))
+>>> meta[0][:3], meta[0][3:5]
+(((2, 3), (3, 1), 0), ('torch.float32', 'cpu'))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import json
+import platform
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import shapes as disk_shapes
+from . import tree_json as tree_json
+from .code_deps import functrans_digest
+from .fingerprint import Fingerprint, Unhashable
+
+__all__ = ["FORMAT", "DiskKey", "digest"]
+
+#: The version of the entries' format (in the key and in every entry); 3: module paths of the
+#: folder layout (stored type names changed).
+FORMAT = 3
+# options of jit that do not reach the trace (they act on the traced graph, after it)
+_TRACE_FREE = frozenset({"partition", "partition_options", "backend", "cache_size"})
+
+
+@dataclass(frozen=True)
+class DiskKey:
+    """What decides one trace of a jitted function (everything its disk key must cover)."""
+
+    fn: Callable[..., Any]  # the user's function (what jit wraps)
+    kind: str  # "forward" (inference entry: trace) or "joint" (training entry: joint)
+    options: Any  # jit's _Options (strategy, backend, static_argnums, decompositions, ...)
+    state: Any  # functrans._core.state.State at the call
+    flat: Any  # the call's Flat (structure and static leaves)
+    tensors: tuple[Any, ...]  # the call's tensor inputs, in the traced function's order
+    names: tuple[str, ...]  # readable names of those tensors
+    decompositions: Any  # the decompositions actually used
+    dims: Any = None  # symbolic dimensions of the trace (None: static shapes)
+    planned: bool = False  # jit(grad(f, partition=...)): traced from a plan made outside
+    #: record and store on a miss (recording doubles the trace's time on CPython 3.11, so a
+    #: jitted function stores its first few entries only; later misses just look up)
+    store: bool = True
+
+
+def digest(key: DiskKey, fp: Fingerprint) -> str:
+    """The key of ``key``'s trace (raises :class:`Unhashable` where none is sound)."""
+    if key.planned:
+        raise Unhashable("a gradient traced from a plan (grad(f, partition=...))")
+    if key.flat.wrappers:
+        raise Unhashable("tensor subclass inputs")
+    fp.add(_environment())
+    fp.add((key.kind, key.names, key.decompositions))
+    options = key.options
+    fp.add(
+        [
+            (f.name, getattr(options, f.name))
+            for f in dataclasses.fields(options)
+            if f.name not in _TRACE_FREE
+        ]
+    )
+    state = key.state._asdict()
+    state["modules"] = tuple(training for _, training in state["modules"])
+    fp.add(sorted(state.items()))
+    fp.add(_structure(key.flat))
+    if key.dims is None:
+        fp.add(_tensors(key.tensors))
+    else:  # sizes of symbolic dimensions left out (:mod:`functrans._jit.disk.shapes`)
+        fp.add(_tensors(key.tensors, symbolic=True))
+        symbolic = disk_shapes.key_tensors(key.tensors, key.dims, key.names)
+        fp.add(("dims", disk_shapes.dims_doc(key.dims), symbolic))
+    fp.add(key.fn)
+    return fp.digest()
+
+
+def _structure(flat: Any) -> Any:
+    statics = [s for s, t in zip(flat.static, flat.is_tensor, strict=True) if not t]
+    spec = tree_json.spec_doc(flat.spec)
+    return (json.dumps(spec), flat.is_tensor, statics, flat.static_argnums)
+
+
+def _tensors(tensors: tuple[Any, ...], *, symbolic: bool = False) -> list[Any]:
+    """Each tensor's metadata; ``symbolic``: without sizes, strides and offset (the key holds
+    them as the symbolic trace sees them)."""
+    out: list[Any] = []
+    storages: dict[tuple[str, int], int] = {}
+    for i, t in enumerate(tensors):
+        if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout != torch.strided:
+            raise Unhashable(f"input {i} is a {type(t).__qualname__} ({t.layout})")
+        where = (str(t.device), t.untyped_storage().data_ptr())
+        alias = storages.setdefault(where, i) if where[1] else i
+        keys = int(torch._C._dispatch_keys(t).raw_repr())
+        meta: tuple[Any, ...] = (str(t.dtype), str(t.device))
+        if not symbolic:
+            meta = (tuple(t.shape), t.stride(), t.storage_offset(), *meta)
+        out.append((*meta, t.requires_grad, type(t).__name__, keys, alias, _device(t.device)))
+    return out
+
+
+def _device(device: torch.device) -> Any:
+    if device.type != "cuda":
+        return None
+    return (torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device))
+
+
+_ENVIRONMENT: tuple[Any, ...] | None = None
+
+
+def _environment() -> tuple[Any, ...]:
+    """Versions (computed once) and the torch flags a trace reads (read every time)."""
+    global _ENVIRONMENT
+    if _ENVIRONMENT is None:
+        _ENVIRONMENT = (
+            FORMAT,
+            sys.version,
+            platform.machine(),
+            torch.__version__,
+            torch.version.git_version,
+            torch.version.cuda,
+            torch.version.hip,
+            _version("triton"),
+            _version("functrans"),
+            functrans_digest(),
+        )
+    backends: Any = torch.backends  # untyped functions
+    flags = (
+        backends.cuda.flash_sdp_enabled(),
+        backends.cuda.mem_efficient_sdp_enabled(),
+        backends.cuda.math_sdp_enabled(),
+        backends.cuda.cudnn_sdp_enabled(),
+        backends.mkldnn.enabled,
+        backends.cudnn.enabled,
+        torch.get_float32_matmul_precision(),
+    )
+    module = torch.nn.modules.module
+    hooks = [
+        (name, list(value.values()))
+        for name, value in sorted(vars(module).items())
+        if name.startswith("_global_") and isinstance(value, dict)
+    ]
+    return (*_ENVIRONMENT, flags, hooks)
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None

@@ -1,0 +1,1 @@
+"""A Python function to a functional ATen graph: trace, joint, captures, passes."""

@@ -1,0 +1,546 @@
+"""``trace(f)(*args)``: a Python function on pytrees of tensors -> a functional ATen :class:`Graph`.
+
+Tracing runs ``f`` once under ``make_fx`` in fake mode (no real compute), with decompositions
+down to core ATen. A second pass through functionalization removes in-place ops on
+intermediates; in-place mutation of an *input* is rejected with a :class:`TraceError` naming the
+op and the argument.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import optree
+import torch
+import torch.fx as fx
+import torch.fx.traceback as fx_traceback
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorDeviceMismatchError,
+)
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+from functrans._core.context import _TRACING, LIBRARY_DIRS, culprit, is_tracing, user_frame
+from functrans._core.describe import check_numpy_leaves
+from functrans._core.errors import InvalidArgumentError, TraceError, UnsupportedOpError
+from functrans._core.format import op_name
+from functrans._core.graph import SOURCE, Graph, Role
+from functrans._core.logs import log
+from functrans._core.ops import is_random
+from functrans._core.pytree import NAMESPACE, Flat, Wrapper, flatten, unflatten
+from functrans._core.shapes import (
+    Dynamic,
+    SizeConstants,
+    has_unbacked,
+    is_symbolic,
+    refuse_size_outputs,
+    resolve,
+    symbolic_fakes,
+)
+from functrans._core.stack import current_stack, describe_stack
+from functrans._core.state import autocast_off
+from functrans._core.validate import (
+    check_bool,
+    check_callable,
+    check_static_argnums,
+    check_static_range,
+)
+
+from .decomp import Decompositions, decomposition_table
+from .passes import InputSpec, canonicalize, identifier, out_of_place
+from .rng import seeded_then_drew, tracing_guard
+
+__all__ = [
+    "Decompositions",
+    "arg_names",
+    "check_inputs",
+    "flatten_args",
+    "is_tracing",
+    "run_traced",
+    "trace",
+    "trace_module",
+    "user_frame",
+]
+
+_DATA_DEPENDENT = (
+    GuardOnDataDependentSymNode,
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+)
+
+
+def arg_names(f: Callable[..., Any], flat: Flat, *, every_leaf: bool = False) -> list[str]:
+    """Readable paths (``x``, ``params['w']``) for the tensor leaves of ``(args, kwargs)``
+    (for all leaves with ``every_leaf``)."""
+    given = getattr(f, "__functrans_paths__", None)  # set by transforms that re-pack arguments
+    if given is not None and not every_leaf:
+        return list(given)
+    try:
+        params = list(inspect.signature(f).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    star = next((p.name for p in params if p.kind is p.VAR_POSITIONAL), "args")
+    out = []
+    for path in flat.paths if every_leaf else flat.tensor_paths():
+        # paths look like "[0][1]..." (args) or "[1]['key']..." (kwargs)
+        head, _, rest = path[1:].partition("]")
+        index, _, tail = rest[1:].partition("]")
+        tail = tail if not tail or tail.startswith(("[", ".")) else "." + tail
+        if head == "0":
+            i = int(index)
+            name = positional[i] if i < len(positional) else f"{star}[{i - len(positional)}]"
+        else:
+            name = index.strip("'\"")
+        out.append(name + tail)
+    return out
+
+
+def flatten_args(
+    f: Callable[..., Any], tree: Any, static_argnums: tuple[int, ...] = ()
+) -> tuple[list[torch.Tensor], Flat]:
+    """:func:`flatten` of ``(args, kwargs)``; a tensor subclass functrans cannot take apart is
+    an :class:`UnsupportedOpError` naming the argument."""
+    try:
+        return flatten(tree, static_argnums=static_argnums)
+    except InvalidArgumentError:  # a numpy array: name the argument
+        leaves, spec = optree.tree_flatten(tree, namespace=NAMESPACE)
+        flat = Flat(spec, tuple(False for _ in leaves), tuple(leaves))
+        names = arg_names(f, flat, every_leaf=True)
+        frames = current_stack()
+        where = describe_stack(frames) if frames else getattr(f, "__qualname__", str(f))
+        check_numpy_leaves(where, leaves, lambda i: f"input {names[i]}")
+        raise
+    except UnsupportedOpError as e:
+        leaves, spec = optree.tree_flatten(tree, namespace=NAMESPACE)
+        flat = Flat(spec, tuple(False for _ in leaves), tuple(leaves))
+        names = arg_names(f, flat, every_leaf=True)
+        for name, leaf in zip(names, leaves, strict=True):
+            if isinstance(leaf, torch.Tensor) and not _takes_apart(leaf):
+                raise UnsupportedOpError(
+                    f"{getattr(f, '__qualname__', f)}: input {name}: {e}"
+                ) from e
+        raise
+
+
+def _takes_apart(t: torch.Tensor) -> bool:
+    """Whether :class:`Wrapper` can take ``t`` apart (plain tensors: trivially)."""
+    try:
+        Wrapper.of(t)
+    except UnsupportedOpError:
+        return False
+    return True
+
+
+def check_inputs(f: Callable[..., Any], tensors: Sequence[torch.Tensor], flat: Flat) -> None:
+    """Raise UnsupportedOpError for tensor inputs functrans cannot trace (sparse, mkldnn...)."""
+    for i, t in enumerate(tensors):
+        if t.layout != torch.strided:
+            where = arg_names(f, flat)[i]
+            raise UnsupportedOpError(
+                f"{getattr(f, '__qualname__', f)}: input {where} is a {t.layout} tensor; "
+                "functrans traces dense (strided) tensors only. Pass a dense tensor "
+                "(`x.to_dense()`)."
+            )
+
+
+def _data_dependent_error(fn: Callable[..., Any], exc: BaseException) -> TraceError:
+    fr = user_frame(exc)
+    where = f" at {fr.filename}:{fr.lineno}: `{(fr.line or '').strip()}`" if fr else ""
+    name = getattr(fn, "__qualname__", repr(fn))
+    return TraceError(
+        f"{name} depends on the value of a tensor{where}{culprit(exc)}.\n"
+        "Tracing records one straight-line graph and cannot follow Python control flow (or "
+        "output shapes) that depend on tensor values. Compute both branches and pick with "
+        "torch.where(cond, a, b), or pass the value as a Python scalar marked static with "
+        "static_argnums=(...)."
+    )
+
+
+# make_fx is not thread-safe (torch.fx keeps its patcher in a global): one trace at a time,
+# process-wide; compiled graphs still run in parallel
+TRACE_LOCK = threading.RLock()
+
+
+#: context managers entered around every trace, registered by the modules that need them
+#: (``_checkpoint`` routes ``torch.utils.checkpoint`` calls to remat regions while one runs;
+#: :class:`_PlainRNNs`, below, sends differentiated RNN calls down torch's unfused path)
+TRACE_CONTEXTS: list[Callable[[], contextlib.AbstractContextManager[Any]]] = []
+
+
+@contextlib.contextmanager
+def _no_saved_tensor_hooks() -> Iterator[None]:
+    """No saved-tensor hooks while the body runs (they are restored after): set aside, not
+    replaced, because torch.func's grad refuses to run under any hooks."""
+    autograd = torch._C._autograd
+    popped = []
+    while (top := autograd._top_saved_tensors_default_hooks(True)) is not None:
+        popped.append(top)
+        autograd._pop_saved_tensors_default_hooks()
+    try:
+        yield
+    finally:
+        for pack, unpack in reversed(popped):
+            autograd._push_saved_tensors_default_hooks(pack, unpack)
+
+
+# Recurrent layers whose fused kernels (oneDNN's ``mkldnn_rnn_layer`` on CPU, cuDNN's
+# ``_cudnn_rnn`` on GPU) return a workspace that only a forward run under grad mode fills: a
+# compiled forward runs without it (the autograd Function's), and the fake workspace is sized
+# 0 where the real one is not. Traced through torch's plain path (matmuls and pointwise ops, as
+# with the fused kernels disabled), their backward is ordinary ops; AOTAutograd does the same.
+_RNNS = frozenset(
+    getattr(torch._C._VariableFunctions, name) for name in ("lstm", "gru", "rnn_tanh", "rnn_relu")
+)
+
+
+#: Called (with no arguments) at every torch function a traced function calls, before it runs:
+#: what :class:`functrans._jit.disk.code_deps.Recorder` watches the running code with.
+TORCH_CALL_WATCHERS: list[Callable[[], None]] = []
+
+
+class _PlainRNNs(torch.overrides.TorchFunctionMode):
+    """While a trace runs: a differentiated LSTM/GRU/RNN call takes the unfused path (and the
+    :data:`TORCH_CALL_WATCHERS` see each torch call)."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        for watch in TORCH_CALL_WATCHERS:
+            watch()
+        kwargs = kwargs or {}
+        if func not in _RNNS or not torch.is_grad_enabled() or not _requires_grad(args):
+            return func(*args, **kwargs)
+        ctx = torch._C
+        mkldnn, cudnn = ctx._get_mkldnn_enabled(), ctx._get_cudnn_enabled()
+        ctx._set_mkldnn_enabled(False)
+        ctx._set_cudnn_enabled(False)
+        try:
+            return func(*args, **kwargs)
+        finally:
+            ctx._set_mkldnn_enabled(mkldnn)
+            ctx._set_cudnn_enabled(cudnn)
+
+
+TRACE_CONTEXTS.append(_PlainRNNs)
+
+#: passes run on every raw trace before the input-mutation check and functionalization,
+#: registered by the modules that emit placeholder ops while tracing (``_regions`` expands
+#: the calls of repeated regions into copies of their graphs)
+TRACE_PASSES: list[Callable[[fx.GraphModule], fx.GraphModule]] = []
+
+
+def _requires_grad(args: Any) -> bool:
+    leaves: list[Any] = optree.tree_leaves(list(args), none_is_leaf=True)  # type: ignore[arg-type]
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves)
+
+
+def run_traced(fn: Callable[..., Any], user_fn: Callable[..., Any]) -> Any:
+    """Call ``fn`` (which traces ``user_fn``), translating tracing failures into TraceErrors."""
+    fn_or_wrapper: Any = user_fn
+    while fn_or_wrapper is not None:  # anchor user frames, through functools.wraps layers
+        target = getattr(fn_or_wrapper, "forward", fn_or_wrapper)
+        code = getattr(target, "__code__", None)
+        if code is not None and not code.co_filename.startswith(LIBRARY_DIRS):
+            torch.fx.proxy._STACK_TRACE_ANCHORS.add((code.co_filename, code.co_name))
+        fn_or_wrapper = getattr(fn_or_wrapper, "__wrapped__", None)
+    token = _TRACING.set(True)
+    owner = lambda: getattr(user_fn, "__qualname__", repr(user_fn))  # noqa: E731
+    try:
+        # saved-tensor hooks of the caller (an eager remat/checkpoint around this call) are
+        # not for the trace's own autograd
+        with (
+            TRACE_LOCK,
+            tracing_guard(owner) as seeding,
+            _no_saved_tensor_hooks(),
+            contextlib.ExitStack() as contexts,
+        ):
+            for context in TRACE_CONTEXTS:
+                contexts.enter_context(context())
+            result = fn()
+        if (
+            seeding.call is not None
+            and isinstance(result, fx.GraphModule)
+            and any(map(is_random, result.graph.nodes))
+        ):
+            raise seeded_then_drew(owner, seeding)
+    except _DATA_DEPENDENT as e:
+        raise _data_dependent_error(user_fn, e) from e
+    except FakeTensorDeviceMismatchError as e:  # eager would fail too, on the same op
+        fr = user_frame(e)
+        where = f" at {fr.filename}:{fr.lineno}: `{(fr.line or '').strip()}`" if fr else ""
+        name = getattr(user_fn, "__qualname__", repr(user_fn))
+        raise TraceError(
+            f"{name}: {e}{where}{culprit(e)}. Put every input, parameter and buffer on one "
+            "device; a model built on the 'meta' device has no data yet: materialize it first "
+            "(module.to_empty(device=...), then load or initialize its weights)"
+        ) from e
+    except RuntimeError as e:  # C++ read the data of a fake tensor: a value-dependent op
+        if "data is not allocated yet" not in str(e):
+            raise
+        raise _data_dependent_error(user_fn, e) from e
+    finally:
+        _TRACING.reset(token)
+    return result
+
+
+def check_no_input_mutation(gm: fx.GraphModule, paths: Sequence[str]) -> None:
+    """Raise TraceError if an op writes to a placeholder or to a view of one."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    where = dict(zip(placeholders, paths, strict=False))
+    for node in gm.graph.nodes:
+        target = node.target
+        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+            continue
+        for i, arg in enumerate(target._schema.arguments):
+            if arg.alias_info is None or not arg.alias_info.is_write:
+                continue
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+            base = _view_base(value)
+            captured = isinstance(base, fx.Node) and base.op == "get_attr"
+            if base in where or captured:
+                src = node.meta.get(SOURCE) or _src(node)
+                what = (
+                    f"input {where[base]}"
+                    if base in where
+                    else "a tensor the function captures (a closure, global or module "
+                    "attribute, not an argument)"
+                )
+                raise TraceError(
+                    f"`{op_name(target)}` mutates {what} in place"
+                    f"{f' at {src}' if src else ''}. functrans traces pure functions: use the "
+                    "out-of-place op (e.g. `y = x.add(1)` instead of `x.add_(1)`, "
+                    "`torch.where`/`index_put` instead of item assignment) and return the result."
+                )
+
+
+def check_static_shapes(gm: fx.GraphModule) -> None:
+    """Raise TraceError if an op produced a shape that depends on tensor values (symbolic
+    input sizes, see :mod:`functrans._core.shapes`, are fine)."""
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and has_unbacked(val):
+            src = node.meta.get(SOURCE) or _src(node)
+            raise TraceError(
+                f"`{op_name(node.target)}` returns a tensor whose shape depends on tensor values"
+                f"{f' at {src}' if src else ''}. functrans graphs have static shapes: use a "
+                "fixed-size formulation (masks with torch.where instead of boolean indexing)."
+            )
+
+
+def _src(node: fx.Node) -> str | None:
+    from .passes import source_of
+
+    return source_of(node.meta.get("stack_trace"))
+
+
+def _view_base(value: Any) -> Any:
+    while (
+        isinstance(value, fx.Node)
+        and value.op == "call_function"
+        and isinstance(value.target, torch._ops.OpOverload)
+        and value.target.is_view
+    ):
+        value = value.args[0]
+    return value
+
+
+def _has_mutation(gm: fx.GraphModule) -> bool:
+    return any(
+        n.op == "call_function"
+        and isinstance(n.target, torch._ops.OpOverload)
+        and n.target._schema.is_mutable
+        for n in gm.graph.nodes
+    )
+
+
+def functionalize(gm: fx.GraphModule, table: Mapping[Any, Callable[..., Any]]) -> fx.GraphModule:
+    """Retrace ``gm`` through functionalization: in-place ops on intermediates become pure.
+
+    Our namespaced node meta (remat tags, ...) rides through the retrace in ``meta["custom"]``,
+    which make_fx copies from the node being interpreted to the nodes it produces.
+    """
+    if not _has_mutation(gm):
+        return gm
+    rewritten = out_of_place(gm)
+    if rewritten is not None:
+        return rewritten
+    return retrace(gm, table, functional=True)
+
+
+def retrace(
+    gm: fx.GraphModule, table: Mapping[Any, Callable[..., Any]], *, functional: bool = False
+) -> fx.GraphModule:
+    """Trace ``gm`` again through ``table`` (and functionalization when ``functional``),
+    keeping our namespaced node meta (see :func:`functionalize`). ``gm`` is not modified.
+
+    >>> import torch, functrans as ft
+    >>> from functrans.extend import decomposition_table_all
+    >>> g = ft.trace(torch.nn.functional.silu, decompositions="minimal")(torch.randn(3))
+    >>> silu = torch.ops.aten.silu.default
+    >>> gm = retrace(g.graph_module, {silu: decomposition_table_all()[silu]})
+    >>> [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+    ['aten.sigmoid.default', 'aten.mul.Tensor']
+    """
+    vals = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
+    carrier = _carrying_ours(gm.graph)
+
+    def run(*args: Any) -> Any:
+        return fx.Interpreter(gm, graph=carrier).run(*args)
+
+    pure = torch.func.functionalize(run, remove="mutations") if functional else run
+    # autocast off: the graph already holds the casts its first trace recorded, and casting
+    # its ops again would round an op eager runs in float32 (SDPA's math path) to bfloat16
+    with TRACE_LOCK, autocast_off(), fx_traceback.preserve_node_meta():
+        out: fx.GraphModule = make_fx(pure, table, tracing_mode="fake", record_stack_traces=True)(
+            *vals
+        )
+    for n in out.graph.nodes:
+        custom = n.meta.get("custom") or {}
+        n.meta.update(custom.pop(_OURS, {}))
+        if not custom:
+            n.meta.pop("custom", None)
+    return out
+
+
+_OURS = "functrans."
+
+
+def _carrying_ours(graph: fx.Graph) -> fx.Graph:
+    """A copy of ``graph`` (node meta copied shallowly) whose nodes also carry our namespaced
+    meta in ``meta["custom"]``, which make_fx copies to the nodes it produces; ``graph`` and its
+    nodes' meta dicts are left as they were."""
+    carrier = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    out = carrier.graph_copy(graph, env)
+    carrier.output(out)
+    for old, new in env.items():
+        ours = {k: v for k, v in old.meta.items() if k.startswith(_OURS)}
+        if ours:
+            new.meta["custom"] = {**old.meta.get("custom", {}), _OURS: ours}
+    return carrier
+
+
+def fake_inputs(tensors: Sequence[torch.Tensor], mode: Any) -> list[torch.Tensor]:
+    return [mode.from_tensor(t) for t in tensors]
+
+
+def trace_module(
+    flat_fn: Callable[..., Any],
+    inputs: Sequence[torch.Tensor],
+    *,
+    user_fn: Callable[..., Any],
+    table: Mapping[Any, Callable[..., Any]],
+    input_paths: Sequence[str],
+) -> fx.GraphModule:
+    """make_fx ``flat_fn`` on fake ``inputs``, reject input mutation, functionalize."""
+    if any(isinstance(t, torch.Tensor) and is_symbolic(t) for t in inputs):
+        plain_fn = flat_fn
+
+        def flat_fn(*args: Any) -> Any:
+            with SizeConstants():  # torch.tensor(x.shape[0]) traced, not baked in
+                return plain_fn(*args)
+
+    traced = make_fx(
+        flat_fn,
+        table,
+        tracing_mode="fake",
+        record_stack_traces=True,
+        _allow_non_fake_inputs=True,
+    )
+    gm: fx.GraphModule = run_traced(lambda: traced(*inputs), user_fn)
+    for rewrite in TRACE_PASSES:
+        gm = rewrite(gm)
+    check_no_input_mutation(gm, input_paths)
+    check_static_shapes(gm)
+    return functionalize(gm, table)
+
+
+def trace(
+    f: Callable[..., Any],
+    *,
+    decompositions: Decompositions = "core",
+    static_argnums: Sequence[int] = (),
+    cse: bool = True,
+    dynamic: Dynamic = False,
+) -> Callable[..., Graph]:
+    """Trace ``f`` on example arguments to a functional ATen :class:`Graph`.
+
+    Tensor leaves of the arguments (any optree pytree) become graph inputs; all other leaves,
+    and the arguments listed in ``static_argnums``, are static: baked into the graph and
+    checked when the graph is called. ``cse=False`` keeps repeated computations apart (a
+    function that recomputes on purpose, as a partitioned backward does). ``dynamic`` keeps
+    input dimensions symbolic (``True``: all; ``{"x": {0: "batch"}}``: those named; see
+    :mod:`functrans._core.shapes`): the graph then runs at other sizes too.
+
+    >>> import torch, functrans as ft
+    >>> print(ft.trace(lambda x: x.sum(0) * 2, dynamic=True)(torch.ones(4, 3)))
+    def forward(x: "f32[s0, s1]"):
+        sum_1: "f32[s1]" = aten.sum.dim_IntList(x, [0])
+        mul: "f32[s1]" = aten.mul.Tensor(sum_1, 2)
+        return (mul,)
+
+    >>> import torch, functrans as ft
+    >>> def f(x, cfg):
+    ...     return {"y": torch.relu(x) * cfg["scale"]}
+    >>> g = ft.trace(f)(torch.ones(2), {"scale": 3.0})
+    >>> print(g)
+    def forward(x: "f32[2]"):
+        relu: "f32[2]" = aten.relu.default(x)
+        mul: "f32[2]" = aten.mul.Tensor(relu, 3.0)
+        return (mul,)
+    >>> g(torch.tensor([-1.0, 2.0]), {"scale": 3.0})
+    {'y': tensor([0., 6.])}
+    """
+    check_callable("trace", "f", f)
+    statics = check_static_argnums("trace", static_argnums)
+    check_bool("trace", "cse", cse)
+    table = decomposition_table(decompositions)
+
+    def traced(*args: Any, **kwargs: Any) -> Graph:
+        check_static_range("trace", statics, len(args))
+        tensors, in_flat = flatten_args(f, (args, kwargs), statics)
+        check_inputs(f, tensors, in_flat)
+        names = arg_names(f, in_flat)
+        out_box: list[Flat] = []
+
+        def flat_fn(*leaves: torch.Tensor) -> list[torch.Tensor]:
+            a, kw = unflatten(in_flat, leaves)
+            out_leaves, out_flat = flatten(f(*a, **kw))
+            refuse_closure_outputs(f, out_flat.static)
+            if dims is not None:
+                refuse_size_outputs(f, [*out_flat.static, *out_leaves])
+            out_box.append(out_flat)
+            return out_leaves
+
+        dims = resolve(dynamic, names, tensors)
+        inputs = (
+            [t.detach() for t in tensors] if dims is None else symbolic_fakes(tensors, dims, names)
+        )
+        gm = trace_module(flat_fn, inputs, user_fn=f, table=table, input_paths=names)
+        specs = [InputSpec(identifier(n), Role.PRIMAL, n) for n in names]
+        graph = Graph(canonicalize(gm, specs, cse=cse), in_flat, out_box[-1])
+        log("trace", f"graph of {getattr(f, '__qualname__', f)}", lambda: str(graph))
+        return graph
+
+    return traced
+
+
+def refuse_closure_outputs(f: Any, statics: Any) -> None:
+    """A traced function returning a closure (an ``ft.vjp`` function, a lambda over its
+    tensors) is a :class:`TraceError`: the closure holds the trace's fake tensors, and a
+    compiled graph would hand back the first call's closure every time."""
+    import types
+
+    found = next((x for x in statics if isinstance(x, types.FunctionType) and x.__closure__), None)
+    if found is not None:
+        raise TraceError(
+            f"{getattr(f, '__qualname__', f)} returns the function "
+            f"{getattr(found, '__qualname__', found)}, which closes over values of the trace; "
+            "a traced (jit) function can return tensors and constants only. Call it inside "
+            "(e.g. return vjp_fn(cotangent) rather than vjp_fn)"
+        )
