@@ -13,11 +13,11 @@ folder to the package it belongs to, under its public name.
 from __future__ import annotations
 
 import re
-import tomllib
 from pathlib import Path
 from typing import Any
 
 import griffe
+import tomllib
 
 _ROLE = re.compile(r":(?:class|func|meth|attr|mod|data|exc|obj):`~?([^`]+)`")
 
