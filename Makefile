@@ -70,6 +70,7 @@ bench: $(STAMP)
 	$(VPY) -m benchmarks.codegen
 	$(VPY) -m benchmarks.compose
 	$(VPY) -m benchmarks.distributed
+	$(VPY) -m benchmarks.compile_time
 
 bench-quick: $(STAMP)
 	$(VPY) -m benchmarks.partition_quality --quick
@@ -82,3 +83,4 @@ bench-quick: $(STAMP)
 	$(VPY) -m benchmarks.codegen --quick
 	$(VPY) -m benchmarks.compose --quick --no-compile
 	$(VPY) -m benchmarks.distributed --quick --no-compile
+	$(VPY) -m benchmarks.compile_time --quick --no-inductor --repeats 1

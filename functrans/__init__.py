@@ -50,6 +50,7 @@ from ._dynamo import dynamo_backend as dynamo_backend
 from ._jit_api import jit as jit
 from ._logs import set_logs as set_logs
 from ._names import checkpoint_name as checkpoint_name
+from ._regions import region as region
 from ._remat import remat as remat
 from ._residuals import print_saved_residuals as print_saved_residuals
 from ._residuals import saved_residuals as saved_residuals

@@ -1,19 +1,19 @@
 """What a trace ran, for the on-disk trace cache: source files and the globals user code read.
 
-:class:`Recorder` records which code objects run while a trace runs (``sys.setprofile``), and
-:func:`dependencies` turns them into what a stored trace depends on beyond its key: the content
-of each source file that ran (except torch, functrans and the standard library, whose versions
-key the cache) and, for user code (outside site-packages), the value of every module global its
-code names (:func:`global_digest`). The profiler doubles tracing time on CPython 3.11 (the
-interpreter's tracing mode, not the callback: a C callback costs the same); it runs only when
-the disk cache misses.
+:class:`Recorder` records which code objects run while a trace runs (the frames of every
+torch call, and the code they reach by name), and :func:`dependencies` turns them into what a
+stored trace depends on beyond its key: the content of each source file that ran (except
+torch, functrans and the standard library, whose versions key the cache) and, for user code
+(outside site-packages), the value of every module global its code names
+(:func:`global_digest`). Recording costs a few percent of a trace (``sys.setprofile``, which
+this replaced, doubled it on CPython 3.11).
 
->>> import math
->>> def f():
-...     return math.pi * SCALE
+>>> import math, torch, functrans as ft
+>>> def f(x):
+...     return x * math.pi * SCALE
 >>> SCALE = 2.0
 >>> with Recorder() as r:
-...     _ = f()
+...     _ = ft.trace(f)(torch.ones(1))
 >>> r.ok and f.__code__ in r.codes
 True
 """
@@ -25,12 +25,14 @@ import hashlib
 import linecache
 import os
 import sys
+import threading
 import time
 import types
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._fingerprint import Fingerprint, Unhashable, _dirs, classify
+from ._fingerprint import Fingerprint, Unhashable, _dirs, classify, code_names
 
 __all__ = [
     "Deps",
@@ -78,31 +80,160 @@ def functrans_digest() -> str:
 
 
 class Recorder:
-    """Records the code objects that run in this thread while it is entered (with their
-    globals); :attr:`ok` is False when another profiler was active (nothing recorded)."""
+    """Records the code that runs in this thread while it is entered (with its globals), as
+    :func:`dependencies` needs it; :attr:`ok` is False where nothing could be recorded.
+
+    Two sources, neither of which slows the code it watches down much (``sys.setprofile``
+    would: it puts CPython 3.11's interpreter in its tracing mode, which doubled a trace):
+
+    - *observed*: at every torch function a traced function calls (tensor methods and
+      attributes, ``torch.*`` and ``torch.nn.functional`` functions: the trace's own
+      ``TorchFunctionMode`` calls :data:`functrans._trace.TORCH_CALL_WATCHERS`), each frame on
+      the stack up to the one that entered the recorder; for a method (first
+      argument ``self`` or ``cls``) also the class it was called on;
+    - *reached* (:attr:`static`), at exit: what that code names, followed to a fixed point: a
+      global or a module attribute that is a function (its code and the code nested in it),
+      a class (the functions in its and its bases' namespaces, properties and static and class
+      methods included), a bound method or ``functools.partial`` (what it wraps). This covers
+      code that ran without calling torch (a helper that computes a size or reads a flag) and
+      that no frame on a torch call's stack held, when it is reached by name.
+
+    Code that runs without calling torch and is reached neither way (through an object's
+    method in an installed package that no observed frame's class or names lead to) is not
+    recorded. Torch's, functrans' and the standard library's code is not followed (their
+    versions are in the key).
+
+    >>> import torch, functrans as ft
+    >>> def helper():
+    ...     return 2.0
+    >>> def f(x):
+    ...     return x * helper()
+    >>> with Recorder() as r:
+    ...     _ = ft.trace(f)(torch.ones(2))
+    >>> r.ok, f.__code__ in r.codes, helper.__code__ in r.static
+    (True, True, True)
+    """
 
     def __init__(self) -> None:
         self.codes: dict[types.CodeType, dict[str, Any]] = {}
+        self.static: set[types.CodeType] = set()
         self.ok = False
+        self._classes: list[type] = []
+        self._watch: Callable[[], None] | None = None
 
     def __enter__(self) -> Recorder:
-        if sys.getprofile() is not None:
-            return self  # a profiler or debugger is active: do not replace it
-        codes = self.codes
+        from ._trace import TORCH_CALL_WATCHERS
 
-        def profile(frame: types.FrameType, event: str, arg: Any) -> None:
-            if event == "call":
+        codes, classes = self.codes, self._classes
+        boundary = sys._getframe(1)  # the frame that entered: it and its callers are outside
+        thread = threading.get_ident()
+
+        def watch() -> None:
+            if threading.get_ident() != thread:
+                return
+            frame: types.FrameType | None = sys._getframe(1)
+            while frame is not None and frame is not boundary:
                 code = frame.f_code
                 if code not in codes:
                     codes[code] = frame.f_globals
+                    _method_class(code, frame, classes)
+                frame = frame.f_back
 
-        sys.setprofile(profile)
+        self._watch = watch
+        TORCH_CALL_WATCHERS.append(watch)
         self.ok = True
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.ok:
-            sys.setprofile(None)
+        from ._trace import TORCH_CALL_WATCHERS
+
+        if self._watch is not None:
+            TORCH_CALL_WATCHERS.remove(self._watch)
+            self._watch = None
+        if self.ok and exc[0] is None:
+            _reach(self.codes, self.static, self._classes)
+
+
+def _method_class(code: types.CodeType, frame: types.FrameType, classes: list[type]) -> None:
+    """The class a method's frame runs on (``self``'s type, or ``cls``), into ``classes``."""
+    if not code.co_argcount or code.co_varnames[0] not in ("self", "cls"):
+        return
+    obj = frame.f_locals.get(code.co_varnames[0])
+    if obj is not None:
+        classes.append(obj if isinstance(obj, type) else type(obj))
+
+
+def _reach(
+    codes: dict[types.CodeType, dict[str, Any]], static: set[types.CodeType], classes: list[type]
+) -> None:
+    """Add to ``codes`` (and ``static``) the code that ``codes`` and ``classes`` reach by name
+    (see :class:`Recorder`), to a fixed point."""
+    work: list[tuple[types.CodeType, dict[str, Any]]] = list(codes.items())
+    seen: set[int] = set()
+
+    def add(code: types.CodeType, glb: dict[str, Any]) -> None:
+        if code not in codes:
+            codes[code] = glb
+            static.add(code)
+            work.append((code, glb))
+
+    def visit(value: Any, names: frozenset[str], depth: int = 0) -> None:
+        if id(value) in seen or depth > 8:
+            return
+        if isinstance(value, types.FunctionType):
+            seen.add(id(value))
+            if classify(value.__code__.co_filename) != "trusted":
+                add(value.__code__, value.__globals__)
+                wrapped = value.__dict__.get("__wrapped__")
+                if wrapped is not None:
+                    visit(wrapped, names, depth + 1)
+        elif isinstance(value, types.MethodType):
+            visit(value.__func__, names, depth + 1)
+        elif isinstance(value, functools.partial):
+            visit(value.func, names, depth + 1)
+        elif isinstance(value, type):
+            seen.add(id(value))
+            for c in value.__mro__:
+                module = sys.modules.get(c.__module__)
+                if classify(getattr(module, "__file__", None) or "") == "trusted":
+                    continue
+                for attr in list(vars(c).values()):
+                    for f in _functions_of(attr):
+                        visit(f, names, depth + 1)
+        elif isinstance(value, types.ModuleType):
+            if classify(getattr(value, "__file__", None) or "") == "trusted":
+                return
+            attrs = vars(value)
+            for name in names:
+                if name in attrs:
+                    visit(attrs[name], names, depth + 1)
+
+    for c in classes:
+        visit(c, frozenset())
+    while work:
+        code, glb = work.pop()
+        if classify(code.co_filename) == "trusted":
+            continue
+        for c in code.co_consts:
+            if isinstance(c, types.CodeType):
+                add(c, glb)
+        names = code_names(code)
+        for name in names:
+            if name in glb:
+                visit(glb[name], names)
+
+
+def _functions_of(attr: Any) -> list[Any]:
+    """The functions a class attribute holds (a method, property, static or class method)."""
+    if isinstance(attr, (staticmethod, classmethod)):
+        return [attr.__func__]
+    if isinstance(attr, property):
+        return [f for f in (attr.fget, attr.fset, attr.fdel) if f is not None]
+    if isinstance(attr, functools.cached_property):
+        return [attr.func]
+    if isinstance(attr, types.FunctionType):
+        return [attr]
+    return []
 
 
 @dataclass
@@ -154,7 +285,9 @@ def dependencies(recorder: Recorder, walked: set[types.CodeType], since: float) 
                 raise Unhashable(f"{filename} (which ran while tracing) cannot be read")
         if kind != "user":
             continue
-        if code.co_freevars and code not in walked and code not in nested:
+        # code reached by name: its cells are in the hash of the global that reached it
+        static = code in recorder.static
+        if code.co_freevars and code not in walked and code not in nested and not static:
             raise Unhashable(
                 f"{code.co_qualname} ({filename}) reads closure cells of unknown origin"
             )

@@ -50,8 +50,12 @@ user (0700); a folder or entry another user owns or can write is refused, with a
 Writes go to a temporary file renamed into place. Every entry begins with a line holding the
 sha256 of the rest, checked before anything is parsed: a changed byte anywhere (a digit that
 keeps the JSON valid, ``mul(tanh, 2)`` become ``3``) makes the entry a miss, deleted and
-rewritten, never a wrong result. An entry that cannot be read or rebuilt as stored (its values
-are derived again on fake tensors and compared) is ignored and rewritten too.
+rewritten, never a wrong result. Entries this cache writes carry an HMAC instead, under a
+key kept in the cache root (``.trace-seal-key``, readable by its owner only): it also says
+that the entry's values are those its trace computed, so a static graph's ``meta["val"]``
+are made from the stored metadata on load (a few ms per thousand nodes). An entry with a
+plain checksum (written some other way) has its values derived again on fake tensors and
+compared. An entry that cannot be read or rebuilt as stored is ignored and rewritten too.
 
 >>> import os, tempfile, torch, functrans as ft
 >>> saved = dict(os.environ)
@@ -70,8 +74,10 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import hmac
 import json
 import os
+import secrets
 import sys
 import tempfile
 import time
@@ -256,7 +262,8 @@ def _load(path: Path, digest: str, key: DiskKey) -> Any:
         _say(key, f"miss: {path} cannot be read ({e})")
         return None
     try:
-        doc = json.loads(_checked(raw))
+        text, signed = _checked(raw, _seal_key(path.parent))
+        doc = json.loads(text)
         if doc["format"] != FORMAT or doc["key"] != digest or doc["kind"] != key.kind:
             raise graph_json.CorruptEntry("an entry of another format or key")
         stale = _stale(doc["deps"])
@@ -264,7 +271,7 @@ def _load(path: Path, digest: str, key: DiskKey) -> Any:
             _say(key, f"miss: {stale}")
             return None
         if key.dims is None:
-            g: Any = graph_json.load(doc["graph"], key.fn)
+            g: Any = graph_json.load(doc["graph"], key.fn, verify=not signed)
         else:
             g = disk_shapes.load(doc, key)
             if g is None:
@@ -286,12 +293,58 @@ def _sealed(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest() + "\n" + text
 
 
-def _checked(raw: bytes) -> str:
-    """The entry's JSON text if its checksum line matches it (else :class:`CorruptEntry`)."""
+def _signed(text: str, key: bytes) -> str:
+    """``text`` behind a line holding its HMAC under this cache folder's key: as
+    :func:`_sealed`, and it says :func:`_store` wrote it (from a trace, its values as traced),
+    so a load need not derive them again."""
+    return _SIGNED + hmac.new(key, text.encode(), "sha256").hexdigest() + "\n" + text
+
+
+_SIGNED = "hmac-sha256:"
+
+
+def _checked(raw: bytes, key: bytes | None) -> tuple[str, bool]:
+    """The entry's JSON text if its first line matches it (else :class:`CorruptEntry`), and
+    whether it is signed with ``key`` (:func:`_signed`) rather than only checksummed."""
     head, newline, body = raw.partition(b"\n")
+    if newline and key is not None and head.startswith(_SIGNED.encode()):
+        want = hmac.new(key, body, "sha256").hexdigest().encode()
+        if hmac.compare_digest(head[len(_SIGNED) :], want):
+            return body.decode(), True
     if not newline or hashlib.sha256(body).hexdigest().encode() != head:
         raise graph_json.CorruptEntry("its checksum does not match its contents")
-    return body.decode()
+    return body.decode(), False
+
+
+KEY_FILE = ".trace-seal-key"  # in the cache root, beside the traces folder
+_KEYS: dict[Path, bytes | None] = {}
+
+
+def _seal_key(folder: Path) -> bytes | None:
+    """This traces folder's signing key (32 random bytes in a file only this user can read,
+    made on first use); None where it cannot be read or made, or another user could write it
+    (entries are then checksummed only, and verified on load)."""
+    if folder in _KEYS:
+        return _KEYS[folder]
+    path = folder.parent / KEY_FILE
+    key: bytes | None = None
+    try:
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            if untrusted(path) is None and path.stat().st_mode & 0o077 == 0:
+                key = path.read_bytes()
+        else:
+            made = secrets.token_bytes(32)
+            with os.fdopen(fd, "wb") as f:
+                f.write(made)
+            key = made
+    except OSError:
+        key = None
+    if key is not None and len(key) != 32:
+        key = None
+    _KEYS[folder] = key
+    return key
 
 
 def _stale(deps: dict[str, Any]) -> str | None:
@@ -350,7 +403,8 @@ def _store(
         _say(key, f"not stored: {e}")
         return
     try:
-        _write(path, _sealed(text))
+        key_bytes = _seal_key(folder)
+        _write(path, _sealed(text) if key_bytes is None else _signed(text, key_bytes))
         for old in _candidates(folder, digest)[PER_KEY:]:
             old.unlink(missing_ok=True)
         _evict(folder, max_bytes())

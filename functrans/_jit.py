@@ -64,6 +64,7 @@ from ._pytree import (
     unflatten,
     wrap_static,
 )
+from ._regions import stats as region_stats
 from ._stack import transform_frame
 from ._state import (
     GLOBAL_HOOKS,
@@ -106,6 +107,9 @@ class CacheInfo:
     evictions: int = 0
     #: traces read from the on-disk cache instead of traced (:mod:`functrans._disk_cache`)
     disk_hits: int = 0
+    #: block calls whose trace was a copy of a region traced before
+    #: (:mod:`functrans._regions`)
+    regions_reused: int = 0
     trace_s: float = 0.0
     partition_s: float = 0.0
     compile_s: float = 0.0
@@ -843,6 +847,7 @@ class Jitted(Generic[_P, _R]):
                 shape=_shape_guard(g.placeholders()) if dims is not None else None,
             )
             return entry, g.graph_module
+        reused = region_stats.reused
         jg = self._traced(
             disk,
             "joint",
@@ -850,6 +855,7 @@ class Jitted(Generic[_P, _R]):
             lambda: joint(flat_f, argnums=0, decompositions=decompositions, dynamic=dims)(*example),
             dims,
         )
+        self._times.regions_reused += region_stats.reused - reused
         if not any(jg.differentiable):  # e.g. a body under torch.no_grad(): nothing to save
             self._times.trace_s += time.perf_counter() - t0
             entry, gm = self._build(flat_f, example, False, disk, dims)

@@ -22,6 +22,7 @@ from ._graph import JointGraph, Role, assign_phases
 from ._logs import log
 from ._passes import InputSpec, canonicalize, no_gc
 from ._pytree import NAMESPACE, Flat, Wrapper, flatten, leaves_of, rebuild_leaves, unflatten
+from ._regions import session as region_session
 from ._state import autocast_off
 from ._trace import (
     arg_names,
@@ -115,7 +116,7 @@ def joint(
         try:
             # under torch.inference_mode() autograd records nothing: the backward would be
             # zeros. The trace runs on fake tensors, so leaving inference mode costs nothing
-            with no_gc(), torch.inference_mode(False):
+            with no_gc(), torch.inference_mode(False), region_session(table):
                 return build(*args, **kwargs)
         except RuntimeError as e:
             if "in-place operation" in str(e):  # autograd refused to mutate a leaf: name it

@@ -4,7 +4,10 @@ Some kernels need working memory beyond their inputs and outputs: a convolution 
 unfolds its input into a column buffer (channels x kernel x output positions, as large as the
 activation many times over), LayerNorm's backward keeps per-thread partial sums of its weight
 gradients. A liveness simulation that counts only values misses them, and a step's measured
-peak lands above the reported one. These ops (:data:`SCRATCH_OPS`) are run once per argument
+peak lands above the reported one. On the CPU, an op whose tensor inputs are not all of its
+result's dtype (``mul`` of a float by a bool mask, ``sum`` of a bool tensor into int64)
+first copies each such input to the common dtype, a temporary as large as the input. These
+ops (:data:`SCRATCH_OPS`, and mixed-dtype ops on the CPU) are run once per argument
 signature on tensors of the traced shapes, on the traced device, and the allocator's peak
 above their outputs is their scratch. Every other op counts none: scratch of a few bytes (a
 scalar wrapped into a tensor) is below what the peak figures resolve.
@@ -56,7 +59,7 @@ def scratch_bytes(node: fx.Node) -> int:
     >>> scratch_bytes(conv) >= 4 * 9 * 16 * 4  # a column per output position, on the CPU
     True
     """
-    if node.op != "call_function" or node.target not in SCRATCH_OPS:
+    if node.op != "call_function" or not (node.target in SCRATCH_OPS or _casts_inputs(node)):
         return 0
     key = _signature(node)
     if key is None:
@@ -69,6 +72,19 @@ def scratch_bytes(node: fx.Node) -> int:
         with _LOCK:
             found = _MEASURED.setdefault(key, measured)
     return found
+
+
+def _casts_inputs(node: fx.Node) -> bool:
+    """Whether ``node`` runs on the CPU with a tensor input of another dtype than its result:
+    the CPU's elementwise and reduction kernels copy such inputs to the common dtype first."""
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.device.type != "cpu":
+        return False
+    for a in node.all_input_nodes:
+        t = a.meta.get("val")
+        if isinstance(t, torch.Tensor) and t.dtype != val.dtype and t.dim() > 0:
+            return True
+    return False
 
 
 def _signature(node: fx.Node) -> tuple[Any, ...] | None:

@@ -244,10 +244,18 @@ _RNNS = frozenset(
 )
 
 
+#: Called (with no arguments) at every torch function a traced function calls, before it runs:
+#: what :class:`functrans._code_deps.Recorder` watches the running code with.
+TORCH_CALL_WATCHERS: list[Callable[[], None]] = []
+
+
 class _PlainRNNs(torch.overrides.TorchFunctionMode):
-    """While a trace runs: a differentiated LSTM/GRU/RNN call takes the unfused path."""
+    """While a trace runs: a differentiated LSTM/GRU/RNN call takes the unfused path (and the
+    :data:`TORCH_CALL_WATCHERS` see each torch call)."""
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        for watch in TORCH_CALL_WATCHERS:
+            watch()
         kwargs = kwargs or {}
         if func not in _RNNS or not torch.is_grad_enabled() or not _requires_grad(args):
             return func(*args, **kwargs)
@@ -263,6 +271,11 @@ class _PlainRNNs(torch.overrides.TorchFunctionMode):
 
 
 TRACE_CONTEXTS.append(_PlainRNNs)
+
+#: passes run on every raw trace before the input-mutation check and functionalization,
+#: registered by the modules that emit placeholder ops while tracing (``_regions`` expands
+#: the calls of repeated regions into copies of their graphs)
+TRACE_PASSES: list[Callable[[fx.GraphModule], fx.GraphModule]] = []
 
 
 def _requires_grad(args: Any) -> bool:
@@ -484,6 +497,8 @@ def trace_module(
         _allow_non_fake_inputs=True,
     )
     gm: fx.GraphModule = run_traced(lambda: traced(*inputs), user_fn)
+    for rewrite in TRACE_PASSES:
+        gm = rewrite(gm)
     check_no_input_mutation(gm, input_paths)
     check_static_shapes(gm)
     return functionalize(gm, table)

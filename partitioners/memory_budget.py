@@ -114,13 +114,21 @@ class MemoryBudget:
 
     def limit(self, joint: JointGraph) -> tuple[float, int]:
         """(budget in activation bytes, ``math.inf`` for none; smallest achievable activation
-        bytes)."""
+        bytes).
+
+        The smallest is the lesser of ``full_remat``'s and ``min_cut``'s: recomputing all it
+        may is not always least, a MUST_SAVE value backward only reads through a smaller
+        product (layer norm's ``rstd`` through ``rstd / N``) need not be saved itself, and
+        ``min_cut`` saves the product instead.
+        """
         low = _activation(joint, full_remat(joint))
-        if self.max_bytes is not None:
-            return self.max_bytes, low
-        if self.budget is None:
+        if self.max_bytes is None and self.budget is None:
             return math.inf, low
         high = _activation(joint, min_cut(joint))
+        low = min(low, high)
+        if self.max_bytes is not None:
+            return self.max_bytes, low
+        assert self.budget is not None
         return int(low + self.budget * (high - low)), low
 
     def __call__(self, joint: JointGraph) -> list[fx.Node] | Cut:
@@ -134,16 +142,16 @@ class MemoryBudget:
             return self._with_peak(joint, self.peak_bytes, max_bytes)
         if self.offload is not None and self.offload.enabled:
             return self._with_offload(joint, max_bytes, low, self.offload)
-        if max_bytes < low:
-            raise InvalidPartitionError(
-                f"memory_budget: {max_bytes} activation bytes is below the smallest achievable "
-                f"{low} bytes (random-op outputs and MUST_SAVE values must be saved)"
-            )
+        below = max_bytes < low
+        if below and self.solver == "greedy":
+            raise InvalidPartitionError(_below(max_bytes, low))
         problem = cut_problem(joint)
         costs = problem.costs(None if isinstance(self.cost, str) else self.cost)
         if self.solver == "greedy":
             return greedy(problem, costs, int(max_bytes))
         result = solve_ilp(problem, costs, max_bytes, self.time_limit)
+        if result is None and below:  # the ILP may beat both known cuts; here it did not
+            raise InvalidPartitionError(_below(max_bytes, low))
         if result is None:  # a feasible set exists (>= low), so the time limit struck first
             warnings.warn(
                 f"memory_budget: the ILP found no saved set within its time limit "
@@ -298,6 +306,13 @@ def _check_values(where: str, options: Mapping[str, Any]) -> None:
             f"{where}: offload={offload} needs solver='ilp'; got solver={solver!r} (the greedy "
             "solver only saves or recomputes)"
         )
+
+
+def _below(max_bytes: float, low: int) -> str:
+    return (
+        f"memory_budget: {max_bytes} activation bytes is below the smallest achievable "
+        f"{low} bytes (random-op outputs and MUST_SAVE values must be saved)"
+    )
 
 
 def _activation(joint: JointGraph, saved: list[fx.Node]) -> int:

@@ -47,9 +47,11 @@ def _entries(root: Path) -> list[Path]:
     return sorted(folder.glob("*.json")) if folder.exists() else []
 
 
-def _round_trip(g, root=None):
-    """``g`` through JSON text (``root``: the function its captured tensors are found from)."""
-    return _graph_json.load(json.loads(json.dumps(_graph_json.dump(g, root))), root)
+def _round_trip(g, root=None, verify=True):
+    """``g`` through JSON text (``root``: the function its captured tensors are found from;
+    ``verify=False``: values made from the stored metadata, as for a signed entry)."""
+    doc = json.loads(json.dumps(_graph_json.dump(g, root)))
+    return _graph_json.load(doc, root, verify=verify)
 
 
 def _vals(g):
@@ -86,6 +88,13 @@ def test_joint_graphs_of_the_zoo_round_trip(name):
     back = _round_trip(jg, model.fn)
     assert str(back) == str(jg)
     assert _vals(back) == _vals(jg)
+    unverified = _round_trip(jg, model.fn, verify=False)  # values from the stored metadata
+    assert _vals(unverified) == _vals(jg)
+
+    def saved(g):
+        return [(str(v.node), v.nbytes, v.storage_bytes) for v in ft.partition(g, "min_cut").saved]
+
+    assert saved(unverified) == saved(jg)
     assert (back.num_outputs, back.argnums, back.differentiable) == (
         jg.num_outputs,
         jg.argnums,
@@ -153,10 +162,11 @@ PROGRAM = """
 import json, os, sys
 import torch
 import functrans as ft
-import m_code, m_helper, m_global
+import m_code, m_helper, m_global, m_pure, m_pure_lib
 
 changes = set(filter(None, os.environ.get("CHANGES", "").split(",")))
 m_global.SCALE = 3.0 if "global" in changes else 2.0   # as an argparse flag would set it
+m_pure_lib.FACTOR = 5.0 if "lib_global" in changes else 4.0
 
 
 def closure(k):
@@ -188,6 +198,8 @@ cases = {
     "module": (whole, {}),
     "strategy": (m_code.g, {"partition": "default" if "strategy" in changes else "min_cut"}),
     "dtype": (m_code.h, {}),
+    "pure": (m_pure.f, {}),
+    "lib_global": (m_pure.g, {}),
 }
 out = {}
 for name, (fn, options) in cases.items():
@@ -226,6 +238,25 @@ MODULES = {
 
         def f(x):
             return m_helper_lib.act(x * 2).sum()
+    """,
+    # helpers that run no torch code: a size and a factor, from another file
+    "m_pure_lib.py": """
+        FACTOR = 1.0
+
+        def rows():
+            return {rows}
+
+        def factor():
+            return FACTOR
+    """,
+    "m_pure.py": """
+        import m_pure_lib
+
+        def f(x):
+            return x.reshape(m_pure_lib.rows(), -1).softmax(-1).sum()
+
+        def g(x):
+            return (x * m_pure_lib.factor()).tanh().sum()
     """,
     "m_global.py": """
         SCALE = 1.0
@@ -274,7 +305,7 @@ def _run(
 def test_a_fresh_process_hits_and_every_change_misses(tmp_path):
     cache = tmp_path / "cache"
     program = tmp_path / "program"
-    _write_program(program, k="2", act="sin")
+    _write_program(program, k="2", act="sin", rows="2")
     first = _run(program, cache)
     assert all(hits == 0 and same for hits, same, _ in first.values()), first
     again = _run(program, cache)
@@ -284,7 +315,7 @@ def test_a_fresh_process_hits_and_every_change_misses(tmp_path):
     assert all(h == (2 if k in two else 1) and same for k, (h, same, _) in again.items()), again
     assert {k: v[2] for k, v in again.items()} == {k: v[2] for k, v in first.items()}
 
-    changed = "closure,global,attribute,training,module,strategy,dtype"
+    changed = "closure,global,attribute,training,module,strategy,dtype,lib_global"
     out = _run(program, cache, changed)
     for case in changed.split(","):
         hits, same, _ = out[case]
@@ -293,9 +324,10 @@ def test_a_fresh_process_hits_and_every_change_misses(tmp_path):
         assert hits == (1 if case == "strategy" else 0), (case, out)
     assert out["strategy"][2] != first["strategy"][2]  # min_cut and default save differently
 
-    _write_program(program, k="3", act="cos")  # edit the function and a helper in another file
+    # edit the function, a helper in another file and a helper that runs no torch code
+    _write_program(program, k="3", act="cos", rows="4")
     out = _run(program, cache)
-    for case in ("code", "helper"):
+    for case in ("code", "helper", "pure", "lib_global"):  # lib_global: its file changed
         hits, same, _ = out[case]
         assert hits == 0 and same, (case, out)
     assert out["global"][0] == 1  # untouched files and values still hit
@@ -324,6 +356,7 @@ def test_a_corrupt_entry_is_ignored_and_rewritten(cache):
     ft.jit(_square_sum)(x).backward()
     (entry,) = _entries(cache)
     good = entry.read_text()
+    assert good.startswith("hmac-sha256:")  # signed: loaded without running the graph
     doc = _doc(entry)
     node = next(n for n in doc["graph"]["nodes"] if n["op"] == "call_function")
     node["val"]["tensor"][0] = [99]  # a value the graph no longer computes
@@ -640,3 +673,47 @@ def test_code_that_looks_values_up_by_name_is_not_stored(cache):
         f = ft.jit(fn)
         f(torch.ones(2))
     assert not _entries(cache)
+
+
+class _Sizes:
+    def rows(self):  # runs no torch code: only reached through the class of `self`
+        return 2
+
+    def forward(self, x):
+        return x.reshape(self.rows(), -1).sum()
+
+
+def _pure_rows():
+    return _sizes_helper()
+
+
+def _sizes_helper():
+    return 2
+
+
+def test_the_recorder_sees_code_that_runs_no_torch():
+    """Code that ran while tracing but called no torch function is on no torch call's stack:
+    it is found by name (a helper calling a helper) and by the class of a method's ``self``."""
+    from functrans._code_deps import Recorder, dependencies
+
+    sizes = _Sizes()
+
+    def f(x):
+        return sizes.forward(x) + x.reshape(_pure_rows(), -1).sum()
+
+    with Recorder() as r:
+        ft.trace(f)(torch.ones(4))
+    assert r.ok
+    observed = {c.co_name for c in r.codes if c not in r.static}
+    assert {"f", "forward"} <= observed
+    assert {_Sizes.rows.__code__, _pure_rows.__code__, _sizes_helper.__code__} <= r.static
+    deps = dependencies(r, {f.__code__}, time.time() + 60)  # f: hashed by the key
+    assert deps.files[__file__]
+    assert (__name__, "_sizes_helper") in deps.globals  # what _pure_rows names
+
+
+def test_a_trace_without_a_recorder_calls_no_watcher():
+    from functrans._trace import TORCH_CALL_WATCHERS
+
+    ft.trace(lambda x: x * 2)(torch.ones(2))
+    assert TORCH_CALL_WATCHERS == []

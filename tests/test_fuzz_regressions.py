@@ -57,3 +57,26 @@ def test_regression_dropout_of_a_transposed_value_is_compared_under_the_same_see
     assert ".contiguous(), 0.5)" in prog.source()
     _check_all_strategies(prog)
     _check_all_strategies(prog, ft.policies.everything_saveable)
+
+
+def test_regression_budget_below_full_remat_is_not_infeasible_when_a_cut_beats_it():
+    """nightly (``optimal``, budget 0.3): with every op tagged MUST_SAVE, full_remat saves layer
+    norm's ``rstd`` (104 B) while min_cut saves the smaller ``rstd / N`` backward reads (96 B);
+    the budget, placed between them, fell below full_remat's figure and raised "below the
+    smallest achievable". The smallest is now the lesser cut, and the ILP (which finds 64 B
+    here) is asked before a budget below it is refused."""
+    prog = Program(
+        inputs=(InputSpec((3,), torch.float64),),
+        steps=(
+            Step("stack", (0, 0), (0,), (2, 3)),
+            Step("narrow", (1,), (0, 0, 1), (1, 3)),
+            Step("layer_norm", (2,), (), (1, 3)),
+            Step("layer_norm", (3,), (), (1, 3)),
+        ),
+        outputs=(4, 3),
+    )
+    _check_all_strategies(prog, lambda op, *args, **kwargs: ft.policies.Policy.MUST_SAVE)
+    tagged = ft.remat(prog, policy=lambda op, *args, **kwargs: ft.policies.Policy.MUST_SAVE)
+    jg = ft.joint(tagged)(*prog.example_inputs())
+    low = ft.partition(jg, "optimal", budget=0.0).activation_bytes
+    assert low < ft.partition(jg, "full_remat").activation_bytes

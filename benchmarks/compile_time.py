@@ -1,0 +1,202 @@
+"""First-call time against depth: what repeated regions save when a model stacks blocks.
+
+The model is ``benchmarks.dynamic.GPT``: a nanoGPT-style model of width 64 (4 heads, dropout
+0.1, tied head), ``depth`` identical blocks in an ``nn.ModuleList``, float32, batch 2 of 32
+tokens. One measurement is one fresh Python process that first warms imports and first-use
+caches on a 1-block model of width 32 with the same compiler (untimed), then times one first
+call: building the compiled model, its forward and its backward (trace, partition, compile
+and one step). Compilers, side by side in the same run:
+
+- ``ft_regions``: ``ft.jit(model)``, repeated regions on (the default);
+- ``ft_unrolled``: the same with ``FUNCTRANS_REGIONS=0`` (every block traced inline);
+- ``aot_eager``: ``torch.compile(model, backend="aot_eager")``;
+- ``inductor``: ``torch.compile(model)`` (skipped with ``--no-inductor``).
+
+functrans runs with ``FUNCTRANS_CACHE=0`` (the on-disk trace cache is measured by
+``benchmarks.runtime``). Each figure is the median of ``--repeats`` processes (3), wall-clock
+seconds; the processes of one depth run interleaved so load on a shared machine spreads over
+all compilers. Targets: ``ft_regions`` at 16 blocks at most 0.5x ``aot_eager``'s first call,
+and its 16-block first call at most 1.5x its 2-block one.
+
+    python -m benchmarks.compile_time [--quick] [--no-inductor] [--repeats N] [--out PATH]
+
+``--quick`` measures depths 1, 2 and 16 (the full run: 1, 2, 4, 8, 16, 32). Writes
+``benchmarks/results/compile_time.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks import write_results
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "benchmarks" / "results" / "compile_time.json"
+COMPILERS = ("ft_regions", "ft_unrolled", "aot_eager", "inductor")
+DEPTHS, QUICK_DEPTHS = (1, 2, 4, 8, 16, 32), (1, 2, 16)
+VS_AOT_TARGET = 0.5  # ft_regions / aot_eager at 16 blocks
+DEPTH_TARGET = 1.5  # ft_regions at 16 blocks / at 2 blocks
+TIMEOUT_S = 900
+#: what the ratios compare: CPU seconds of the measuring process, which other processes on a
+#: shared machine distort far less than wall-clock time (Inductor's C++ compiler runs in
+#: subprocesses of its own, so its figure is wall-clock, in ``s``, only)
+METRIC = "cpu_s"
+
+
+def _compiled(compiler: str, model: Any) -> Any:
+    import torch
+
+    import functrans as ft
+
+    if compiler.startswith("ft_"):
+        return ft.jit(model)
+    if compiler == "aot_eager":
+        return torch.compile(model, backend="aot_eager")
+    return torch.compile(model)
+
+
+def child(compiler: str, depth: int) -> None:
+    """In a fresh process: warm up, time one first call; print one ``RESULT`` JSON line."""
+    import torch
+
+    torch.set_num_threads(1)
+    from benchmarks.dynamic import GPT, SEQ, VOCAB
+
+    gen = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, VOCAB, (2, SEQ), generator=gen)
+    tgt = torch.randint(0, VOCAB, (2, SEQ), generator=gen)
+    torch.manual_seed(0)
+    _compiled(compiler, GPT(layers=1, d=32))(idx, tgt).backward()
+    model = GPT(layers=depth)
+    start, cpu = time.perf_counter(), time.process_time()
+    loss = _compiled(compiler, model)(idx, tgt)
+    loss.backward()
+    row = {"s": time.perf_counter() - start, "cpu_s": time.process_time() - cpu}
+    print("RESULT " + json.dumps(row), flush=True)
+
+
+def _run(compiler: str, depth: int) -> dict[str, float]:
+    env = {**os.environ, "FUNCTRANS_CACHE": "0", "OMP_NUM_THREADS": "1"}
+    env["FUNCTRANS_REGIONS"] = "0" if compiler == "ft_unrolled" else "1"
+    code = f"from benchmarks.compile_time import child; child({compiler!r}, {depth})"
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"{compiler} at depth {depth}: {done.stderr[-3000:]}")
+    return dict(json.loads(lines[-1][len("RESULT ") :]))
+
+
+def measure(depths: tuple[int, ...], compilers: tuple[str, ...], repeats: int) -> dict[str, Any]:
+    rows: dict[str, dict[str, Any]] = {}
+    for depth in depths:
+        runs: dict[str, list[dict[str, float]]] = {c: [] for c in compilers}
+        for _ in range(repeats):
+            for c in compilers:
+                runs[c].append(_run(c, depth))
+        rows[str(depth)] = {
+            c: {
+                "s": statistics.median(r["s"] for r in runs[c]),
+                "cpu_s": statistics.median(r["cpu_s"] for r in runs[c]),
+                "runs_s": [r["s"] for r in runs[c]],
+            }
+            for c in compilers
+        }
+        print(
+            f"depth {depth}: "
+            + ", ".join(f"{c} {rows[str(depth)][c]['s']:.2f}s" for c in compilers)
+        )
+    return {"depths": rows, "ratios": _ratios(rows, compilers)}
+
+
+def _ratios(rows: dict[str, dict[str, Any]], compilers: tuple[str, ...]) -> dict[str, Any]:
+    """Ratios of CPU seconds (``METRIC``)."""
+    out: dict[str, Any] = {"metric": METRIC}
+    if "2" in rows and "16" in rows:
+        out["16_vs_2"] = {c: rows["16"][c][METRIC] / rows["2"][c][METRIC] for c in compilers}
+    if "aot_eager" in compilers:
+        out["vs_aot_eager"] = {
+            d: {c: r[c][METRIC] / r["aot_eager"][METRIC] for c in compilers if c.startswith("ft_")}
+            for d, r in rows.items()
+        }
+    if "16" in rows:
+        r16 = rows["16"]
+        out["targets"] = {
+            "ft_regions_vs_aot_eager_16": VS_AOT_TARGET,
+            "ft_regions_16_vs_2": DEPTH_TARGET,
+        }
+        if "aot_eager" in compilers:
+            out["met_vs_aot_eager"] = (
+                r16["ft_regions"][METRIC] / r16["aot_eager"][METRIC] <= VS_AOT_TARGET
+            )
+        if "16_vs_2" in out:
+            out["met_16_vs_2"] = out["16_vs_2"]["ft_regions"] <= DEPTH_TARGET
+    return out
+
+
+def format_table(result: dict[str, Any], compilers: tuple[str, ...]) -> str:
+    head = f"{'depth':>5} " + " ".join(f"{c + ' wall/cpu':>22}" for c in compilers)
+    head += f" {'regions/unrolled':>17} {'regions/aot_eager':>18}"
+    lines = [head]
+    for d, r in result["depths"].items():
+        cells = " ".join(f"{r[c]['s']:>11.2f}s" for c in compilers)
+        vs_off = (
+            r["ft_regions"]["s"] / r["ft_unrolled"]["s"] if "ft_unrolled" in r else float("nan")
+        )
+        vs_aot = r["ft_regions"]["s"] / r["aot_eager"]["s"] if "aot_eager" in r else float("nan")
+        lines.append(f"{d:>5} {cells} {vs_off:>17.2f} {vs_aot:>18.2f}")
+    ratios = result["ratios"]
+    if "16_vs_2" in ratios:
+        lines.append(
+            "16 vs 2 blocks: "
+            + ", ".join(f"{c} {v:.2f}x" for c, v in ratios["16_vs_2"].items())
+            + f" (target for ft_regions <= {DEPTH_TARGET})"
+        )
+    if "met_vs_aot_eager" in ratios:
+        lines.append(
+            "ft_regions vs aot_eager at 16 blocks: "
+            f"{ratios['vs_aot_eager']['16']['ft_regions']:.2f}x (target <= {VS_AOT_TARGET})"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="depths 1, 2 and 16")
+    parser.add_argument("--no-inductor", action="store_true", help="skip torch.compile's default")
+    parser.add_argument("--repeats", type=int, default=3, help="processes per figure (median)")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    compilers = tuple(c for c in COMPILERS if not (args.no_inductor and c == "inductor"))
+    depths = QUICK_DEPTHS if args.quick else DEPTHS
+    result = measure(depths, compilers, args.repeats)
+    result["config"] = {
+        "model": "benchmarks.dynamic.GPT(d=64, heads=4)",
+        "batch": [2, 32],
+        "repeats": args.repeats,
+        "threads": 1,
+    }
+    print(format_table(result, compilers))
+    write_results(args.out, RESULTS, args.quick, result)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

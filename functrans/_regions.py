@@ -1,0 +1,758 @@
+"""Repeated regions: a block called many times with the same structure is traced once.
+
+A joint trace (forward and backward, :func:`functrans.joint`, what ``ft.jit`` traces for a
+training step) spends most of its time running Python, autograd and decompositions op by op;
+for a stack of identical blocks it does the same work once per block. Here a block call is
+traced once to its own joint graph (its inputs, parameters and buffers as placeholders, its
+forward ops before its backward ops) and cached under a structural key; each call of a block
+with that key, the first one too, becomes two opaque nodes in the outer trace (one in the
+forward, one in the backward, through an autograd Function), which :func:`expand` then
+replaces by copies of the cached graph's forward and backward nodes, with that call's inputs
+and parameters substituted. The result is the graph unrolled tracing gives: the same ATen ops,
+in the same order inside a block, each copy with fresh node names and fresh fake values; CSE,
+partitioning and the memory model see the whole step.
+
+The key holds everything the block's trace reads: the module class and forward code, the
+``training`` flag and every non-tensor attribute of the block and its submodules (plain values
+by value, other objects by identity), the metadata of each input, parameter and buffer (shape,
+stride, dtype, device, requires_grad, how they alias), the non-tensor arguments, and the
+decomposition table. A block with a forward hook (or any module hook, global ones included),
+under autocast, inside a functorch transform, without anything to differentiate, with outputs
+that alias its inputs, or that mutates an input, a buffer or one of its attributes while traced,
+is traced inline as before (a block whose forward changed an attribute gets it back).
+
+Blocks are found in ``nn.ModuleList`` and ``nn.Sequential`` (a member with a sibling of the
+same class) and where :func:`region` marks a function or module. ``FUNCTRANS_REGIONS=0``
+traces every block inline (for A/B comparisons).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, TypeVar, cast
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils._python_dispatch import _disable_current_modes
+
+from ._logs import log
+from ._trace import TRACE_CONTEXTS, TRACE_PASSES
+
+__all__ = ["enabled", "expand", "region", "session", "stats"]
+
+_T = TypeVar("_T")
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+_LIB = torch.library.Library("functrans", "FRAGMENT")  # type: ignore[no-untyped-call]
+_LIB.define("region_fwd(int key, Tensor[] inputs) -> Tensor[]")  # type: ignore[no-untyped-call]
+_LIB.define("region_bwd(int key, Tensor[] inputs) -> Tensor[]")  # type: ignore[no-untyped-call]
+_FWD = torch.ops.functrans.region_fwd.default
+_BWD = torch.ops.functrans.region_bwd.default
+
+
+@dataclass
+class _Region:
+    """One traced block: its joint graph split into forward and backward nodes."""
+
+    gm: fx.GraphModule
+    primals: list[fx.Node]  # placeholders of inputs, parameters and buffers, in call order
+    tangents: list[fx.Node]  # one per differentiable output
+    forward: list[fx.Node]  # call_function nodes the forward ran, in trace order
+    backward: list[fx.Node]
+    outputs: list[fx.Node]  # the block's output leaves
+    residuals: list[fx.Node]  # forward nodes the backward reads
+    saved_primals: list[int]  # primal positions the backward reads
+    grads: list[tuple[int, fx.Node]]  # (primal position, gradient node)
+    differentiable: list[bool]  # per output
+    out_spec: pytree.TreeSpec
+
+
+@dataclass
+class _Session:
+    """The regions of one joint trace."""
+
+    table: Any
+    by_key: dict[Any, int] = field(default_factory=dict)
+    regions: list[_Region | None] = field(default_factory=list)
+    calls: int = 0
+
+
+@dataclass
+class Stats:
+    """Process-wide counters: blocks traced as a region, and calls that reused one."""
+
+    traced: int = 0
+    reused: int = 0
+
+
+stats = Stats()
+_SESSION: contextvars.ContextVar[_Session | None] = contextvars.ContextVar(
+    "functrans_regions", default=None
+)
+_INSIDE: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "functrans_inside_region", default=False
+)
+
+
+def enabled() -> bool:
+    """Whether region reuse is on (``FUNCTRANS_REGIONS=0`` turns it off)."""
+    return os.environ.get("FUNCTRANS_REGIONS", "1") not in ("0", "false", "off", "")
+
+
+@contextlib.contextmanager
+def session(table: Any) -> Iterator[None]:
+    """Regions are traced and reused while this is entered (one joint trace)."""
+    if not enabled() or _SESSION.get() is not None:
+        yield
+        return
+    s = _Session(table)
+    token = _SESSION.set(s)
+    try:
+        yield
+    finally:
+        _SESSION.reset(token)
+
+
+# ---------------------------------------------------------------------------------------------
+# The opaque ops: fake kernels give the outputs' metadata; expand() replaces them
+
+
+def _fresh(val: torch.Tensor) -> torch.Tensor:
+    return torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=val.device)
+
+
+def _lookup(key: int) -> _Region:
+    s = _SESSION.get()
+    assert s is not None, "a region op outside its trace"
+    r = s.regions[key]
+    assert r is not None
+    return r
+
+
+@torch.library.register_fake("functrans::region_fwd")  # type: ignore[untyped-decorator]
+def _fwd_fake(key: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    r = _lookup(key)
+    return [_fresh(n.meta["val"]) for n in [*r.outputs, *r.residuals]]
+
+
+@torch.library.register_fake("functrans::region_bwd")  # type: ignore[untyped-decorator]
+def _bwd_fake(key: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    r = _lookup(key)
+    return [_fresh(g.meta["val"]) for _, g in r.grads]
+
+
+class _Apply(torch.autograd.Function):
+    """One region call: the forward op, and the backward op autograd runs for it."""
+
+    @staticmethod
+    def forward(ctx: Any, key: int, *inputs: torch.Tensor) -> Any:
+        r = _lookup(key)
+        got = _FWD(key, list(inputs))
+        outs, residuals = got[: len(r.outputs)], got[len(r.outputs) :]
+        ctx.key = key
+        ctx.save_for_backward(*[inputs[i] for i in r.saved_primals], *residuals)
+        ctx.mark_non_differentiable(
+            *[o for o, d in zip(outs, r.differentiable, strict=False) if not d]
+        )
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        r = _lookup(ctx.key)
+        cots = [g for g, d in zip(grads, r.differentiable, strict=False) if d]
+        got = _BWD(ctx.key, [*ctx.saved_tensors, *cots])
+        out: list[torch.Tensor | None] = [None] * len(r.primals)
+        for (i, _), g in zip(r.grads, got, strict=False):
+            out[i] = g
+        return (None, *out)
+
+
+# ---------------------------------------------------------------------------------------------
+# Keys
+
+
+_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format)
+_MODULE_SLOTS = frozenset(
+    {"_parameters", "_buffers", "_modules", "training", "_non_persistent_buffers_set"}
+)
+
+
+def _value_key(v: Any) -> Any:
+    if isinstance(v, _PLAIN):
+        return (type(v), v)
+    if isinstance(v, (tuple, list, frozenset)) and len(v) < 64:
+        return (type(v), tuple(_value_key(x) for x in v))
+    if isinstance(v, dict) and len(v) < 64 and all(isinstance(k, str) for k in v):
+        return (dict, tuple((k, _value_key(x)) for k, x in v.items()))
+    return ("id", id(v))
+
+
+def _has_hooks(m: torch.nn.Module) -> bool:
+    names = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+    return any(bool(getattr(m, name, None)) for name in names)
+
+
+def _global_hooks() -> bool:
+    mod = torch.nn.modules.module
+    return any(
+        bool(getattr(mod, name, None))
+        for name in (
+            "_global_forward_hooks",
+            "_global_forward_pre_hooks",
+            "_global_backward_hooks",
+            "_global_backward_pre_hooks",
+            "_global_module_registration_hooks",
+            "_global_parameter_registration_hooks",
+            "_global_buffer_registration_hooks",
+        )
+    )
+
+
+def _tensor_key(t: torch.Tensor) -> Any:
+    return (tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, t.device, t.requires_grad)
+
+
+def _code_key(fn: Any) -> Any:
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return ("id", id(fn))
+    cells = tuple(_value_key(c.cell_contents) for c in fn.__closure__ or ())
+    defaults = _value_key(fn.__defaults__)
+    return (id(code), cells, defaults)
+
+
+def _block_state(m: torch.nn.Module) -> tuple[Any, list[tuple[dict[str, Any], str]]]:
+    """The key of a module's structure and attributes, and its tensor slots in order."""
+    parts: list[Any] = []
+    slots: list[tuple[dict[str, Any], str]] = []
+    for name, sub in m.named_modules(remove_duplicate=False):
+        fwd = sub.__dict__.get("forward", type(sub).forward)
+        attrs = tuple((k, _value_key(v)) for k, v in vars(sub).items() if k not in _MODULE_SLOTS)
+        parts.append((name, type(sub), _code_key(fwd), sub.training, attrs))
+        for table in (sub._parameters, sub._buffers):
+            for k, t in table.items():
+                parts.append((name, k, t is None))
+                if t is not None:
+                    slots.append((table, k))
+    return tuple(parts), slots
+
+
+def _attrs_snapshot(m: torch.nn.Module) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    return [(sub.__dict__, dict(sub.__dict__)) for sub in m.modules()]
+
+
+def _restore_changed(snap: list[tuple[dict[str, Any], dict[str, Any]]]) -> bool:
+    changed = False
+    for live, before in snap:
+        if live.keys() != before.keys() or any(live[k] is not before[k] for k in before):
+            changed = True
+            live.clear()
+            live.update(before)
+    return changed
+
+
+# ---------------------------------------------------------------------------------------------
+# Tracing one region
+
+
+@contextlib.contextmanager
+def _outside_outer_trace() -> Iterator[None]:
+    """No dispatch or torch-function modes of the enclosing trace while the block is traced
+    on its own (the trace contexts are entered again, fresh, inside)."""
+    popped = []
+    with _disable_current_modes():
+        while torch._C._len_torch_function_stack() > 0:
+            popped.append(torch._C._pop_torch_function_stack())
+        token = _INSIDE.set(True)
+        try:
+            with contextlib.ExitStack() as stack:
+                for context in TRACE_CONTEXTS:
+                    stack.enter_context(context())
+                yield
+        finally:
+            _INSIDE.reset(token)
+            for mode in reversed(popped):
+                torch._C._push_on_torch_function_stack(mode)
+
+
+def _writes_placeholder(body: list[fx.Node]) -> bool:
+    """Whether an op writes to a placeholder or a view of one (in-place ops on the region's
+    own intermediates are functionalized with the whole graph)."""
+    for x in body:
+        target = x.target
+        if not isinstance(target, torch._ops.OpOverload) or not target._schema.is_mutable:
+            continue
+        for i, arg in enumerate(target._schema.arguments):
+            if arg.alias_info is None or not arg.alias_info.is_write:
+                continue
+            value = x.args[i] if i < len(x.args) else x.kwargs.get(arg.name)
+            while (
+                isinstance(value, fx.Node)
+                and isinstance(value.target, torch._ops.OpOverload)
+                and value.target.is_view
+            ):
+                value = value.args[0]
+            if not isinstance(value, fx.Node) or value.op == "placeholder":
+                return True
+    return False
+
+
+def _aliases(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return bool(a.untyped_storage()._cdata == b.untyped_storage()._cdata)
+
+
+def _trace_region(
+    call: Callable[[list[torch.Tensor]], Any], metas: list[torch.Tensor], table: Any
+) -> _Region | None:
+    """The joint graph of ``call`` on fresh fakes like ``metas`` (None: not a region)."""
+    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    with mode:
+        probe = [_fresh(t).requires_grad_(t.requires_grad) for t in metas]
+    with mode, torch.enable_grad():
+        out = call(probe)
+    leaves, spec = pytree.tree_flatten(out)
+    if not leaves or not all(isinstance(t, torch.Tensor) for t in leaves):
+        return None
+    diff = [bool(t.requires_grad) and t.is_floating_point() for t in leaves]
+    wrt = [i for i, t in enumerate(metas) if t.requires_grad]
+    if not any(diff) or not wrt:
+        return None
+    with mode:
+        cot_like = [_fresh(t.detach()) for t, d in zip(leaves, diff, strict=False) if d]
+    n = len(metas)
+    forward_names: list[set[str]] = []
+    present: list[list[bool]] = []
+
+    def joint(*flat: torch.Tensor) -> list[torch.Tensor]:
+        primals, cots = list(flat[:n]), list(flat[n:])
+        with torch.enable_grad():
+            outs = pytree.tree_leaves(call(primals))
+            tracer = torch.fx.experimental.proxy_tensor.get_proxy_mode()
+            assert tracer is not None
+            forward_names.append({node.name for node in tracer.tracer.graph.nodes})
+            pairs = [
+                (o, c)
+                for o, c in zip(
+                    [o for o, d in zip(outs, diff, strict=False) if d], cots, strict=False
+                )
+            ]
+            grads = torch.autograd.grad(
+                [o for o, _ in pairs],
+                [primals[i] for i in wrt],
+                [c for _, c in pairs],
+                allow_unused=True,
+            )
+        present.append([g is not None for g in grads])
+        return [*outs, *[g for g in grads if g is not None]]
+
+    inputs = [*probe, *cot_like]
+    gm = make_fx(
+        joint, table, tracing_mode="fake", record_stack_traces=True, _allow_non_fake_inputs=True
+    )(*inputs)
+    nodes = list(gm.graph.nodes)
+    placeholders = [x for x in nodes if x.op == "placeholder"]
+    primals, tangents = placeholders[:n], placeholders[n:]
+    body = [x for x in nodes if x.op == "call_function"]
+    if any(x.op not in ("placeholder", "call_function", "output") for x in nodes):
+        return None  # constants baked in (get_attr): traced inline
+    if _writes_placeholder(body):  # an input, buffer or parameter written in place
+        return None
+    fwd = [x for x in body if x.name in forward_names[0]]
+    bwd = [x for x in body if x.name not in forward_names[0]]
+    (result,) = [x for x in nodes if x.op == "output"]
+    returned = list(result.args[0])
+    outputs, grad_nodes = returned[: len(leaves)], returned[len(leaves) :]
+    if any(not isinstance(o, fx.Node) or o.op != "call_function" for o in outputs):
+        return None
+    if any(g.op != "call_function" or g not in set(bwd) for g in grad_nodes):
+        return None
+    vals = [o.meta["val"] for o in outputs]
+    ins = [p.meta["val"] for p in primals]
+    for i, v in enumerate(vals):
+        if any(_aliases(v, p) for p in ins) or any(_aliases(v, w) for w in vals[:i]):
+            return None
+    fwd_set = set(fwd)
+    bwd_set = set(bwd)
+    residuals: list[fx.Node] = []
+    saved: list[int] = []
+    prim_pos = {p: i for i, p in enumerate(primals)}
+    for x in bwd:
+        for a in x.all_input_nodes:
+            if a in fwd_set and a not in residuals:
+                residuals.append(a)
+            elif a in prim_pos and prim_pos[a] not in saved:
+                saved.append(prim_pos[a])
+    for g in grad_nodes:  # a gradient that is a forward value (or a primal) is not handled
+        if g not in bwd_set:
+            return None
+    grad_of = [i for i, p in zip(wrt, present[0], strict=False) if p]
+    return _Region(
+        gm=gm,
+        primals=primals,
+        tangents=tangents,
+        forward=fwd,
+        backward=bwd,
+        outputs=cast(list[fx.Node], outputs),
+        residuals=residuals,
+        saved_primals=sorted(saved),
+        grads=list(zip(grad_of, grad_nodes, strict=False)),
+        differentiable=diff,
+        out_spec=spec,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Calling a region
+
+
+def _call_region(
+    key_parts: Any,
+    tensors: list[torch.Tensor],
+    call: Callable[[list[torch.Tensor]], Any],
+    eager: Callable[[], _T],
+    what: str,
+) -> _T | Any:
+    """``call(tensors)`` as a region (``eager()`` where it cannot be one)."""
+    s = _SESSION.get()
+    assert s is not None
+    key = (key_parts, tuple(_tensor_key(t) for t in tensors), _aliasing(tensors), id(s.table))
+    rid = s.by_key.get(key)
+    if rid is None:
+        rid = len(s.regions)
+        s.by_key[key] = rid
+        try:
+            with _outside_outer_trace():
+                region = _trace_region(call, tensors, s.table)
+        except _SideEffect:
+            region = None
+        s.regions.append(region)
+        if region is not None:
+            stats.traced += 1
+            log("recompiles", f"region {what}", lambda: f"traced once, key #{rid}")
+    elif s.regions[rid] is not None:
+        stats.reused += 1
+        log("recompiles", f"region {what}", lambda: f"reused (key #{rid})")
+    region = s.regions[rid]
+    if region is None:
+        return eager()
+    s.calls += 1
+    outs = _Apply.apply(rid, *tensors)  # type: ignore[no-untyped-call]
+    return pytree.tree_unflatten(list(outs), region.out_spec)
+
+
+def _aliasing(tensors: list[torch.Tensor]) -> tuple[int, ...]:
+    """Which earlier tensor each one is (the same object), else its own index."""
+    first: dict[int, int] = {}
+    return tuple(first.setdefault(id(t), i) for i, t in enumerate(tensors))
+
+
+def _usable(tensors: list[Any]) -> bool:
+    """Inputs a region can take: fake tensors of the enclosing trace, something to
+    differentiate, grad mode on, no autocast or functorch transform around."""
+    if _SESSION.get() is None or _INSIDE.get() or not torch.is_grad_enabled():
+        return False
+    if any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda")):
+        return False
+    if torch._C._functorch.peek_interpreter_stack() is not None:
+        return False
+    if not all(isinstance(t, FakeTensor) and type(t) is FakeTensor for t in tensors):
+        return False
+    return any(t.requires_grad for t in tensors)
+
+
+def _split_args(args: Any, kwargs: Any) -> tuple[list[torch.Tensor], Any, Any] | None:
+    """Tensor leaves of ``(args, kwargs)``, the key of the rest, and the spec (None: a leaf
+    that is neither a tensor nor a plain value)."""
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    statics: list[Any] = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            statics.append(None)
+        elif isinstance(leaf, _PLAIN):
+            statics.append(_value_key(leaf))
+        else:
+            return None
+    return [x for x in leaves if isinstance(x, torch.Tensor)], (spec, tuple(statics)), leaves
+
+
+def _rebuild(leaves: list[Any], spec: Any, tensors: list[torch.Tensor]) -> tuple[Any, Any]:
+    it = iter(tensors)
+    filled = [next(it) if isinstance(x, torch.Tensor) else x for x in leaves]
+    args, kwargs = pytree.tree_unflatten(filled, spec[0])
+    return args, kwargs
+
+
+def _module_region(m: torch.nn.Module, original: Callable[..., Any], args: Any, kw: Any) -> Any:
+
+    def eager() -> Any:
+        return original(m, *args, **kw)
+
+    if _has_hooks_deep(m) or _global_hooks():
+        return eager()
+    split = _split_args(args, kw)
+    if split is None:
+        return eager()
+    inputs, statics, leaves = split
+    structure, slots = _block_state(m)
+    params = [table[k] for table, k in slots]
+    tensors = [*inputs, *params]
+    if not _usable(tensors):
+        return eager()
+    n_in = len(inputs)
+
+    def call(flat: list[torch.Tensor]) -> Any:
+        a, k = _rebuild(leaves, statics, flat[:n_in])
+        swapped = [(table, name, table[name]) for table, name in slots]
+        snap = _attrs_snapshot(m)
+        for (table, name), t in zip(slots, flat[n_in:], strict=False):
+            table[name] = t
+        try:
+            return original(m, *a, **k)
+        finally:
+            for table, name, t in swapped:
+                table[name] = t
+            if _restore_changed(snap):
+                raise _SideEffect
+
+    return _call_region((type(m), structure, statics), tensors, call, eager, type(m).__qualname__)
+
+
+class _SideEffect(Exception):
+    """The block changed its own attributes while traced: it is traced inline."""
+
+
+def _has_hooks_deep(m: torch.nn.Module) -> bool:
+    return any(_has_hooks(sub) for sub in m.modules())
+
+
+# ---------------------------------------------------------------------------------------------
+# Finding blocks: members of ModuleList / Sequential with a sibling of their class, and
+# modules and functions marked with region()
+
+_CANDIDATES: contextvars.ContextVar[dict[int, torch.nn.Module] | None] = contextvars.ContextVar(
+    "functrans_region_candidates", default=None
+)
+_MARKED = "__functrans_region__"
+
+
+def _mark_siblings(mods: Any) -> None:
+    found = _CANDIDATES.get()
+    if found is None:
+        return
+    members = [m for m in mods if isinstance(m, torch.nn.Module)]
+    by_type: dict[type, int] = {}
+    for m in members:
+        by_type[type(m)] = by_type.get(type(m), 0) + 1
+    for m in members:
+        if by_type[type(m)] > 1:
+            found[id(m)] = m
+
+
+_ORIGINAL_CALL = torch.nn.Module.__call__
+_ORIGINAL_ITER = torch.nn.ModuleList.__iter__
+_ORIGINAL_GETITEM = torch.nn.ModuleList.__getitem__
+
+
+def _patched_call(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    found = _CANDIDATES.get()
+    if found is None or _SESSION.get() is None or _INSIDE.get():
+        return _ORIGINAL_CALL(self, *args, **kwargs)
+    if isinstance(self, torch.nn.Sequential):
+        _mark_siblings(self._modules.values())
+    if id(self) in found or getattr(self, _MARKED, False):
+        return _module_region(self, _ORIGINAL_CALL, args, kwargs)
+    return _ORIGINAL_CALL(self, *args, **kwargs)
+
+
+def _patched_iter(self: torch.nn.ModuleList) -> Iterator[torch.nn.Module]:
+    _mark_siblings(self._modules.values())
+    return _ORIGINAL_ITER(self)
+
+
+def _patched_getitem(self: torch.nn.ModuleList, idx: Any) -> Any:
+    if _CANDIDATES.get() is not None:
+        _mark_siblings(self._modules.values())
+    return _ORIGINAL_GETITEM(self, idx)
+
+
+@contextlib.contextmanager
+def finding_blocks() -> Iterator[None]:
+    """While a trace runs (one of ``TRACE_CONTEXTS``): module calls of blocks go through
+    :func:`_module_region`."""
+    if _SESSION.get() is None or _CANDIDATES.get() is not None:
+        yield
+        return
+    token = _CANDIDATES.set({})
+    patched = (
+        torch.nn.Module.__call__,
+        torch.nn.ModuleList.__iter__,
+        torch.nn.ModuleList.__getitem__,
+    )
+    # make_fx's tracer calls modules through the module global it saved at import
+    symbolic = torch.fx._symbolic_trace
+    saved = symbolic._orig_module_call
+    symbolic._orig_module_call = _patched_call
+    torch.nn.Module.__call__ = _patched_call  # type: ignore[method-assign]
+    torch.nn.ModuleList.__iter__ = _patched_iter  # type: ignore[method-assign]
+    torch.nn.ModuleList.__getitem__ = _patched_getitem  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        (
+            torch.nn.Module.__call__,  # type: ignore[method-assign]
+            torch.nn.ModuleList.__iter__,  # type: ignore[method-assign]
+            torch.nn.ModuleList.__getitem__,  # type: ignore[method-assign]
+        ) = patched
+        symbolic._orig_module_call = saved
+        _CANDIDATES.reset(token)
+
+
+def region(fn: _F) -> _F:
+    """Mark a function (or a module) as a repeated region: inside ``ft.jit`` (and
+    ``ft.joint``), its calls with the same structure are traced once and the graph is
+    copied for each call, with that call's tensors; the compiled step is the one unrolled
+    tracing gives. A function's non-tensor arguments are part of the structure; tensors it
+    reads from closures or globals are not allowed to differ between calls (pass them as
+    arguments). Members of ``nn.ModuleList`` and ``nn.Sequential`` are regions without it.
+
+    >>> import torch, functrans as ft
+    >>> @ft.region
+    ... def block(w, x):
+    ...     return torch.tanh(x @ w)
+    >>> def f(ws, x):
+    ...     for w in ws:
+    ...         x = block(w, x)
+    ...     return x.sum()
+    >>> ws = [torch.randn(4, 4, requires_grad=True) for _ in range(3)]
+    >>> loss = ft.jit(f)(ws, torch.randn(2, 4))
+    >>> loss.backward()
+    >>> [w.grad.shape for w in ws]
+    [torch.Size([4, 4]), torch.Size([4, 4]), torch.Size([4, 4])]
+    """
+    if isinstance(fn, torch.nn.Module):
+        setattr(fn, _MARKED, True)
+        return cast(_F, fn)
+    if not callable(fn):
+        from ._errors import InvalidArgumentError
+
+        raise InvalidArgumentError(
+            f"region: fn={fn!r} is not accepted; pass a function or an nn.Module"
+        )
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if _SESSION.get() is None or _INSIDE.get():
+            return fn(*args, **kwargs)
+        split = _split_args(args, kwargs)
+        if split is None:
+            return fn(*args, **kwargs)
+        tensors, statics, leaves = split
+        if not _usable(tensors):
+            return fn(*args, **kwargs)
+
+        def call(flat: list[torch.Tensor]) -> Any:
+            a, k = _rebuild(leaves, statics, flat)
+            return fn(*a, **k)
+
+        what = getattr(fn, "__qualname__", repr(fn))
+        return _call_region(
+            ("fn", _code_key(fn), statics), tensors, call, lambda: fn(*args, **kwargs), what
+        )
+
+    return cast(_F, wrapper)
+
+
+# ---------------------------------------------------------------------------------------------
+# Expansion: opaque region nodes -> copies of the region's nodes
+
+
+def expand(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm`` with every region call replaced by copies of its region's nodes (``gm`` is
+    returned as it is where it holds none; else a new GraphModule)."""
+    s = _SESSION.get()
+    if s is None or not any(n.target in (_FWD, _BWD) for n in gm.graph.nodes):
+        return gm
+    mode = _fake_mode(gm)
+    graph = fx.Graph()
+    env: dict[fx.Node, Any] = {}
+    with mode:
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and node.target is _FWD:
+                env[node] = _copy_forward(graph, node, env, s, mode)
+            elif node.op == "call_function" and node.target is _BWD:
+                env[node] = _copy_backward(graph, node, env, s, mode)
+            elif node.op == "call_function" and _region_item(node):
+                env[node] = env[node.args[0]][node.args[1]]
+            else:
+                env[node] = graph.node_copy(node, lambda n: env[n])
+    return fx.GraphModule(gm, graph)
+
+
+def _region_item(node: fx.Node) -> bool:
+    import operator
+
+    src = node.args[0] if node.args else None
+    return (
+        node.target is operator.getitem and isinstance(src, fx.Node) and src.target in (_FWD, _BWD)
+    )
+
+
+def _fake_mode(gm: fx.GraphModule) -> FakeTensorMode:
+    for n in gm.graph.nodes:
+        v = n.meta.get("val")
+        if isinstance(v, FakeTensor):
+            return v.fake_mode
+    return FakeTensorMode()
+
+
+def _paste(
+    graph: fx.Graph, nodes: list[fx.Node], local: dict[fx.Node, Any], mode: FakeTensorMode
+) -> None:
+    """Copy ``nodes`` (a region's) into ``graph``: fresh names and fake values."""
+    for x in nodes:
+        new = graph.node_copy(x, lambda n: local[n])
+        args = fx.node.map_arg((new.args, new.kwargs), lambda n: n.meta.get("val"))
+        new.meta["val"] = new.target(*args[0], **args[1])  # type: ignore[operator]
+        local[x] = new
+
+
+def _copy_forward(
+    graph: fx.Graph, node: fx.Node, env: dict[fx.Node, Any], s: _Session, mode: FakeTensorMode
+) -> list[fx.Node]:
+    key, inputs = node.args
+    r = s.regions[cast(int, key)]
+    assert r is not None
+    local: dict[fx.Node, Any] = {
+        p: env[i] for p, i in zip(r.primals, cast(list[fx.Node], inputs), strict=False)
+    }
+    _paste(graph, r.forward, local, mode)
+    return [local[x] for x in [*r.outputs, *r.residuals]]
+
+
+def _copy_backward(
+    graph: fx.Graph, node: fx.Node, env: dict[fx.Node, Any], s: _Session, mode: FakeTensorMode
+) -> list[fx.Node]:
+    key, inputs = node.args
+    r = s.regions[cast(int, key)]
+    assert r is not None
+    given = [env[i] for i in cast(list[fx.Node], inputs)]
+    n_saved, n_res = len(r.saved_primals), len(r.residuals)
+    local: dict[fx.Node, Any] = {
+        r.primals[i]: v for i, v in zip(r.saved_primals, given, strict=False)
+    }
+    local.update(zip(r.residuals, given[n_saved : n_saved + n_res], strict=False))
+    local.update(zip(r.tangents, given[n_saved + n_res :], strict=False))
+    _paste(graph, r.backward, local, mode)
+    return [local[g] for _, g in r.grads]
+
+
+TRACE_CONTEXTS.append(finding_blocks)
+TRACE_PASSES.append(expand)

@@ -1,0 +1,260 @@
+"""Repeated regions: a stack of identical blocks is traced once and copied per block; the
+compiled step is the one unrolled tracing gives, bit for bit, and blocks that differ in
+anything the trace reads are regions of their own (or traced inline)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import functrans as ft
+from functrans import _regions
+
+
+class Block(nn.Module):
+    def __init__(self, d: int = 16, p: float = 0.1) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.fc, self.out = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.drop(self.out(F.gelu(self.fc(self.ln(x)))))
+        return x + h
+
+
+class Stack(nn.Module):
+    def __init__(self, blocks: list[nn.Module], d: int = 16) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+        self.head = nn.Linear(d, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x).square().mean()
+
+
+@pytest.fixture
+def regions_env() -> Iterator[Callable[[bool], None]]:
+    before = os.environ.get("FUNCTRANS_REGIONS")
+
+    def set_to(on: bool) -> None:
+        os.environ["FUNCTRANS_REGIONS"] = "1" if on else "0"
+
+    yield set_to
+    if before is None:
+        os.environ.pop("FUNCTRANS_REGIONS", None)
+    else:
+        os.environ["FUNCTRANS_REGIONS"] = before
+
+
+def _step(model: nn.Module, x: torch.Tensor, seed: int = 0) -> tuple[Any, ...]:
+    model.zero_grad(set_to_none=True)
+    f = ft.jit(model)
+    torch.manual_seed(seed)
+    loss = f(x)
+    loss.backward()
+    grads = [p.grad for p in model.parameters()]
+    return loss.detach(), grads, f.cache_info()
+
+
+def _compare(set_to: Callable[[bool], None], model: nn.Module, x: torch.Tensor) -> tuple[int, int]:
+    """Regions on vs off: equal loss and gradients (torch.equal); (traced, reused) with on."""
+    set_to(False)
+    off_loss, off_grads, off_info = _step(model, x)
+    assert off_info.regions_reused == 0
+    set_to(True)
+    traced, reused = _regions.stats.traced, _regions.stats.reused
+    on_loss, on_grads, on_info = _step(model, x)
+    assert torch.equal(on_loss, off_loss)
+    for a, b in zip(on_grads, off_grads, strict=True):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert torch.equal(a, b)
+    got = (_regions.stats.traced - traced, _regions.stats.reused - reused)
+    assert on_info.regions_reused == got[1]
+    return got
+
+
+def _x(d: int = 16) -> torch.Tensor:
+    return torch.randn(2, 5, d, generator=torch.Generator().manual_seed(1)).requires_grad_()
+
+
+def test_identical_blocks_traced_once_bitwise(regions_env: Callable[[bool], None]) -> None:
+    torch.manual_seed(0)
+    model = Stack([Block() for _ in range(4)])
+    traced, reused = _compare(regions_env, model, _x())
+    # traced once; each of the 4 calls of the shape pass and of the trace reuses it but one
+    assert traced == 1
+    assert reused == 7
+
+
+def test_joint_graph_is_the_unrolled_one(regions_env: Callable[[bool], None]) -> None:
+    torch.manual_seed(0)
+    blocks = [Block(p=0.0) for _ in range(3)]
+    params = [dict(b.named_parameters()) for b in blocks]
+
+    def f(ps: list[dict[str, torch.Tensor]], x: torch.Tensor) -> torch.Tensor:
+        for b, p in zip(blocks, ps, strict=True):
+            x = torch.func.functional_call(b, p, (x,))
+        return x.sum()
+
+    seq = nn.Sequential(*blocks)
+
+    def g(x: torch.Tensor) -> torch.Tensor:
+        return seq(x).sum()
+
+    x = _x().requires_grad_()
+    regions_env(False)
+    off = ft.joint(g)(x)
+    regions_env(True)
+    on = ft.joint(g)(x)
+    ops = lambda jg: [str(n.target) for n in jg.graph_module.graph.nodes]  # noqa: E731
+    assert ops(on) == ops(off)
+    assert len(on.graph_module.graph.nodes) == len(off.graph_module.graph.nodes)
+    del f, params
+
+
+def test_partition_sees_the_whole_stack(regions_env: Callable[[bool], None]) -> None:
+    torch.manual_seed(0)
+    model = Stack([Block(p=0.0) for _ in range(3)])
+    x = _x()
+    saved = []
+    for on in (False, True):
+        regions_env(on)
+        f = ft.jit(model, partition="min_cut")
+        f(x).backward()
+        (p,) = f.partitions()
+        saved.append(([s.node.meta["val"].shape for s in p.saved], p.peak_bytes))
+    assert saved[0] == saved[1]
+
+
+@pytest.mark.parametrize("change", ["dropout_p", "eval", "shape"])
+def test_a_block_that_differs_is_its_own_region(
+    regions_env: Callable[[bool], None], change: str
+) -> None:
+    torch.manual_seed(0)
+    blocks: list[nn.Module] = [Block() for _ in range(4)]
+    if change == "dropout_p":
+        blocks[2].drop.p = 0.5  # type: ignore[union-attr]
+    elif change == "eval":
+        blocks[2].eval()
+    model = Stack(blocks)
+    x = _x()
+    if change == "shape":
+        model = Stack([Block(16), Block(16), Block(16)])
+        model.blocks[1].fc = nn.Linear(16, 48)  # type: ignore[index]
+        model.blocks[1].out = nn.Linear(48, 16)  # type: ignore[index]
+    traced, reused = _compare(regions_env, model, x)
+    assert traced == 2
+    n = len(model.blocks)  # type: ignore[arg-type]
+    assert reused == 2 * n - 2
+
+
+def test_a_hooked_block_is_traced_inline(regions_env: Callable[[bool], None]) -> None:
+    torch.manual_seed(0)
+    model = Stack([Block(p=0.0) for _ in range(3)])
+    calls: list[int] = []
+
+    def hook(m: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return out * 2
+
+    model.blocks[1].register_forward_hook(hook)  # type: ignore[index]
+    params = dict(model.named_parameters())
+
+    def f(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return torch.func.functional_call(model, p, (x,))  # type: ignore[no-any-return]
+
+    x = _x().detach().requires_grad_()
+    results = []
+    for on in (False, True):
+        regions_env(on)
+        traced, reused = _regions.stats.traced, _regions.stats.reused
+        calls.clear()
+        jg = ft.joint(f)(params, x)
+        ones = (torch.ones(()),)
+        results.append(jg((params, x), ones))
+        counts = (_regions.stats.traced - traced, _regions.stats.reused - reused)
+        # blocks 0 and 2 share a region (in the shape pass and the trace); block 1 is inline
+        assert counts == ((1, 3) if on else (0, 0))
+        assert len(calls) == 2  # the hook ran in the shape pass and in the trace
+    for a, b in zip(
+        torch.utils._pytree.tree_leaves(results[0]),
+        torch.utils._pytree.tree_leaves(results[1]),
+        strict=True,
+    ):
+        assert torch.equal(a, b)
+
+
+def test_a_block_with_side_effects_is_traced_inline(regions_env: Callable[[bool], None]) -> None:
+    class Counting(Block):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.calls = getattr(self, "calls", 0) + 1
+            return super().forward(x)
+
+    torch.manual_seed(0)
+    model = Stack([Counting(p=0.0) for _ in range(3)])
+    regions_env(True)
+    traced = _regions.stats.traced
+    _step(model, _x())
+    assert _regions.stats.traced == traced
+    counts = [b.calls for b in model.blocks]  # type: ignore[attr-defined]
+    assert len(set(counts)) == 1  # every block ran as often as the others
+
+
+def test_region_decorator_on_a_function(regions_env: Callable[[bool], None]) -> None:
+    @ft.region
+    def block(w: torch.Tensor, b: torch.Tensor, x: torch.Tensor, scale: float) -> torch.Tensor:
+        return x + torch.tanh(x @ w + b) * scale
+
+    def f(ws: list[tuple[torch.Tensor, torch.Tensor]], x: torch.Tensor) -> torch.Tensor:
+        for i, (w, b) in enumerate(ws):
+            x = block(w, b, x, 0.5 if i < 3 else 0.25)
+        return x.square().sum()
+
+    gen = torch.Generator().manual_seed(0)
+    ws = [(torch.randn(8, 8, generator=gen), torch.randn(8, generator=gen)) for _ in range(4)]
+    x = torch.randn(3, 8, generator=gen)
+    results = []
+    for on in (False, True):
+        regions_env(on)
+        params = [(w.clone().requires_grad_(), b.clone().requires_grad_()) for w, b in ws]
+        traced, reused = _regions.stats.traced, _regions.stats.reused
+        loss = ft.jit(f)(params, x)
+        loss.backward()
+        results.append((loss.detach(), [t.grad for p in params for t in p]))
+        counts = (_regions.stats.traced - traced, _regions.stats.reused - reused)
+        # regions: the first call (x needs no gradient), the next two, and the last (its
+        # scale differs); the shape pass traces them, the trace reuses all four
+        assert counts == ((3, 5) if on else (0, 0))
+    assert torch.equal(results[0][0], results[1][0])
+    for a, b in zip(results[0][1], results[1][1], strict=True):
+        assert torch.equal(a, b)
+
+
+def test_region_rejects_a_non_callable() -> None:
+    with pytest.raises(ft.InvalidArgumentError, match="region: fn=3"):
+        ft.region(3)  # type: ignore[type-var]
+
+
+def test_recompiles_log_reports_reuse(
+    regions_env: Callable[[bool], None], capsys: pytest.CaptureFixture[str]
+) -> None:
+    torch.manual_seed(0)
+    model = Stack([Block() for _ in range(2)])
+    regions_env(True)
+    ft.set_logs("recompiles")
+    try:
+        _step(model, _x())
+    finally:
+        ft.set_logs()
+    err = capsys.readouterr().err
+    assert "region Block" in err and "traced once" in err and "reused" in err
