@@ -88,3 +88,16 @@ def test_page_runs(page, tmp_path, monkeypatch):
         # padded so a traceback's line numbers are the page's
         code = compile("\n" * (block.line - 1) + block.source, str(page), "exec")
         exec(code, namespace)
+
+
+def test_api_reference_has_every_public_name():
+    """Each name ``functrans`` exports (other than its submodules) has an entry in its API page."""
+    import types
+
+    import functrans
+
+    page = (ROOT / "docs" / "api" / "functrans.md").read_text()
+    names = getattr(functrans, "__all__", None) or [n for n in dir(functrans) if n[0] != "_"]
+    public = [n for n in names if not isinstance(getattr(functrans, n), types.ModuleType)]
+    missing = [n for n in public if f"::: functrans.{n}\n" not in page]
+    assert not missing, f"docs/api/functrans.md has no '::: functrans.NAME' entry for {missing}"
