@@ -8,13 +8,13 @@ STAMP   := $(VENV)/.installed
 TORCH   := torch==2.13.0
 export HYPOTHESIS_PROFILE ?= ci
 
-.PHONY: demo test lint typecheck unit browser fuzz conformance bench bench-quick clean
+.PHONY: demo test lint typecheck docs unit browser fuzz conformance bench bench-quick clean
 
 $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q "$(TORCH)"
-	$(VPY) -m pip install -q -e ".[test,dev,hf,triton]" "$(TORCH)"
+	$(VPY) -m pip install -q -e ".[test,dev,hf,triton,docs]" "$(TORCH)"
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -40,7 +40,12 @@ browser:
 unit: $(STAMP) browser
 	FUNCTRANS_REQUIRE_BROWSER=1 $(VPY) -m pytest -q -n 2
 
-test: lint typecheck unit
+# the documentation site (docs/, mkdocs.yml) into site/; --strict: a warning fails the build.
+# Offline: no plugin fetches anything, and the theme links no web fonts.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VPY) -m mkdocs build --strict --quiet --site-dir site
+
+test: lint typecheck docs unit
 
 fuzz: $(STAMP)
 	HYPOTHESIS_PROFILE=nightly $(VPY) -m pytest -q -n 2 tests -k "property"
