@@ -3,21 +3,14 @@
 :class:`DoctestFences`: the library's docstrings are plain text with ``>>>`` examples (run by
 pytest's doctest) and reST roles; it shows the examples as fenced ``pycon`` blocks and the roles
 as code, so Markdown renders them as written.
-
-:class:`MappedSubpackages`: pyproject's ``package-dir`` installs folders of the repository root
-(``partitioners/``, ``codegen/``) as ``functrans.partitioners`` and ``functrans.codegen``; griffe
-reads packages from their folders and does not follow that mapping, so this attaches each mapped
-folder to the package it belongs to, under its public name.
 """
 
 from __future__ import annotations
 
 import re
-from pathlib import Path
 from typing import Any
 
 import griffe
-import tomllib
 
 _ROLE = re.compile(r":(?:class|func|meth|attr|mod|data|exc|obj):`~?([^`]+)`")
 
@@ -55,22 +48,3 @@ class DoctestFences(griffe.Extension):
     def on_instance(self, *, obj: griffe.Object, **kwargs: Any) -> None:
         if obj.docstring is not None:
             obj.docstring.value = to_markdown(obj.docstring.value)
-
-
-_ROOT = Path(__file__).resolve().parent.parent
-
-
-class MappedSubpackages(griffe.Extension):
-    """Load each ``[tool.setuptools.package-dir]`` entry ``"pkg.sub" = "folder"`` of
-    pyproject.toml as the member ``sub`` of ``pkg`` when griffe found no such member."""
-
-    def on_package(self, *, pkg: griffe.Module, loader: griffe.GriffeLoader, **kwargs: Any) -> None:
-        with open(_ROOT / "pyproject.toml", "rb") as f:
-            package_dir = tomllib.load(f)["tool"]["setuptools"].get("package-dir", {})
-        for dotted, folder in sorted(package_dir.items()):
-            parent_path, _, name = dotted.rpartition(".")
-            if parent_path != pkg.path or name in pkg.members:
-                continue
-            init = _ROOT / folder / "__init__.py"
-            if init.exists():
-                pkg.set_member(name, loader._load_module(name, init, parent=pkg))
