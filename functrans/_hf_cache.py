@@ -96,7 +96,7 @@ def _unflatten_for(cls: type) -> Any:
         (_, names), *rest = info.items
         values = {k: _copied(v) for k, v in rest}  # each object its own lists and dicts
         values.update(zip(names, children, strict=True))
-        obj = object.__new__(cls)
+        obj: Any = object.__new__(cls)
         obj.__dict__.update({k: values[k] for k in order})
         return obj
 

@@ -15,6 +15,7 @@ import optree
 import torch
 import torch.utils._pytree as torch_pytree
 
+from ._dynamo_skip import compiling, outside_dynamo
 from ._errors import TraceError
 from ._hf_cache import is_cache_object, register_type, writable
 from ._jit import CacheInfo, Jitted, _Options, inline
@@ -211,6 +212,11 @@ class JitModule(ModuleView):
         return found
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if compiling():  # torch.compile around this call: it runs here, as a graph break
+            return outside_dynamo(self._forward_here, args, kwargs)
+        return self._forward_here(*args, **kwargs)
+
+    def _forward_here(self, *args: Any, **kwargs: Any) -> Any:
         token = _IN_VIEW.set(True)
         try:
             return self._forward(*args, **kwargs)

@@ -40,6 +40,7 @@ from ._dynamic import (
     resolve,
     symbolic_fakes,
 )
+from ._dynamo_skip import inline_compiled
 from ._errors import InvalidArgumentError, TraceError, UnsupportedOpError
 from ._format import op_name
 from ._graph import SOURCE, Graph, Role
@@ -263,6 +264,7 @@ class _PlainRNNs(torch.overrides.TorchFunctionMode):
 
 
 TRACE_CONTEXTS.append(_PlainRNNs)
+TRACE_CONTEXTS.append(inline_compiled)  # a torch.compile-d function is traced as written
 
 
 def _requires_grad(args: Any) -> bool:
