@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.utils.flop_counter import flop_registry
 
 from ._dynamic import hint
+from ._flop_formulas import flop_registry
 from ._graph import ROLE, Role
 
 __all__ = [

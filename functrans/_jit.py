@@ -49,6 +49,7 @@ from ._dynamic import (
     resolve,
     shape_env_of,
 )
+from ._dynamo_skip import compiling, outside_dynamo
 from ._errors import TraceError, UnsupportedOpError
 from ._func import GRAD_SPEC, PER_EXAMPLE, GradSpec, PerExample, VmapOfGrad, plan_per_example
 from ._jit_apply import (
@@ -274,6 +275,12 @@ class Jitted(Generic[_P, _R]):
         return [s.entry.partition for s in self._cache.by_key.values() if s.entry.partition]
 
     def __call__(self, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        if compiling():  # torch.compile around this call: it runs here, as a graph break
+            result: _R = outside_dynamo(self._call_here, args, kwargs)
+            return result
+        return self._call_here(*args, **kwargs)
+
+    def _call_here(self, *args: _P.args, **kwargs: _P.kwargs) -> _R:
         if _functorch_active() or _TRACING.get():
             with transform_frame("jit", self._f):
                 return self._f(*args, **kwargs)  # see inline()

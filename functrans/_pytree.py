@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import enum
 import functools
+import importlib
 import itertools
 import operator
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -123,8 +125,23 @@ def wrap_tree(tree: Any, static_argnums: tuple[int, ...]) -> Any:
     return (wrap_static(tree[0], static_argnums), tree[1]) if static_argnums else tree
 
 
+# Pytree rules for third-party containers, registered the first time a tree is flattened after
+# their package was imported (functrans never imports them): importing module -> our module
+# whose ``register()`` adds the rules. Hugging Face's caches are generation's state.
+_LAZY_RULES: dict[str, str] = {"transformers.cache_utils": "functrans._hf_cache"}
+_pending = dict(_LAZY_RULES)
+
+
+def register_lazy_rules() -> None:
+    """Register the rules of every package in ``_LAZY_RULES`` imported by now (once each)."""
+    for module in [m for m in _pending if m in sys.modules]:
+        importlib.import_module(_pending.pop(module)).register()
+
+
 def leaves_of(tree: Any) -> tuple[list[Any], optree.PyTreeSpec]:
     """optree's leaves and spec of ``tree`` (a :func:`wrap_tree` result), in our namespace."""
+    if _pending:
+        register_lazy_rules()
     return optree.tree_flatten(tree, namespace=NAMESPACE)
 
 

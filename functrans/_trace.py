@@ -40,6 +40,7 @@ from ._dynamic import (
     resolve,
     symbolic_fakes,
 )
+from ._dynamo_skip import inline_compiled
 from ._errors import InvalidArgumentError, TraceError, UnsupportedOpError
 from ._format import op_name
 from ._graph import SOURCE, Graph, Role
@@ -271,6 +272,7 @@ class _PlainRNNs(torch.overrides.TorchFunctionMode):
 
 
 TRACE_CONTEXTS.append(_PlainRNNs)
+TRACE_CONTEXTS.append(inline_compiled)  # a torch.compile-d function is traced as written
 
 #: passes run on every raw trace before the input-mutation check and functionalization,
 #: registered by the modules that emit placeholder ops while tracing (``_regions`` expands

@@ -196,8 +196,11 @@ def flat_doc(flat: Flat) -> Any:
 
 
 def _static(s: Any) -> Any:
-    from ._jit_module import _TorchSpec  # jit(module)'s outputs: a torch pytree spec
+    # jit(module)'s outputs: a torch pytree spec, and which outputs are the caches passed in
+    from ._jit_module import _Static, _TorchSpec
 
+    if type(s) is _Static:
+        return {"static_pairs": [list(pair) for pair in s.value]}
     if type(s) is _TorchSpec:
         try:
             text = torch_pytree.treespec_dumps(s.spec)
@@ -213,6 +216,10 @@ def _static(s: Any) -> Any:
 
 
 def _unstatic(doc: Any) -> Any:
+    if type(doc) is dict and "static_pairs" in doc:
+        from ._jit_module import _Static
+
+        return _Static(tuple((int(j), int(i)) for j, i in doc["static_pairs"]))
     if type(doc) is dict and "torch_spec" in doc:
         from ._jit_module import _TorchSpec
 
