@@ -131,3 +131,30 @@ def test_remat_module_is_the_module_too():
     x = torch.randn(5, 3)
     copy.deepcopy(block)(x).sum().backward()  # the copy's forward runs the copy's parameters
     assert net.head.weight.grad is None
+
+
+class _TanhLinear(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.lin(x))
+        return (h * h).sum()
+
+
+def test_saved_values_name_the_users_line_under_jit_module() -> None:
+    import inspect
+    import os
+
+    jm = ft.jit(_TanhLinear())
+    jm(torch.randn(2, 4)).backward()
+    sources = [v.source for v in jm.partitions()[0].saved if v.source]
+    assert sources, "no saved value carries a source line"
+    _, start = inspect.getsourcelines(_TanhLinear.forward)
+    want = f"{__file__}:{start + 1}: h = torch.tanh(self.lin(x))"
+    # not torch's nn/modules/linear.py, not functrans' own _jit_module.py
+    assert want in sources, sources
+    library = (os.path.dirname(ft.__file__), os.path.dirname(torch.__file__))
+    assert not [s for s in sources if s.startswith(library)], sources

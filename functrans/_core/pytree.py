@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import enum
 import functools
+import importlib
 import itertools
 import operator
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -127,8 +129,23 @@ def wrap_tree(tree: Any, static_argnums: tuple[int, ...]) -> Any:
     return (wrap_static(tree[0], static_argnums), tree[1]) if static_argnums else tree
 
 
+# Pytree rules for third-party containers, registered the first time a tree is flattened after
+# their package was imported (functrans never imports them): importing module -> our module
+# whose ``register()`` adds the rules. Hugging Face's caches are generation's state.
+_LAZY_RULES: dict[str, str] = {"transformers.cache_utils": "functrans._core.hf_cache"}
+_pending = dict(_LAZY_RULES)
+
+
+def register_lazy_rules() -> None:
+    """Register the rules of every package in ``_LAZY_RULES`` imported by now (once each)."""
+    for module in [m for m in _pending if m in sys.modules]:
+        importlib.import_module(_pending.pop(module)).register()
+
+
 def leaves_of(tree: Any) -> tuple[list[Any], optree.PyTreeSpec]:
     """optree's leaves and spec of ``tree`` (a :func:`wrap_tree` result), in our namespace."""
+    if _pending:
+        register_lazy_rules()
     return optree.tree_flatten(tree, namespace=NAMESPACE)
 
 
@@ -569,6 +586,28 @@ def tensor_leaves(tree: Any) -> list[torch.Tensor]:
     [[0.0, 0.0], [1.0, 1.0], [7.0]]
     """
     return flatten(tree)[0]
+
+
+class OutputAliases:
+    """A static output leaf of ``jit(module)``: ``(output leaf, input leaf)`` pairs of the
+    outputs that are objects passed in (a Hugging Face cache handed back updated), compared
+    and hashed by value.
+
+        >>> OutputAliases(((0, 2),)) == OutputAliases(((0, 2),))
+        True
+    """
+
+    def __init__(self, value: tuple[tuple[int, int], ...]) -> None:
+        self.value = value
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, OutputAliases) and self.value == other.value
+
+    def __hash__(self) -> int:
+        return hash(self.value)
+
+    def __repr__(self) -> str:
+        return f"OutputAliases({self.value})"
 
 
 class TorchSpec:

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.utils.flop_counter import flop_registry
 
+from functrans._core.flop_formulas import flop_registry
 from functrans._core.graph import ROLE, Role
 from functrans._core.ops import (
     COLLECTIVE_NAMESPACES,

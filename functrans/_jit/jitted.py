@@ -37,6 +37,7 @@ from functrans._core.backends import get_backend
 from functrans._core.boxed import boxed
 from functrans._core.context import _TRACING, is_tracing
 from functrans._core.dtypes import differentiable
+from functrans._core.dynamo_skip import compiling, outside_dynamo
 from functrans._core.errors import TraceError, UnsupportedOpError
 from functrans._core.logs import log
 from functrans._core.pytree import (
@@ -272,6 +273,12 @@ class Jitted(Generic[_P, _R]):
         return [s.entry.partition for s in self._cache.by_key.values() if s.entry.partition]
 
     def __call__(self, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        if compiling():  # torch.compile around this call: it runs here, as a graph break
+            result: _R = outside_dynamo(self._call_here, args, kwargs)
+            return result
+        return self._call_here(*args, **kwargs)
+
+    def _call_here(self, *args: _P.args, **kwargs: _P.kwargs) -> _R:
         if _functorch_active() or _TRACING.get():
             with transform_frame("jit", self._f):
                 return self._f(*args, **kwargs)  # see inline()

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import functools
 import inspect
@@ -14,9 +15,17 @@ import optree
 import torch
 import torch.utils._pytree as torch_pytree
 
+from functrans._core.dynamo_skip import compiling, outside_dynamo
 from functrans._core.errors import TraceError
+from functrans._core.hf_cache import is_cache_object, register_type, writable
 from functrans._core.module_view import ModuleView
-from functrans._core.pytree import NAMESPACE, TorchSpec, unflatten
+from functrans._core.pytree import (
+    NAMESPACE,
+    OutputAliases,
+    TorchSpec,
+    register_lazy_rules,
+    unflatten,
+)
 from functrans._core.shapes import EveryInput
 from functrans._core.stack import transform_frame
 from functrans._core.state import GLOBAL_HOOKS, ModuleFlags, module_state
@@ -35,10 +44,16 @@ def _compiled_call(module: torch.nn.Module, options: _Options) -> Jitted[..., An
         params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], *args: Any, **kw: Any
     ) -> Any:
         fresh = {k: v.clone() for k, v in buffers.items()}  # in-place updates land here
+        args, kw, caches = _writable_caches(args, kw)  # updated by the forward: returned too
         with _swapped(module, {**params, **fresh}):
             out = module(*args, **kw)
         state = {k: v.detach() for k, v in fresh.items()}  # state, not differentiated
-        return _take_apart(out, type(module).__name__), state
+        spec, leaves = _take_apart(out, type(module).__name__)
+        ids = {id(c): i for i, c in enumerate(caches)}
+        aliases = OutputAliases(
+            tuple((j, ids[id(x)]) for j, x in enumerate(leaves) if id(x) in ids)
+        )
+        return (spec, leaves), state, (aliases, caches)
 
     def names() -> list[str]:
         return [f"model.{name}" if name else "model" for name, _ in module.named_modules()]
@@ -203,7 +218,26 @@ class JitModule(ModuleView):
         """The partition of every cached training specialization."""
         return self._compiled.partitions()
 
+    def __getattr__(self, name: str) -> Any:
+        found = super().__getattr__(name)
+        module = self.__dict__.get("module")
+        if inspect.ismethod(found) and found.__self__ is module and name != "forward":
+            return _through_view(self, found)
+        return found
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if compiling():  # torch.compile around this call: it runs here, as a graph break
+            return outside_dynamo(self._forward_here, args, kwargs)
+        return self._forward_here(*args, **kwargs)
+
+    def _forward_here(self, *args: Any, **kwargs: Any) -> Any:
+        token = _IN_VIEW.set(True)
+        try:
+            return self._forward(*args, **kwargs)
+        finally:
+            _IN_VIEW.reset(token)
+
+    def _forward(self, *args: Any, **kwargs: Any) -> Any:
         jitted = self._compiled
         if inline():
             with transform_frame("jit", self.module):
@@ -222,12 +256,59 @@ class JitModule(ModuleView):
         if run is None:
             return self.module(*args, **kwargs)
         outs, entry, ordered = run
-        (spec, leaves), updated = unflatten(entry.out_flat, outs)
+        (spec, leaves), updated, (aliases, caches) = unflatten(entry.out_flat, outs)
         with torch.no_grad():
             # only buffers the module changed: a copy_ bumps the version counter
             for name in _written(entry, ordered, buffers):
                 buffers[name].copy_(updated[name])
+        given = _cache_inputs(args, kwargs)
+        for mine, new in zip(given, caches, strict=True):  # eager updates them in place
+            mine.__dict__.clear()
+            mine.__dict__.update(new.__dict__)
+        leaves = list(leaves)
+        for j, i in aliases.value:  # the cache the forward returned is the one passed in
+            leaves[j] = given[i]
         return torch_pytree.tree_unflatten(leaves, spec.spec)
+
+
+#: True while a view's forward runs: the module's own forward is the one to call then
+_IN_VIEW: contextvars.ContextVar[bool] = contextvars.ContextVar("functrans_in_view", default=False)
+
+
+def _through_view(view: JitModule, method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` (the module's, such as ``generate``) with every ``self(...)`` it makes run
+    the view's compiled forward: the module's ``forward`` is routed for the call's length."""
+
+    @functools.wraps(method)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        module = view.module
+        own = module.__dict__.get("forward", _NONE)
+        module.__dict__["forward"] = _Routed(view, module.forward)
+        try:
+            return method(*args, **kwargs)
+        finally:
+            if own is _NONE:
+                module.__dict__.pop("forward", None)
+            else:
+                module.__dict__["forward"] = own
+
+    return run
+
+
+_NONE = object()
+
+
+class _Routed:
+    """A module's ``forward`` while one of its methods runs through the view: the view's
+    compiled forward, or the module's own where the view is what calls it."""
+
+    def __init__(self, view: JitModule, own: Callable[..., Any]) -> None:
+        self._view, self._own = view, own
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if _IN_VIEW.get():
+            return self._own(*args, **kwargs)
+        return self._view.forward(*args, **kwargs)
 
 
 class _Forward:
@@ -242,11 +323,33 @@ class _Forward:
         return self._call(*args, **kwargs)
 
 
+def _cache_inputs(args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[Any]:
+    """The cache objects (Hugging Face's ``DynamicCache``...) passed as arguments, in a fixed
+    order: the forward updates them in place, so the compiled call hands their new state
+    back and the caller's objects are updated with it, as eager updates them."""
+    values = [*args, *(kwargs[k] for k in sorted(kwargs))]
+    return [v for v in values if is_cache_object(v)]
+
+
+def _writable_caches(
+    args: Sequence[Any], kwargs: Mapping[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any], list[Any]]:
+    """``args`` and ``kwargs`` with each cache object replaced by one whose in-place writes
+    land on copies (see :func:`functrans._core.hf_cache.writable`), and those objects in
+    :func:`_cache_inputs`' order."""
+    swap = {id(c): writable(c) for c in _cache_inputs(args, kwargs)}
+    if not swap:
+        return tuple(args), dict(kwargs), []
+    new_args = tuple(swap.get(id(a), a) for a in args)
+    new_kwargs = {k: swap.get(id(v), v) for k, v in kwargs.items()}
+    return new_args, new_kwargs, _cache_inputs(new_args, new_kwargs)
+
+
 def _written(
     entry: Entry, ordered: Sequence[torch.Tensor], buffers: Mapping[str, torch.Tensor]
 ) -> list[str]:
     """The buffers a call of ``entry`` changed (its state output is not the buffer as given)."""
-    _, slots = unflatten(entry.out_flat, range(len(entry.out_meta)))  # name -> flat output
+    _, slots, _ = unflatten(entry.out_flat, range(len(entry.out_meta)))  # name -> flat output
     out = []
     for name, slot in slots.items():
         source = entry.copies.get(slot)
@@ -259,10 +362,13 @@ def _take_apart(out: Any, owner: str) -> tuple[TorchSpec, list[Any]]:
     """Flatten a module's output with torch's pytree (which knows ``ModelOutput`` and friends);
     what torch leaves whole optree flattens next. An object left opaque to both that holds
     tensors would return the trace's fake tensors, so it is an error."""
+    register_lazy_rules()
     leaves, spec = torch_pytree.tree_flatten(out)
     for i, leaf in enumerate(leaves):
         for inner in optree.tree_leaves(leaf, namespace=NAMESPACE):
             if not isinstance(inner, torch.Tensor) and _holds_tensor(inner):
+                if is_cache_object(inner) and register_type(type(inner)):
+                    return _take_apart(out, owner)  # a cache class defined after the others
                 raise TraceError(
                     f"jit({owner}): output leaf {i} is a {type(inner).__qualname__} that holds "
                     "tensors functrans cannot see, so they would not be computed on later calls. "

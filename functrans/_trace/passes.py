@@ -8,11 +8,13 @@ from __future__ import annotations
 import contextlib
 import gc
 import operator
+import os
 import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import optree
 import torch
 import torch.fx as fx
 
@@ -72,8 +74,18 @@ def source_of(stack_trace: str | None) -> str | None:
     frames = list(_FRAME.finditer(stack_trace))
     if not frames:
         return None
-    m = frames[-1]
+    # the user's line: torch's and functrans' own frames (nn.Linear's F.linear, jit(module)'s
+    # call) sit inside it; a stack of library frames only names the innermost
+    users = [m for m in frames if not m["file"].startswith(_LIBRARY_DIRS)]
+    m = (users or frames)[-1]
     return f"{m['file']}:{m['line']}: {m['code'].strip()}"
+
+
+_LIBRARY_DIRS = tuple(
+    os.path.dirname(path) + os.sep
+    for path in (torch.__file__, optree.__file__, contextlib.__file__, __file__)
+    if path
+)
 
 
 def canonicalize(

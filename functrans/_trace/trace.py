@@ -28,6 +28,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from functrans._core.context import _TRACING, LIBRARY_DIRS, culprit, is_tracing, user_frame
 from functrans._core.describe import check_numpy_leaves
+from functrans._core.dynamo_skip import inline_compiled
 from functrans._core.errors import InvalidArgumentError, TraceError, UnsupportedOpError
 from functrans._core.format import op_name
 from functrans._core.graph import SOURCE, Graph, Role
@@ -227,6 +228,7 @@ class _PlainRNNs(torch.overrides.TorchFunctionMode):
 
 
 TRACE_CONTEXTS.append(_PlainRNNs)
+TRACE_CONTEXTS.append(inline_compiled)  # a torch.compile-d function is traced as written
 
 #: passes run on every raw trace before the input-mutation check and functionalization,
 #: registered by the modules that emit placeholder ops while tracing (``_regions`` expands

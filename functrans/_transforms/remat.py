@@ -37,6 +37,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 from functrans._core.context import is_tracing
+from functrans._core.dynamo_skip import compiling, outside_dynamo, refuse_export
 from functrans._core.errors import InvalidArgumentError, UnsupportedOpError
 from functrans._core.module_view import ModuleView
 from functrans._core.pytree import NAMESPACE
@@ -587,8 +588,17 @@ def _remat_function(
         _SAVE_NOTHING if policy in (None, policies.nothing_saveable) else policies.normalize(policy)
     )
 
+    name = fn_name(f)  # read here: Dynamo reads function attributes its own way
+
     @functools.wraps(f)
     def wrapped(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        if compiling():  # torch.compile or torch.export around this call
+            refuse_export("remat", name)
+            result: _R = outside_dynamo(here, args, kwargs)  # eager remat, as a graph break
+            return result
+        return here(*args, **kwargs)
+
+    def here(*args: _P.args, **kwargs: _P.kwargs) -> _R:
         with transform_frame("remat", f):
             if is_tracing():
                 return _traced(f, decide, args, kwargs)
@@ -627,7 +637,12 @@ class RematModule(ModuleView):
 
     def _derive(self) -> None:
         module = self._wrapped
-        call = remat(lambda *a, **k: module(*a, **k), policy=self.__dict__["_policy"])
+
+        def run(*a: Any, **k: Any) -> Any:
+            return module(*a, **k)
+
+        run.__qualname__ = type(module).__name__  # errors name the module, not this function
+        call = remat(run, policy=self.__dict__["_policy"])
         self.__dict__["_call"] = call
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:

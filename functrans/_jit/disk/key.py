@@ -128,7 +128,6 @@ def _environment() -> tuple[Any, ...]:
             torch.version.git_version,
             torch.version.cuda,
             torch.version.hip,
-            _version("triton"),
             _version("functrans"),
             functrans_digest(),
         )

@@ -11,8 +11,9 @@ recently used entries go first).
 that code reads, (c) the inputs' metadata and (d) torch's global state. An entry is used only
 when all four are what they were when it was traced:
 
-- The *key* (computed before tracing) hashes: the Python, torch, triton and functrans versions
-  (and functrans' own source files); torch flags a trace reads (SDPA backends, matmul precision,
+- The *key* (computed before tracing) hashes: the Python, torch and functrans versions (and
+  functrans' own source files; a trace is ATen ops, whatever backend compiles it, so no
+  backend's version is in it); torch flags a trace reads (SDPA backends, matmul precision,
   global module hooks); the global state ``jit`` guards (grad and inference mode, autocast,
   default dtype, deterministic algorithms, module training flags); the options that reach the
   trace (decompositions as resolved, ``static_argnums``, and any option this module does not know

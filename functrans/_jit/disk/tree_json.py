@@ -28,7 +28,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as torch_pytree
 
-from functrans._core.pytree import NAMESPACE, Flat, TorchSpec
+from functrans._core.pytree import NAMESPACE, Flat, OutputAliases, TorchSpec
 
 __all__ = [
     "CorruptEntry",
@@ -197,6 +197,8 @@ def flat_doc(flat: Flat) -> Any:
 
 
 def _static(s: Any) -> Any:
+    if type(s) is OutputAliases:  # jit(module): which outputs are the caches passed in
+        return {"static_pairs": [list(pair) for pair in s.value]}
     if type(s) is TorchSpec:
         try:
             text = torch_pytree.treespec_dumps(s.spec)
@@ -212,6 +214,8 @@ def _static(s: Any) -> Any:
 
 
 def _unstatic(doc: Any) -> Any:
+    if type(doc) is dict and "static_pairs" in doc:
+        return OutputAliases(tuple((int(j), int(i)) for j, i in doc["static_pairs"]))
     if type(doc) is dict and "torch_spec" in doc:
         return TorchSpec(torch_pytree.treespec_loads(doc["torch_spec"]))
     return decode(doc, {})
