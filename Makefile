@@ -8,7 +8,7 @@ STAMP   := $(VENV)/.installed
 TORCH   := torch==2.13.0
 export HYPOTHESIS_PROFILE ?= ci
 
-.PHONY: demo test lint typecheck docs unit browser fuzz conformance bench bench-quick clean
+.PHONY: demo test check format lint typecheck docs unit browser fuzz conformance bench bench-quick clean
 
 $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -26,6 +26,11 @@ lint: $(STAMP)
 
 typecheck: $(STAMP)
 	$(VPY) -m mypy
+
+# rewrite what ruff can fix and format the tree
+format: $(STAMP)
+	$(VPY) -m ruff check --fix .
+	$(VPY) -m ruff format .
 
 # tests/test_report_browser.py renders the HTML report in Debian's Chromium, installed here
 # when missing
@@ -46,6 +51,11 @@ docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VPY) -m mkdocs build --strict --quiet --site-dir site
 
 test: lint typecheck docs unit
+
+# the quick loop while working: lint, types and the unit tests, without installing Chromium
+# (the browser test skips) and without building the docs
+check: lint typecheck
+	$(VPY) -m pytest -q -n 2
 
 fuzz: $(STAMP)
 	HYPOTHESIS_PROFILE=nightly $(VPY) -m pytest -q -n 2 tests -k "property"

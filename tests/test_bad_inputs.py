@@ -1,4 +1,4 @@
-"""Bad input over the whole public API is never silent and never raw (issue #27).
+"""Bad input over the whole public API is never silent and never raw.
 
 The cases are generated: every public entry point crossed with bad values of each of its
 arguments (None, strings, floats, out-of-range ints, numpy arrays, meta tensors, wrong pytrees,

@@ -352,7 +352,7 @@ def _disable_dropout(model: torch.nn.Module) -> None:
     ids=["torch", "torch-reentrant", "functrans", "functrans-dots"],
 )
 def test_hf_gradient_checkpointing_under_jit(make: Any, func: Any) -> None:
-    # issue 29: torch's checkpoint re-ran the layer in the trace's backward, after
+    # torch's checkpoint re-ran the layer in the trace's backward, after
     # functional_call restored the real parameters: "reads captured tensor
     # module.transformer.h.1.ln_1.bias through a path functrans cannot find"
     model = make()

@@ -1,4 +1,4 @@
-"""Complex tensors are differentiated as eager PyTorch differentiates them (functrans issue 27).
+"""Complex tensors are differentiated as eager PyTorch differentiates them.
 
 torch's convention: the ``.grad`` of a complex leaf is the conjugate Wirtinger derivative of
 the real loss, what ``loss.backward()`` leaves. Every case runs eager and functrans under one

@@ -1,4 +1,4 @@
-"""Peer cases for custom rules and vjp (functrans issue 27), in our own words."""
+"""Peer cases for custom rules and vjp, in our own words."""
 
 import pytest
 import torch

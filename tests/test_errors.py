@@ -1,5 +1,5 @@
 """Bad input gets a clear error: a FunctransError subclass that names the argument or option,
-shows the value and says what is accepted (issue #14)."""
+shows the value and says what is accepted."""
 
 import contextlib
 import ctypes

@@ -75,8 +75,11 @@ def test_regression_budget_below_full_remat_is_not_infeasible_when_a_cut_beats_i
         ),
         outputs=(4, 3),
     )
-    _check_all_strategies(prog, lambda op, *args, **kwargs: ft.policies.Policy.MUST_SAVE)
     tagged = ft.remat(prog, policy=lambda op, *args, **kwargs: ft.policies.Policy.MUST_SAVE)
-    jg = ft.joint(tagged)(*prog.example_inputs())
+    args = prog.example_inputs()
+    jg = ft.joint(tagged)(*args)
+    for name in ("optimal", "memory_budget"):  # the built-ins a budget reaches
+        for options in partitioners.examples(name):
+            check_policy_tags(partition_and_check(tagged, args, jg, name, options, eager=prog))
     low = ft.partition(jg, "optimal", budget=0.0).activation_bytes
     assert low < ft.partition(jg, "full_remat").activation_bytes

@@ -301,7 +301,7 @@ def test_lock_timeout_comes_from_the_environment(monkeypatch):
             _native_build.lock_timeout()
 
 
-# the cache holds code this process runs: it must be this user's alone (issue 19)
+# the cache holds code this process runs: it must be this user's alone
 def test_cache_folders_are_created_private(tmp_path):
     lib = tmp_path / "root" / "native" / "abc" / "lib.so"
     _native_build.cached_build(lib, lambda into: (into / "lib.so").write_bytes(b"x"), bytes)

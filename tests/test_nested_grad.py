@@ -1,4 +1,4 @@
-"""functrans' reverse mode nested inside its own transforms (issue 17, first step): an inner
+"""functrans' reverse mode nested inside its own transforms: an inner
 ``grad``/``vjp`` under an outer trace differentiates in place and the outer trace records it.
 Before, each of these raised torch's raw "fake mode ... doesn't match mode" assertion."""
 

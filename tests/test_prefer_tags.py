@@ -1,4 +1,4 @@
-"""PREFER_* tags mean the same in every strategy as in eager selective checkpointing (issue 16).
+"""PREFER_* tags mean the same in every strategy as in eager selective checkpointing.
 
 torch documents a policy that saves matmuls (MUST_SAVE) and prefers recomputing the rest
 (PREFER_RECOMPUTE). Eager remat recomputes the rest; so must ``default`` (what ``ft.grad`` and

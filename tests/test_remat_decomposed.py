@@ -1,4 +1,4 @@
-"""Traced ``remat`` asks its policy about the op the user wrote, not its decomposition (issue 16).
+"""Traced ``remat`` asks its policy about the op the user wrote, not its decomposition.
 
 Tracing decomposes ``silu`` into ``sigmoid`` and ``mul`` (and ``mish``, ``baddbmm``, ``lerp``...
 into their pieces). A policy naming ``aten.silu.default`` kept the silu output in eager mode and

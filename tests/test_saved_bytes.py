@@ -1,4 +1,4 @@
-"""Saved bytes are counted per storage (issue #14): a value and a view of it saved together (an
+"""Saved bytes are counted per storage: a value and a view of it saved together (an
 attention output and the reshape the output projection reads) keep one buffer alive, and
 ``Partition.activation_bytes``, ``report()``, ``saved_residuals`` and the liveness simulation
 count it once. ``default`` saves what eager autograd saves, so its activation bytes must equal
@@ -63,7 +63,7 @@ def eager_saved_bytes(fn: Any, params: Any, x: Any) -> int:
 
 def sdpa_gpt_block() -> zoo.Model:
     """The zoo's GPT block with ``F.scaled_dot_product_attention``: its output and the view the
-    output projection reads are one storage (the double count of issue #14)."""
+    output projection reads are one storage (counted twice before)."""
 
     def fn(params: dict[str, Any], x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape

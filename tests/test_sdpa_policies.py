@@ -1,4 +1,4 @@
-"""Attention without dropout is not random (issue #14), and every remat policy works with every
+"""Attention without dropout is not random, and every remat policy works with every
 strategy on a GPT block built on ``F.scaled_dot_product_attention``.
 
 The SDPA kernels carry ``torch.Tag.nondeterministic_seeded`` whatever their ``dropout_p``; classed

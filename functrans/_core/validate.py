@@ -199,7 +199,7 @@ def saved_items(name: str, chosen: object) -> list[str | fx.Node]:
     return items
 
 
-# -- the public transforms' own arguments (issue #27) ---------------------------------------
+# -- the public transforms' own arguments ---------------------------------------------------
 
 
 def check_callable(where: str, name: str, value: object) -> None:

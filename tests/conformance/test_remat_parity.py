@@ -1,4 +1,4 @@
-"""Remat parity (issue 16): one policy saves the same values and recomputes the same ops in eager
+"""Remat parity: one policy saves the same values and recomputes the same ops in eager
 mode (``ft.remat`` under autograd) and in traced mode (``ft.partition`` of ``ft.joint``).
 
 For every built-in policy, for random per-op policies over random programs and for every

@@ -1,4 +1,4 @@
-"""On-disk cache of traced graphs across processes (issue 19): a restart skips tracing.
+"""On-disk cache of traced graphs across processes: a restart skips tracing.
 
 ``jit`` calls :func:`traced` around each trace (``trace`` for inference entries, ``joint`` for
 training entries); partitioning and compiling run again on whatever graph comes back (they are
