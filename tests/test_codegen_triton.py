@@ -12,6 +12,7 @@ from benchmarks import zoo
 from functrans._core.pytree import flatten
 from functrans.testing import check_backend, programs
 from functrans.testing._check import tolerances
+from functrans.testing._program import InputSpec, Program, Step
 
 pytest.importorskip("triton")
 
@@ -447,6 +448,25 @@ def test_property_triton_matches_eager_on_random_programs(prog, limits):
     rounding where an op jumps (a clamp at its bound): they pass when they are as close to the
     float64 result as eager is (``functrans.testing``'s comparison)."""
     backend = TritonBackend(persistent_limit=limits[0], max_block=limits[1])
+    check_backend(prog, prog.example_inputs(), _Recording(backend), "min_cut")
+
+
+def test_regression_a_value_read_through_a_view_of_an_uninlined_one_is_not_inlined():
+    """Shrunk by the nightly fuzz: ``gt(unsqueeze(neg(x)))`` was marked inline (recomputed by
+    its readers) while ``neg`` still was; ``neg`` was then dropped from the inline set (its
+    ``unsqueeze`` needs it in memory) and ``gt`` stayed, so the one backward kernel loaded
+    ``neg`` from memory before computing it (KeyError at launch)."""
+    prog = Program(
+        inputs=(InputSpec((), torch.float32),),
+        steps=(
+            *(Step("neg", (k,), (), ()) for k in range(5)),
+            Step("tanh", (5,), (), ()),
+            Step("unsqueeze", (1,), (0,), (1,)),
+            Step("where", (7, 0.5, 6), (), (1,)),
+        ),
+        outputs=(8,),
+    )
+    backend = TritonBackend(persistent_limit=1024, max_block=1024)
     check_backend(prog, prog.example_inputs(), _Recording(backend), "min_cut")
 
 

@@ -94,11 +94,12 @@ def _inline(nodes: list[fx.Node], lower: set[fx.Node]) -> frozenset[fx.Node]:
             out.add(n)
             out.update(slices)
     changed = True
-    while changed:  # drop any whose value something else needs in memory
-        changed = False
+    while changed:  # drop any whose value something else needs in memory, and any that
+        changed = False  # read a value through one just dropped (it is made in-kernel now)
         for n in reversed(nodes):
-            if n in out and any(
-                (u not in lower or _is_reshape(u)) and u not in out for u in n.users
+            if n in out and (
+                any((u not in lower or _is_reshape(u)) and u not in out for u in n.users)
+                or (n not in pure and not all(loaded(a) for a in n.all_input_nodes))
             ):
                 out.discard(n)
                 changed = True
