@@ -94,41 +94,56 @@ def _check_only_lora_trains(model: Any, run: _Run) -> None:
 # peft LoRA
 
 
-def test_peft_lora_under_jit_trains_like_eager() -> None:
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "ft.checkpoint"])
+def test_peft_lora_under_jit_trains_like_eager(checkpointing: bool) -> None:
     eager_model = _lora(_gpt2())
     jit_model = copy.deepcopy(eager_model)
+    if checkpointing:  # transformers' gradient checkpointing through ft.checkpoint, then jit
+        jit_model.base_model.model._set_gradient_checkpointing(
+            enable=True, gradient_checkpointing_func=ft.checkpoint
+        )
     eager = _Run(eager_model, _sgd_step(eager_model, eager_model))
     jitted = ft.jit(jit_model)
-    ours = _Run(jit_model, _sgd_step(jit_model, jitted))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no fallback to running eagerly
+        warnings.simplefilter("ignore", FutureWarning)  # names renamed in transformers 5
+        ours = _Run(jit_model, _sgd_step(jit_model, jitted))
     ours.check_equal(eager)
     _check_only_lora_trains(jit_model, ours)
     assert jitted.cache_info().entries == 1  # compiled, not run eagerly
 
 
-def _remat_blocks(model: Any) -> None:
+def _remat_blocks(model: Any, calls: list[int]) -> None:
     blocks = model.base_model.model.transformer.h
     for i, block in enumerate(blocks):
         blocks[i] = ft.remat(block, policy=policies.dots_saveable)
+        calls.append(1)
 
 
-def _hf_checkpointing(model: Any) -> None:
-    # peft's model forwards gradient_checkpointing_enable to the transformers model
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)  # names renamed in transformers 5
-        model.base_model.model._set_gradient_checkpointing(
-            enable=True, gradient_checkpointing_func=ft.checkpoint
-        )
+def _hf_checkpointing(model: Any, calls: list[int]) -> None:
+    # transformers calls gradient_checkpointing_func(layer.__call__, *args) for each layer
+    def checkpoint(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return ft.checkpoint(fn, *args, **kwargs)
+
+    model.base_model.model._set_gradient_checkpointing(
+        enable=True, gradient_checkpointing_func=checkpoint
+    )
 
 
 @pytest.mark.parametrize("apply", [_remat_blocks, _hf_checkpointing], ids=["remat", "hf"])
-def test_peft_lora_under_remat_trains_like_eager(apply: Callable[[Any], None]) -> None:
+def test_peft_lora_under_remat_trains_like_eager(apply: Callable[[Any, list[int]], None]) -> None:
     eager_model = _lora(_gpt2())
     remat_model = copy.deepcopy(eager_model)
-    apply(remat_model)
+    calls: list[int] = []
+    apply(remat_model, calls)
     eager = _Run(eager_model, _sgd_step(eager_model, eager_model))
-    ours = _Run(remat_model, _sgd_step(remat_model, remat_model))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # names renamed in transformers 5
+        ours = _Run(remat_model, _sgd_step(remat_model, remat_model))
     ours.check_equal(eager)
     _check_only_lora_trains(remat_model, ours)
+    assert len(calls) >= 2  # both blocks ran under functrans' remat
 
 
 # ---------------------------------------------------------------------------------------------
@@ -165,3 +180,85 @@ def test_accelerate_prepare_with_jit_trains_like_eager(order: str) -> None:
         return result
 
     train(True).check_equal(train(False))
+
+
+# ---------------------------------------------------------------------------------------------
+# Lightning
+
+
+def _lightning() -> Any:
+    try:
+        import lightning
+    except ImportError as e:  # a Lightning release that does not import with this torch
+        pytest.skip(f"lightning does not import: {e}")
+    return lightning
+
+
+class _Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin1 = torch.nn.Linear(8, 16)
+        self.norm = torch.nn.LayerNorm(16)
+        self.lin2 = torch.nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin2(torch.tanh(self.norm(self.lin1(x))))
+
+
+_WRAP: dict[str, Callable[[torch.nn.Module], Any]] = {
+    "eager": lambda net: net,
+    "jit": ft.jit,
+    "remat": lambda net: ft.remat(net, policy=policies.dots_saveable),
+    "jit-remat": lambda net: ft.jit(ft.remat(net)),
+}
+
+
+@pytest.mark.parametrize("wrap", ["jit", "remat", "jit-remat"])
+def test_lightning_trainer_with_jit_and_remat_trains_like_eager(wrap: str) -> None:
+    L = _lightning()
+
+    class Module(L.LightningModule):  # type: ignore[misc,name-defined]
+        def __init__(self, wrap: str) -> None:
+            super().__init__()
+            self.net = _Net()
+            self.run = _WRAP[wrap](self.net)
+            self.losses: list[torch.Tensor] = []
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = self.run(x)
+            return out
+
+        def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            loss = torch.nn.functional.mse_loss(self(x), y)
+            self.losses.append(loss.detach())
+            return loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.net.parameters(), lr=0.1)
+
+    def train(wrap: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        L.seed_everything(0, verbose=False)
+        module = Module(wrap)
+        data = torch.utils.data.TensorDataset(torch.randn(8, 8), torch.randn(8, 1))
+        trainer = L.Trainer(
+            max_steps=2,
+            accelerator="cpu",
+            devices=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # Lightning's advice on dataloader workers
+            trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=4))
+        if hasattr(module.run, "cache_info"):
+            assert module.run.cache_info().entries == 1  # compiled, not run eagerly
+        return module.losses, [p.detach().clone() for p in module.net.parameters()]
+
+    eager_losses, eager_params = train("eager")
+    losses, params = train(wrap)
+    assert len(losses) == 2
+    assert_close(losses, eager_losses)
+    assert_close(params, eager_params)
