@@ -309,6 +309,20 @@ def test_peak_bytes_is_checked():
         ft.partition(jg, "memory_budget", peak_bytes=64, solver="greedy")
 
 
+def test_scratch_counts_the_cpu_casts_of_mixed_dtype_inputs():
+    """A float times a bool mask copies the mask to float32 first (measured from the allocator);
+    a comparison of two floats casts nothing."""
+    from functrans.extend import scratch_bytes
+
+    def f(x, m):
+        return x * m, x.eq(x)
+
+    g = ft.trace(f)(torch.ones(64), torch.ones(64, dtype=torch.bool))
+    mul, eq = list(g.ops())
+    assert scratch_bytes(mul) >= 64 * 4
+    assert scratch_bytes(eq) == 0
+
+
 # -- properties over random programs --------------------------------------------------------
 
 

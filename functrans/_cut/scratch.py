@@ -76,16 +76,19 @@ def scratch_bytes(node: fx.Node) -> int:
 
 
 def _casts_inputs(node: fx.Node) -> bool:
-    """Whether ``node`` runs on the CPU with a tensor input of another dtype than its result:
-    the CPU's elementwise and reduction kernels copy such inputs to the common dtype first."""
+    """Whether ``node`` runs on the CPU with inputs the kernel copies to a common dtype first:
+    tensor inputs of different dtypes (``mul`` of a float by a bool mask), or one of another
+    dtype than a non-bool result (``sum`` of a bool tensor into int64). Comparisons of inputs of
+    one dtype into a bool result cast nothing."""
     val = node.meta.get("val")
     if not isinstance(val, torch.Tensor) or val.device.type != "cpu":
         return False
-    for a in node.all_input_nodes:
-        t = a.meta.get("val")
-        if isinstance(t, torch.Tensor) and t.dtype != val.dtype and t.dim() > 0:
-            return True
-    return False
+    dtypes = {
+        t.dtype
+        for a in node.all_input_nodes
+        if isinstance(t := a.meta.get("val"), torch.Tensor) and t.dim() > 0
+    }
+    return len(dtypes) > 1 or (val.dtype != torch.bool and bool(dtypes - {val.dtype}))
 
 
 def _signature(node: fx.Node) -> tuple[Any, ...] | None:
