@@ -32,7 +32,7 @@ format: $(STAMP)
 	$(VPY) -m ruff check --fix .
 	$(VPY) -m ruff format .
 
-# tests/test_report_browser.py renders the HTML report in Debian's Chromium, installed here
+# tests/viz/test_report_browser.py renders the HTML report in Debian's Chromium, installed here
 # when missing
 # (as root, else through sudo); FUNCTRANS_REQUIRE_BROWSER=1 makes its absence a failure.
 SUDO    := $(shell [ "$$(id -u)" = 0 ] || echo sudo)

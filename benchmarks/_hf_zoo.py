@@ -43,11 +43,13 @@ SDPA_NOTE = (
     "attn_implementation='sdpa' used to give wrong gradients: torch's core ATen decomposition "
     "of aten._scaled_dot_product_flash_attention_for_cpu returns the attention matrix where its "
     "backward op expects the logsumexp. functrans now keeps that op whole (regression test in "
-    "tests/test_api.py); the zoo keeps 'eager' attention so both sides see matmul + softmax"
+    "tests/transforms/test_api.py); the zoo keeps 'eager' attention so both sides see matmul + "
+    "softmax"
 )
 
 #: Mistral's attention window at every size: below the "small" sequence length (8), so the
-#: sliding-window mask really differs from a causal one (tests/test_hf_models.py checks it).
+#: sliding-window mask really differs from a causal one
+#: (tests/integration/test_hf_models.py checks it).
 MISTRAL_WINDOW = 4
 
 VOCAB = 128

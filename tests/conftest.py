@@ -3,7 +3,7 @@
 import os
 
 # The suite compiles thousands of throwaway functions: keep them out of the on-disk trace cache
-# (tests/test_disk_cache.py turns it on in its own folders). FUNCTRANS_CACHE=1 with a fresh
+# (tests/jit/test_disk_cache.py turns it on in its own folders). FUNCTRANS_CACHE=1 with a fresh
 # FUNCTRANS_CACHE_DIR, run twice, runs the suite through the cache: a soundness check.
 os.environ.setdefault("FUNCTRANS_CACHE", "0")
 

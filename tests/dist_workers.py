@@ -1,5 +1,5 @@
-"""Worker functions for tests/test_distributed.py: each runs on every rank (see tests/_dist.py)
-and returns picklable results the test compares across ranks and with eager."""
+"""Worker functions for tests/integration/test_distributed.py: each runs on every rank (see
+tests/_dist.py) and returns picklable results the test compares across ranks and with eager."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 The figure is what a step allocates above what its caller already holds, which is what an
 allocator profile of the step measures (:func:`functrans.testing.measure_peak`, within 2% on
-the zoo; ``tests/test_peak_memory.py``). The model follows what ``jit`` and a
+the zoo; ``tests/cut/test_peak_memory.py``). The model follows what ``jit`` and a
 :class:`~functrans.Partition` driven directly do:
 
 - primal inputs are the caller's (parameters, the batch): live throughout, counted in neither

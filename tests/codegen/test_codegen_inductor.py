@@ -21,7 +21,7 @@ import torch.nn.functional as F
 import functrans as ft
 from functrans import codegen
 
-_ROOT = str(Path(__file__).resolve().parent.parent)
+_ROOT = str(Path(__file__).resolve().parents[2])
 if _ROOT not in sys.path:  # the benchmarks package lives at the repository root
     sys.path.insert(0, _ROOT)
 

@@ -18,7 +18,7 @@ import pytest
 
 from functrans.extend import PluginError, PluginRegistry, PluginWarning
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _distribution(root: Path, name: str, files: dict[str, str], entry_points: str) -> None:

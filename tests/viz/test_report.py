@@ -1,6 +1,6 @@
 # ruff: noqa: F811  (the fixtures imported from _report_fixtures are test arguments)
 """The memory report: layout, table, escaping, charts, plot_memory and ``explain --html``
-(the page in a real browser: tests/test_report_browser.py)."""
+(the page in a real browser: tests/viz/test_report_browser.py)."""
 
 import random
 import re

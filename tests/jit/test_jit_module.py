@@ -122,7 +122,7 @@ def test_to_dtype_recompiles_for_the_new_parameters():
 
 
 def test_remat_module_is_the_module_too():
-    # found by tests/test_real_use.py: remat(module) prefixed every key with "module."
+    # found by tests/integration/test_real_use.py: remat(module) prefixed every key with "module."
     net = make()
     block = ft.remat(net)
     assert list(block.state_dict()) == list(net.state_dict())

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 #: Folder -> the package it installs as (None: loose scripts).
 PACKAGES: dict[str, str | None] = {

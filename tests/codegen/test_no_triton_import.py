@@ -35,7 +35,7 @@ def test_import_functrans_does_not_import_triton() -> None:
         capture_output=True,
         text=True,
         timeout=120,
-        cwd=Path(__file__).resolve().parents[1],
+        cwd=Path(__file__).resolve().parents[2],
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "ok"
@@ -68,7 +68,7 @@ def test_jit_grad_partition_run_without_triton(tmp_path: Path) -> None:
         text=True,
         timeout=180,
         env=env,
-        cwd=Path(__file__).resolve().parents[1],
+        cwd=Path(__file__).resolve().parents[2],
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "ok"

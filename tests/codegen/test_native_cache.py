@@ -5,7 +5,7 @@ processes that start together build once.
 Each case runs a fresh Python process against its own ``FUNCTRANS_CACHE_DIR`` and replaces only
 the compiler, by a copy of this session's library (see ``SCRIPT``), so it takes seconds; the real
 compiler runs through the same ``cached_build`` whenever a machine builds the library first
-(``tests/test_codegen_native.py`` on a fresh clone)."""
+(``tests/codegen/test_codegen_native.py`` on a fresh clone)."""
 
 import contextlib
 import json

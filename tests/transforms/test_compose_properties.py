@@ -1,7 +1,7 @@
 """Property: any composition of up to three of {grad, vjp, jvp, vmap, jit, remat, jacrev} over a
 random program gives what torch.func's composition of the same function gives, whatever
 partition strategy each reverse-mode level uses. Shrunk failures live in
-tests/test_compose.py as named cases."""
+tests/transforms/test_compose.py as named cases."""
 
 from collections.abc import Callable
 from dataclasses import dataclass

@@ -30,7 +30,7 @@ from functrans._cut.partition import format_bytes
 from functrans.extend import activation_bytes, saved_activation_bytes, storage_nbytes, storage_of
 from functrans.partitioners.memory_budget import MemoryBudget
 
-_ROOT = str(Path(__file__).resolve().parent.parent)
+_ROOT = str(Path(__file__).resolve().parents[2])
 if _ROOT not in sys.path:  # the benchmarks package lives at the repository root
     sys.path.insert(0, _ROOT)
 

@@ -1,7 +1,7 @@
 """Tensor-subclass inputs without torch.distributed: a subclass functrans cannot take apart
 (more than one inner tensor) is refused naming the argument, never baked in as a constant;
 ``jit`` runs it as written. DTensor (taken apart) is tested on 2 ranks in
-tests/test_distributed.py."""
+tests/integration/test_distributed.py."""
 
 import pytest
 import torch

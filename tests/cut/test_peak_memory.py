@@ -26,7 +26,7 @@ from functrans.testing import assert_close, measure_peak, programs
 from functrans.testing._check import partition_and_check
 from functrans.testing._program import InputSpec, Program, Step
 
-_ROOT = str(Path(__file__).resolve().parent.parent)
+_ROOT = str(Path(__file__).resolve().parents[2])
 if _ROOT not in sys.path:  # the benchmarks package lives at the repository root
     sys.path.insert(0, _ROOT)
 

@@ -333,7 +333,7 @@ def test_a_tensor_in_a_tuple_that_requires_grad_is_refused():
 
 
 def test_a_closure_over_tied_weights_trains_like_eager_and_survives_untying():
-    # found by tests/test_real_use.py: the tie made the second path a constant
+    # found by tests/integration/test_real_use.py: the tie made the second path a constant
     torch.manual_seed(0)
     emb, head = nn.Embedding(8, 4), nn.Linear(4, 8, bias=False)
     head.weight = emb.weight

@@ -18,7 +18,7 @@ import torch
 import functrans as ft
 from functrans.testing import assert_close
 
-_ROOT = str(Path(__file__).resolve().parent.parent)
+_ROOT = str(Path(__file__).resolve().parents[2])
 if _ROOT not in sys.path:  # the benchmarks package lives at the repository root
     sys.path.insert(0, _ROOT)
 

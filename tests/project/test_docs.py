@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 FENCE = re.compile(r"^(\s*)```(\S*)(.*)$")
 NO_RUN = re.compile(r"^\s*<!--\s*no-run:(.*?)-->\s*$")

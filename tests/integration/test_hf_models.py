@@ -2,7 +2,8 @@
 from configs, no download) give eager autograd's loss and every parameter's gradient under every
 strategy, through ``functrans.vjp``, ``functrans.jit`` on the functional loss and ``functrans.jit``
 on the ``nn.Module`` itself. float32, with the library's float32 tolerances. One layer each, to
-keep the file fast (about 40 s of CPU): tests/test_zoo.py checks the zoo's 2-layer versions.
+keep the file fast (about 40 s of CPU): tests/integration/test_zoo.py checks the zoo's 2-layer
+versions.
 
 The first tests need no ``transformers``: they pin down ``jit(module)`` bugs the models revealed.
 """
@@ -22,7 +23,7 @@ import functrans as ft
 from functrans import TraceError
 from functrans.testing import assert_close
 
-_ROOT = str(Path(__file__).resolve().parent.parent)
+_ROOT = str(Path(__file__).resolve().parents[2])
 if _ROOT not in sys.path:  # the benchmarks package lives at the repository root
     sys.path.insert(0, _ROOT)
 

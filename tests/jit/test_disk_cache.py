@@ -27,7 +27,7 @@ from functrans._jit.disk import store as _disk_cache
 from functrans.extend import REMAT, tensor_leaves
 from functrans.testing import programs
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 300
 MODELS = [name for name in ZOO if not name.startswith("hf_")] + (
     ["hf_llama"] if has_transformers() else []
