@@ -50,8 +50,11 @@ _STACK: contextvars.ContextVar[tuple[Frame, ...]] = contextvars.ContextVar(
     "functrans_transform_stack", default=()
 )
 _NAMED = "__functrans_stack_named__"
-#: Class attribute of functrans' internal control-flow exceptions (a retry): never renamed.
-CONTROL_FLOW = "__functrans_control_flow__"
+
+
+class ControlFlow(Exception):
+    """Base of functrans' internal control-flow exceptions (a trace stopped on purpose, caught
+    by functrans itself): passed through nested transforms as themselves, never renamed."""
 
 
 class TransformError(FunctransError):
@@ -100,7 +103,7 @@ class transform_frame:  # used as a function: with transform_frame(...)
             isinstance(e, Exception)
             and len(self.frames) >= 2
             and not getattr(e, _NAMED, False)
-            and not getattr(e, CONTROL_FLOW, False)
+            and not isinstance(e, ControlFlow)
             and not isinstance(e, StopIteration | StopAsyncIteration)
         )
         if named:

@@ -24,8 +24,9 @@ from functrans._core.validate import (
 from functrans._cut.partition import Strategy, check_partition_options, get_strategy
 from functrans._trace.decomp import Decompositions, decomposition_table
 
-from .jitted import CACHE_SIZE, Jitted, _Options
+from .jitted import Jitted
 from .module import JitModule
+from .options import CACHE_SIZE, Options
 
 __all__ = ["JitDecorator", "jit"]
 
@@ -137,7 +138,7 @@ def jit(
             **partition_options,
         )
         return cast(JitDecorator, decorate)
-    opts = _Options(
+    opts = Options(
         partition=partition,
         backend=backend,
         static_argnums=check_static_argnums("jit", static_argnums),

@@ -25,6 +25,7 @@ from functrans._core.state import State, describe
 __all__ = [
     "RECOMPILE_WARNING",
     "Cache",
+    "CacheInfo",
     "RecompileWarning",
     "Signature",
     "Slot",
@@ -41,6 +42,24 @@ _E = TypeVar("_E")
 
 class RecompileWarning(UserWarning):
     """A jitted function recompiles often (each recompile traces and compiles again)."""
+
+
+@dataclass
+class CacheInfo:
+    """Cache statistics and cumulative stage times (seconds) of a jitted function."""
+
+    hits: int = 0
+    misses: int = 0
+    entries: int = 0
+    evictions: int = 0
+    #: traces read from the on-disk cache instead of traced (:mod:`functrans._jit.disk.store`)
+    disk_hits: int = 0
+    #: block calls whose trace was a copy of a region traced before
+    #: (:mod:`functrans._trace.regions`)
+    regions_reused: int = 0
+    trace_s: float = 0.0
+    partition_s: float = 0.0
+    compile_s: float = 0.0
 
 
 class TensorMeta(NamedTuple):

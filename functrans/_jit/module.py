@@ -32,12 +32,14 @@ from functrans._core.state import GLOBAL_HOOKS, ModuleFlags, module_state
 from functrans._cut.partition import Partition
 
 from .apply import OVERWRITES, Entry
-from .jitted import CacheInfo, Jitted, _Options, inline
+from .cache import CacheInfo
+from .jitted import Jitted, inline
+from .options import Options
 
 __all__ = ["JitModule"]
 
 
-def _compiled_call(module: torch.nn.Module, options: _Options) -> Jitted[..., Any]:
+def _compiled_call(module: torch.nn.Module, options: Options) -> Jitted[..., Any]:
     """``module``'s forward as a function of its parameters and buffers, jitted."""
 
     def call(
@@ -181,7 +183,7 @@ class JitModule(ModuleView):
     # compiled entries hold graphs and kernels: compile again; the signature is the module's
     _derived = ("_jitted", "forward", "__wrapped__", "__signature__")
 
-    def __init__(self, module: torch.nn.Module, options: _Options) -> None:
+    def __init__(self, module: torch.nn.Module, options: Options) -> None:
         super().__init__(module)
         self.__dict__["_opts"] = options
         self._derive()

@@ -12,6 +12,7 @@ import contextlib
 import inspect
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import optree
@@ -33,6 +34,7 @@ from functrans._core.errors import InvalidArgumentError, TraceError, Unsupported
 from functrans._core.format import op_name
 from functrans._core.graph import SOURCE, Graph, Role
 from functrans._core.logs import log
+from functrans._core.marks import read
 from functrans._core.ops import is_random
 from functrans._core.pytree import NAMESPACE, Flat, Wrapper, flatten, unflatten
 from functrans._core.shapes import (
@@ -58,6 +60,7 @@ from .passes import InputSpec, canonicalize, identifier, out_of_place
 from .rng import seeded_then_drew, tracing_guard
 
 __all__ = [
+    "ArgPaths",
     "Decompositions",
     "arg_names",
     "check_inputs",
@@ -76,12 +79,21 @@ _DATA_DEPENDENT = (
 )
 
 
+@dataclass(frozen=True)
+class ArgPaths:
+    """Left on a function whose arguments a transform re-packed (``jit`` traces its function
+    through flat tensor tuples): the readable paths of its tensor leaves, in order, that
+    :func:`arg_names` answers instead of the function's own parameter names."""
+
+    paths: tuple[str, ...]
+
+
 def arg_names(f: Callable[..., Any], flat: Flat, *, every_leaf: bool = False) -> list[str]:
     """Readable paths (``x``, ``params['w']``) for the tensor leaves of ``(args, kwargs)``
     (for all leaves with ``every_leaf``)."""
-    given = getattr(f, "__functrans_paths__", None)  # set by transforms that re-pack arguments
+    given = read(f, ArgPaths)  # left by transforms that re-pack arguments
     if given is not None and not every_leaf:
-        return list(given)
+        return list(given.paths)
     try:
         params = list(inspect.signature(f).parameters.values())
     except (TypeError, ValueError):

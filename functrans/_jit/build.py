@@ -1,0 +1,341 @@
+"""One compiled entry of a jitted function: trace, partition, compile, and the :class:`Entry`.
+
+An inference call (nothing requires grad, or grad mode off) traces a forward-only graph; a
+training call traces the joint graph, partitions it and compiles forward and backward. Both
+traces go through the on-disk cache (:meth:`Builder._traced`), and both end in the one
+:class:`~functrans._jit.apply.Entry` constructor, :func:`_entry`.
+
+A forward trace of a call whose inputs require grad under ``torch.no_grad()`` watches the body
+(:func:`watched`): eager records what a ``torch.enable_grad()`` block in the body computes, so a
+body that turns grad mode on stops the trace at its first such op (before the on-disk cache
+stores it) and :meth:`Builder._build` answers :data:`GRAD_ON`; the caller builds a training
+entry instead (see :meth:`~functrans._jit.jitted.Jitted._compile`).
+
+>>> import torch, functrans as ft
+>>> f = ft.jit(lambda x: (x * 2).sum())
+>>> x = torch.ones(3, requires_grad=True)
+>>> f(x).backward(); x.grad.tolist()
+[2.0, 2.0, 2.0]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
+
+import torch
+
+from functrans._core.backends import get_backend
+from functrans._core.boxed import boxed
+from functrans._core.dtypes import differentiable
+from functrans._core.logs import log
+from functrans._core.pytree import Flat
+from functrans._core.shapes import Dims, ShapeGuard, shape_env_of
+from functrans._core.stack import ControlFlow
+from functrans._cut.partition import Partition, partition
+from functrans._trace.joint import joint
+from functrans._trace.regions import stats as region_stats
+from functrans._trace.trace import trace
+
+from .apply import Entry, OutMeta, inner_tensors, saved_inputs
+from .cache import CacheInfo
+from .disk import store as disk_cache
+from .disk.store import DiskKey
+from .options import Options
+from .plans import Plan
+
+__all__ = ["DISK_STORES", "GRAD_ON", "Builder", "GradOn", "Target", "grad_off", "watched"]
+
+_G = TypeVar("_G")
+
+#: Traces a jitted function stores in the on-disk cache (each costs a recorded trace, about
+#: twice a plain one on CPython 3.11): the first calls, which every restart pays again.
+DISK_STORES = 4
+
+PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+class GradOn(enum.Enum):
+    """What :meth:`Builder._build` answers where the body turned grad mode on under the
+    caller's ``torch.no_grad()`` (seen by :func:`watched`)."""
+
+    GRAD_ON = "grad on"
+
+
+GRAD_ON: Literal[GradOn.GRAD_ON] = GradOn.GRAD_ON
+
+
+@dataclass(frozen=True)
+class Target:
+    """What one compile traces: the flat function ``fn(diff_leaves, other_leaves)`` and, for
+    an inference entry of ``jit(grad(f))`` or ``jit(vmap(grad(f)))``, the plan to trace
+    instead (:mod:`functrans._jit.plans`)."""
+
+    fn: Callable[..., Any]
+    plan: Plan | None = None
+
+
+class _GradTurnedOn(ControlFlow):
+    """Raised by :class:`_GradWatch` inside the body: stops the trace (caught in
+    :meth:`Builder._build`, which answers :data:`GRAD_ON`)."""
+
+
+class _GradWatch(torch.overrides.TorchFunctionMode):
+    """Raises :class:`_GradTurnedOn` at the first torch call the body makes with grad mode on.
+    The trace stops there, before the on-disk cache stores it: a stored forward trace of a call
+    whose inputs require grad is one whose body left grad mode off."""
+
+    def __torch_function__(
+        self,
+        func: Any,
+        types: Any,
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        if func is not _SET_GRAD and torch.is_grad_enabled():  # the setter itself is seen
+            raise _GradTurnedOn
+        return func(*args, **(kwargs or {}))
+
+
+_SET_GRAD = torch._C._set_grad_enabled
+
+
+def watched(call: Callable[..., Any]) -> Callable[..., Any]:
+    """``call`` stopping at its first torch op run with grad mode on (see :class:`_GradWatch`)."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with _GradWatch():
+            return call(*args, **kwargs)
+
+    return run
+
+
+def grad_off(call: Callable[..., Any]) -> Callable[..., Any]:
+    """``call`` with grad mode off around it (the joint graph traces with it on)."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with torch.no_grad():
+            return call(*args, **kwargs)
+
+    return run
+
+
+class Builder:
+    """Builds the entries of one jitted function and adds up its stage times in ``times``."""
+
+    def __init__(self, options: Options, times: CacheInfo) -> None:
+        self.options, self._times = options, times
+        self.disk_misses = 0  # traces the on-disk cache did not have
+
+    @property
+    def stores(self) -> bool:
+        """Whether the next trace the on-disk cache misses is stored (the first few are)."""
+        return self.disk_misses < DISK_STORES
+
+    def _traced(
+        self,
+        disk: Callable[..., DiskKey],
+        kind: str,
+        decompositions: Any,
+        make: Callable[[], _G],
+        dims: Dims | None,
+    ) -> _G:
+        """``make()`` (a trace symbolic in ``dims``), through the on-disk cache
+        (:mod:`functrans._jit.disk.store`)."""
+        key = disk(kind=kind, decompositions=decompositions, dims=dims)
+        g, hit = disk_cache.traced(key, make)
+        self._times.disk_hits += hit
+        self.disk_misses += not hit
+        return g
+
+    def _build(
+        self,
+        target: Target,
+        example: Any,
+        training: bool,
+        disk: Callable[..., DiskKey],
+        dims: Dims | None = None,
+    ) -> tuple[Entry, torch.fx.GraphModule] | GradOn:
+        """The entry for ``example`` (``(diff_leaves, other_leaves)``) and the graph its trace
+        made (searched for captured constants), symbolic in ``dims``."""
+        backend = get_backend(self.options.backend)
+        decompositions = self.options.decompositions
+        if decompositions == "auto":
+            decompositions = getattr(backend, "decompositions", "core")
+        inputs = inner_tensors([*example[0], *example[1]])
+        subclass = any(type(t) not in PLAIN_TYPES for t in [*example[0], *example[1]])
+        t0 = time.perf_counter()
+        if not training:
+            stitched = target.plan(decompositions) if target.plan is not None else None
+            traced = target.fn if stitched is None else stitched.fn
+            try:
+                g = self._traced(
+                    disk,
+                    "forward",
+                    decompositions,
+                    lambda: trace(
+                        traced, decompositions=decompositions, cse=stitched is None, dynamic=dims
+                    )(*example),
+                    dims,
+                )
+            except _GradTurnedOn:
+                return GRAD_ON
+            t1 = time.perf_counter()
+            fwd = backend.compile(g, inputs)
+            self._times.trace_s += t1 - t0
+            self._times.compile_s += time.perf_counter() - t1
+            vals = list(g.output_nodes())
+            entry = _entry(
+                forward=fwd,
+                backward=None,
+                out_flat=g.out_flat,
+                primals=g.placeholders(),
+                outputs=vals,
+                wants=[False] * len(vals),
+                differentiable=[False] * len(vals),
+                num_diff=0,
+                num_inputs=len(inputs),
+                partition=stitched.partition if stitched is not None else None,
+                subclass=subclass,
+                dims=dims,
+            )
+            return entry, g.graph_module
+        reused = region_stats.reused
+        jg = self._traced(
+            disk,
+            "joint",
+            decompositions,
+            lambda: joint(target.fn, argnums=0, decompositions=decompositions, dynamic=dims)(
+                *example
+            ),
+            dims,
+        )
+        self._times.regions_reused += region_stats.reused - reused
+        if not any(jg.differentiable):  # e.g. a body under torch.no_grad(): nothing to save
+            self._times.trace_s += time.perf_counter() - t0
+            built = self._build(Target(target.fn), example, False, disk, dims)
+            assert not isinstance(built, GradOn)  # a training call's body is not watched
+            entry, gm = built
+            # its inputs require grad: run it as the body did, with autograd off
+            return dataclasses.replace(entry, forward=_without_grad(entry.forward)), gm
+        t1 = time.perf_counter()
+        p = partition(jg, self.options.partition, **self.options.partition_options)
+        t2 = time.perf_counter()
+        fwd = backend.compile(p.forward, inputs)
+        bwd = boxed(backend.compile(p.backward, []))
+        log(
+            "codegen",
+            f"forward and backward compiled by {self.options.backend!r}",
+            lambda: f"{p.forward.graph_module.code}\n{p.backward.graph_module.code}",
+        )
+        self._times.trace_s += t1 - t0
+        self._times.partition_s += t2 - t1
+        self._times.compile_s += time.perf_counter() - t2
+        wants = _tangent_mask(jg)
+        tangents = set(jg.tangents())
+        outputs = jg.forward_outputs()
+        entry = _entry(
+            forward=fwd,
+            backward=bwd,
+            out_flat=jg.fn_out,
+            primals=[n for n in jg.placeholders() if n not in tangents],
+            outputs=outputs,
+            wants=wants,
+            differentiable=[w and d for w, d in zip(wants, jg.differentiable, strict=True)],
+            num_diff=len(example[0]),
+            num_inputs=len(inputs),
+            partition=p,
+            subclass=subclass,
+            dims=dims,
+            absent=jg.absent_grads(),
+            saved_inputs=saved_inputs(p.forward.graph_module, len(outputs), len(example[0])),
+        )
+        return entry, jg.graph_module
+
+
+def _entry(
+    *,
+    forward: Callable[..., list[Any]],
+    backward: Callable[[list[Any]], list[Any]] | None,
+    out_flat: Flat,
+    primals: Sequence[torch.fx.Node],
+    outputs: Sequence[torch.fx.Node],
+    wants: Sequence[bool],
+    differentiable: Sequence[bool],
+    num_diff: int,
+    num_inputs: int,
+    partition: Partition | None,
+    subclass: bool,
+    dims: Dims | None,
+    absent: tuple[int, ...] = (),
+    saved_inputs: tuple[tuple[int, int], ...] = (),
+) -> Entry:
+    """The entry of compiled graphs over the traced ``primals`` with forward ``outputs``
+    (``wants``: which take a tangent; ``differentiable``: which require grad); ``backward``
+    None: an inference entry."""
+    return Entry(
+        forward=forward,
+        backward=backward,
+        out_flat=out_flat,
+        out_meta=tuple(
+            OutMeta.of(v.meta["val"], w, d)
+            for v, w, d in zip(outputs, wants, differentiable, strict=True)
+        ),
+        num_diff=num_diff,
+        num_inputs=num_inputs,
+        partition=partition,
+        copies=_copies(list(primals), list(outputs)),
+        subclass=subclass or bool(out_flat.wrappers),
+        shape=_shape_guard(primals) if dims is not None else None,
+        saved_tensors=(
+            _saved_tensors(partition) if backward is not None and partition is not None else None
+        ),
+        absent=absent,
+        saved_inputs=saved_inputs,
+    )
+
+
+def _shape_guard(placeholders: Sequence[torch.fx.Node]) -> ShapeGuard | None:
+    """The guards of a symbolic trace over its inputs (None where it came out static)."""
+    vals = [n.meta["val"] for n in placeholders]
+    env = shape_env_of(vals)
+    return None if env is None else ShapeGuard.of(vals, env)
+
+
+def _saved_tensors(p: Partition) -> tuple[bool, ...] | None:
+    """Which saved values are tensors, None where all are (a dynamic forward saves sizes)."""
+    mask = tuple(isinstance(s.node.meta.get("val"), torch.Tensor) for s in p.saved)
+    return None if all(mask) else mask
+
+
+def _without_grad(forward: Callable[..., list[Any]]) -> Callable[..., list[Any]]:
+    def run(*tensors: torch.Tensor) -> list[Any]:
+        with torch.no_grad():
+            return forward(*tensors)
+
+    return run
+
+
+_COPY_OPS = (torch.ops.aten.clone.default, torch.ops.aten.alias.default)
+
+
+def _copies(inputs: list[Any], outputs: list[Any]) -> dict[int, int]:
+    """``{output index: input index}`` for outputs that are unmodified copies of an input."""
+    where = {n: i for i, n in enumerate(inputs)}
+    found: dict[int, int] = {}
+    for i, node in enumerate(outputs):
+        while getattr(node, "op", None) == "call_function" and node.target in _COPY_OPS:
+            node = node.args[0]
+        if node in where:
+            found[i] = where[node]
+    return found
+
+
+def _tangent_mask(jg: Any) -> list[bool]:
+    """Which forward outputs took a tangent in the joint graph (floating-point and complex
+    outputs, in order)."""
+    return [differentiable(v.meta["val"]) for v in jg.forward_outputs()]

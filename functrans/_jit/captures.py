@@ -1,0 +1,153 @@
+"""The tensors a jitted function captures (closures, globals, module attributes), lifted to inputs.
+
+A trace that reads a tensor from outside its arguments bakes it in as a constant. jit finds such
+constants after each trace (:func:`~functrans._trace.capture.captured_constants`), finds a path
+to each from the function (:func:`~functrans._trace.capture.reach`) and *lifts* it: from then on
+the tensor at that path is read on every call, travels with the arguments under the keyword
+:data:`CAPTURED` (so the key and guards cover its metadata), and the trace swaps it in where the
+path leads (:func:`~functrans._trace.capture.swapped`), so it is a graph input and a replaced
+tensor is seen. Lifting new paths changes the call's key: :meth:`Captures.lift` reports it with a
+:class:`Lifted` result and the caller looks the call up again. A captured tensor with no
+writable path stays a constant, with a warning (an error where it requires grad: it would get no
+gradient).
+
+>>> import torch, functrans as ft
+>>> holder = {"w": torch.ones(2)}
+>>> f = ft.jit(lambda x: x * holder["w"])
+>>> f(torch.ones(2)).tolist()
+[1.0, 1.0]
+>>> holder["w"] = torch.full((2,), 3.0)
+>>> f(torch.ones(2)).tolist()
+[3.0, 3.0]
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from functrans._core.errors import TraceError
+from functrans._trace.capture import Path, Reader, captured_constants, reach, swapped
+
+__all__ = ["CAPTURED", "Captures", "Lifted"]
+
+#: The keyword under which captured tensors travel with the arguments (the flat argument tree
+#: then names them ``__functrans_captured__[i]``: see :meth:`Captures.name`).
+CAPTURED = "__functrans_captured__"
+_PREFIX = f"{CAPTURED}["
+
+
+@dataclass(frozen=True)
+class Lifted:
+    """A compile's result where the trace baked in captured tensors that can be lifted: the
+    new paths, now read on every call; the call must be keyed again with them as inputs."""
+
+    paths: tuple[Path, ...]
+
+
+class Captures:
+    """The captured tensors one jitted function lifted: their paths and a reader of them."""
+
+    def __init__(self, f: Callable[..., Any], owner: str, warned: set[str]) -> None:
+        """``warned``: the jitted function's set of warnings given once."""
+        self._f, self._owner, self._warned = f, owner, warned
+        self.paths: tuple[Path, ...] = ()
+        self.reader = Reader(())
+
+    def forget(self) -> None:
+        """A captured tensor moved: forget every path (the next trace finds them again)."""
+        self.paths, self.reader = (), Reader(())
+
+    def name(self, arg_name: str) -> str:
+        """``arg_name`` (an :func:`~functrans._trace.trace.arg_names` entry) as the user reads
+        it: a captured tensor by its path (``holder['w'] (captured)``)."""
+        if not arg_name.startswith(_PREFIX):
+            return arg_name
+        i = int(arg_name[len(_PREFIX) :].split("]", 1)[0])
+        return f"{self.paths[i].name} (captured)"
+
+    def call(self, *args: Any, **kwargs: Any) -> Any:
+        """The user's function, with captured tensors swapped for the traced ones."""
+        captured = kwargs.pop(CAPTURED, None)
+        if captured is None:
+            return self._f(*args, **kwargs)
+        with swapped(self.paths, self._f, captured):
+            return self._f(*args, **kwargs)
+
+    def swapping(self, f: Callable[..., Any]) -> Callable[..., Any]:
+        """``f`` with this function's captured tensors swapped for the traced ones (passed
+        under :data:`CAPTURED`), as :meth:`call` does for the whole function."""
+
+        def target(*a: Any, **kw: Any) -> Any:
+            captured = kw.pop(CAPTURED, None)
+            if captured is None:
+                return f(*a, **kw)
+            with swapped(self.paths, self._f, captured):
+                return f(*a, **kw)
+
+        functools.update_wrapper(target, f, updated=())
+        return target
+
+    def lift(self, gm: torch.fx.GraphModule) -> Lifted | None:
+        """Lift the captured tensors the trace baked into ``gm`` as constants (the result says
+        which; None: nothing new to lift); tell the user about those it cannot lift."""
+        constants = captured_constants(gm)
+        if not constants:
+            return None
+        found = reach(self._f)
+        lifted = {p.steps for p in self.paths}
+        new: list[Path] = []
+        for t, where in constants:
+            paths = found.tensors.get(id(t), [])
+            # every path to it: a tensor tied into two modules is two inputs (autograd adds
+            # up their gradients), and stays right if the tie is broken later
+            fresh = [p for p in paths if p.writable and p.steps not in lifted]
+            lifted.update(p.steps for p in fresh)
+            new.extend(fresh)
+            if not fresh:
+                self._baked(t, paths, where)
+        if not new:
+            return None
+        self.paths = (*self.paths, *new)
+        self.reader = Reader(self.paths)
+        return Lifted(tuple(new))
+
+    def _baked(self, t: torch.Tensor, paths: list[Path], where: str) -> None:
+        if not paths:
+            what = f"a captured tensor ({_describe(t)}) that functrans cannot find a path to"
+        elif all(p.writable for p in paths):
+            what = (
+                f"captured tensor {paths[0].name} through a path functrans cannot find (it "
+                "only finds closures, globals, attributes, containers and module tables)"
+            )
+        else:
+            stuck = next(p for p in paths if not p.writable)
+            what = (
+                f"captured tensor {stuck.name} (inside a tuple or an object functrans "
+                "cannot write to while tracing)"
+            )
+        hint = (
+            "Pass it as an argument (or keep it in a list, dict, closure variable, module "
+            "attribute or parameter, where it is lifted to a graph input automatically)."
+        )
+        if t.requires_grad:
+            raise TraceError(
+                f"{self._owner} reads {what}{where}, and it requires grad: compiled as a "
+                f"constant it would get no gradient. {hint}"
+            )
+        if what not in self._warned:
+            self._warned.add(what)
+            warnings.warn(
+                f"{self._owner} reads {what}{where}; it is compiled in as a constant, so "
+                f"replacing that tensor later will not be seen. {hint}",
+                stacklevel=6,
+            )
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}"

@@ -1,0 +1,32 @@
+"""What :func:`~functrans._jit.api.jit` was asked for: one frozen record per jitted function.
+
+>>> Options("default", "aten", (), "auto", {}).cache_size == CACHE_SIZE
+True
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from functrans._core.shapes import JitDynamic
+from functrans._cut.partition import Strategy
+from functrans._trace.decomp import Decompositions
+
+__all__ = ["CACHE_SIZE", "Options"]
+
+#: Default number of compiled entries a jitted function keeps (least recently used out).
+CACHE_SIZE = 32
+
+
+@dataclass(frozen=True)
+class Options:
+    """What :func:`~functrans._jit.api.jit` was asked for (see its parameters)."""
+
+    partition: str | Strategy
+    backend: str
+    static_argnums: tuple[int, ...]
+    decompositions: Decompositions
+    partition_options: dict[str, Any]
+    cache_size: int = CACHE_SIZE
+    dynamic: JitDynamic = "auto"

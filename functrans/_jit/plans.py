@@ -1,0 +1,168 @@
+"""``jit(grad(f, partition=s))`` and ``jit(vmap(grad(f, partition=s)))``: trace the plan.
+
+Inlined into a forward trace, a gradient would be cut by the jit's own CSE and partition, not by
+the strategy ``grad`` was given. For an inference call of such a function, jit traces the
+function :func:`plan` builds instead: ``f``'s joint graph (for ``vmap(grad)``, the per-example
+joint graph eager plans, :func:`~functrans._transforms.plans.plan_per_example`) cut by ``s``,
+its forward then its backward, so the compiled graph saves between them what ``s`` chose and
+recomputes the rest (traced without CSE, which would merge the recomputation back). The plans
+are read from the records ``grad`` and ``vmap`` leave (:mod:`functrans._transforms.plans`).
+
+>>> import torch, functrans as ft
+>>> g = ft.jit(ft.grad(lambda x: torch.sin(x).sum(), partition="min_cut"))
+>>> torch.allclose(g(torch.zeros(3)), torch.ones(3))
+True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from functrans._core.marks import leave
+from functrans._core.pytree import Flat, unflatten
+from functrans._core.shapes import Dims
+from functrans._core.stack import transform_frame
+from functrans._cut.partition import Partition, partition
+from functrans._trace.decomp import Decompositions
+from functrans._trace.joint import joint
+from functrans._trace.trace import ArgPaths
+from functrans._transforms.grad import check_differentiable, scalar_output
+from functrans._transforms.plans import (
+    GRAD_SPEC,
+    PER_EXAMPLE,
+    GradSpec,
+    PerExample,
+    VmapOfGrad,
+    grad_name,
+    plan_per_example,
+)
+
+from .captures import Captures
+
+__all__ = ["Plan", "Stitched", "plan"]
+
+
+@dataclass(frozen=True)
+class Stitched:
+    """The function a plan traces (the partition's forward then its backward) and the
+    partition it stitches (what :meth:`~functrans._jit.jitted.Jitted.partitions` reports)."""
+
+    fn: Callable[..., Any]
+    partition: Partition
+
+
+#: Given the decompositions, the function to trace (None: the plan does not apply).
+Plan = Callable[[Decompositions], Stitched | None]
+
+
+def plan(
+    f: Callable[..., Any],
+    captures: Captures,
+    owner: str,
+    flat: Flat,
+    example: Any,
+    paths: list[str],
+    dims: Dims | None,
+) -> Plan | None:
+    """The plan for an inference entry of jitted ``f`` (None: ``f`` is traced as it is)."""
+    spec = getattr(f, GRAD_SPEC, None)
+    batched = getattr(f, PER_EXAMPLE, None)
+    if spec is not None and spec.run is f and _chosen(spec, dims):
+        return _planned_grad(spec, captures, owner, flat, example, paths)
+    if batched is not None and batched.run is f and _chosen(batched.spec, dims):
+        return _planned_per_example(batched, captures, owner, flat, example, paths)
+    return None
+
+
+def _chosen(spec: GradSpec, dims: Dims | None) -> bool:
+    """Whether ``jit(grad(f))`` traces the gradient from a plan (``f``'s joint graph cut by
+    the ``partition=`` grad was given), not inline: always with static shapes; with symbolic
+    ones only for a strategy the user chose (plans are traced at static shapes), since the
+    inline gradient saves what ``"default"`` would."""
+    return dims is None or spec.partition != "default" or bool(spec.options)
+
+
+def _planned_grad(
+    spec: GradSpec, captures: Captures, owner: str, flat: Flat, example: Any, paths: list[str]
+) -> Plan:
+    """For ``jit(grad(f, partition=s))``: ``f``'s joint graph cut by ``s``, its forward then
+    its backward."""
+    leaves = [*example[1]]  # an inference entry: no input is differentiated
+    target = captures.swapping(spec.f)
+
+    def make(decompositions: Decompositions) -> Stitched:
+        a, kw = unflatten(flat, leaves)
+        with transform_frame(grad_name(spec), spec.f):  # errors name jit(grad(f))
+            check_differentiable(spec.f, a, spec.argnums)
+            jg = joint(
+                target,
+                argnums=spec.argnums,
+                has_aux=spec.has_aux,
+                decompositions=decompositions,
+            )(*a, **kw)
+        p = partition(jg, spec.partition, **dict(spec.options))
+
+        def stitched(diff: tuple[Any, ...], other: tuple[Any, ...]) -> Any:
+            a, kw = unflatten(flat, list(other))
+            value, saved = p.forward(*a, **kw)
+            out = scalar_output(spec.f, value, spec.has_aux)
+            grads = p.backward(saved, (torch.ones_like(out),))
+            if spec.with_value:
+                return value, grads
+            return (grads, value[1]) if spec.has_aux else grads
+
+        return _stitched(stitched, p, spec, owner, paths)
+
+    return make
+
+
+def _planned_per_example(
+    batched: VmapOfGrad,
+    captures: Captures,
+    owner: str,
+    flat: Flat,
+    example: Any,
+    paths: list[str],
+) -> Plan:
+    """For ``jit(vmap(grad(f, partition=s)))``: as :func:`_planned_grad`, for the per-example
+    joint graph eager ``vmap(grad)`` plans (None where that plan does not apply: the batched
+    function is traced as it is)."""
+    spec, leaves, target = batched.spec, [*example[1]], captures.swapping(batched.spec.f)
+
+    def plan_for(a: tuple[Any, ...]) -> PerExample | None:
+        return plan_per_example(spec, target, batched.in_dims, batched.randomness, a)
+
+    def make(decompositions: Decompositions) -> Stitched | None:
+        a, kw = unflatten(flat, leaves)
+        first = plan_for(a)
+        if first is None:
+            return None
+        with transform_frame("vmap", spec.f), transform_frame(grad_name(spec), spec.f):
+            jg = joint(
+                first.total, argnums=spec.argnums, has_aux=True, decompositions=decompositions
+            )(*first.args, **kw)
+        p = partition(jg, spec.partition, **dict(spec.options))
+
+        def stitched(diff: tuple[Any, ...], other: tuple[Any, ...]) -> Any:
+            a, kw = unflatten(flat, list(other))
+            again = plan_for(a)
+            assert again is not None  # the same shapes as the plan above
+            (total, values), saved = p.forward(*again.args, **kw)
+            grads = p.backward(saved, (torch.ones_like(total),))
+            return again.finish(values, grads)
+
+        return _stitched(stitched, p, spec, owner, paths)
+
+    return make
+
+
+def _stitched(
+    fn: Callable[..., Any], p: Partition, spec: GradSpec, owner: str, paths: list[str]
+) -> Stitched:
+    fn.__qualname__ = getattr(spec.f, "__qualname__", owner)
+    leave(fn, ArgPaths(tuple(paths)))  # errors inside name the jitted function's arguments
+    return Stitched(fn, p)
