@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,6 +19,8 @@ import torch
 from functrans._cut.partition import Strategy
 
 from .api import jit
+from .cache import CacheInfo
+from .jitted import Jitted
 
 __all__ = ["dynamo_backend"]
 
@@ -116,11 +119,7 @@ def _dynamic_graph(
 
     compiled = jit(graph, partition=partition, backend=backend, dynamic=dims, **options)
 
-    def run(*args: Any) -> Any:
-        return compiled(*[args[j].item() if j in numbers else args[j] for j in given])
-
-    run.__functrans_jit__ = compiled  # type: ignore[attr-defined]  # for cache_info()
-    return run
+    return _DynamoEntry(compiled, tuple(given), frozenset(numbers))
 
 
 def _numbers_as_values(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, set[int]]:
@@ -144,3 +143,23 @@ def _numbers_as_values(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, 
                 item.replace_all_uses_with(n)
                 graph.erase_node(item)
     return torch.fx.GraphModule(gm, graph), numbers
+
+
+@dataclass(frozen=True)
+class _DynamoEntry:
+    """What the backend hands Dynamo for a graph: the jitted graph called with Dynamo's
+    arguments (those it reads, Python numbers for the 0-d tensors it only reads with
+    ``.item()``); :meth:`cache_info` is the jitted graph's."""
+
+    compiled: Jitted[..., Any]
+    given: tuple[int, ...]
+    numbers: frozenset[int]
+
+    def __call__(self, *args: Any) -> Any:
+        return self.compiled(
+            *[args[j].item() if j in self.numbers else args[j] for j in self.given]
+        )
+
+    def cache_info(self) -> CacheInfo:
+        """The jitted graph's cache figures."""
+        return self.compiled.cache_info()
