@@ -75,6 +75,7 @@ from functrans._trace.decomp import Decompositions
 from functrans._trace.joint import joint
 from functrans._trace.regions import stats as region_stats
 from functrans._trace.trace import arg_names, trace
+from functrans._trace.unify import Pairs
 from functrans._transforms.plans import (
     GRAD_SPEC,
     PER_EXAMPLE,
@@ -244,6 +245,7 @@ class Jitted(Generic[_P, _R]):
         self._reads: tuple[FunctionValues, ...] = ()  # the plain globals f's code reads
         #: stand-ins for generator arguments, by (place among the call's generators, device)
         self._generators: dict[tuple[int, torch.device], torch.Generator] = {}
+        self._pairs = Pairs()  # static traces to generalise (dynamic="auto")
         functools.update_wrapper(self, f)
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -806,13 +808,25 @@ class Jitted(Generic[_P, _R]):
         disk: Callable[..., DiskKey],
         kind: str,
         decompositions: Any,
-        make: Callable[[], _G],
+        make: Callable[[Dims | None], _G],
         dims: Dims | None,
     ) -> _G:
-        """``make()`` (a trace symbolic in ``dims``), through the on-disk cache
-        (:mod:`functrans._jit.disk.store`)."""
+        """``make(dims)`` (a trace symbolic in ``dims``), through the on-disk cache
+        (:mod:`functrans._jit.disk.store`); with ``dynamic="auto"``, generalised from two
+        static traces where they unify (:mod:`functrans._trace.unify`)."""
         key = disk(kind=kind, decompositions=decompositions, dims=dims)
-        g, hit = disk_cache.traced(key, make)
+        kw = disk.keywords  # type: ignore[attr-defined]
+        group = (
+            kind,
+            decompositions,
+            rank_key((exact_key(kw["flat"], kw["tensors"]), kw["state"])),
+        )
+        run = (
+            self._pairs.make(group, make, dims)
+            if self._opts.dynamic == "auto"
+            else lambda: make(dims)
+        )
+        g, hit = disk_cache.traced(key, run)
         self._times.disk_hits += hit
         self._disk_misses += not hit
         return g
@@ -840,8 +854,8 @@ class Jitted(Generic[_P, _R]):
                 disk,
                 "forward",
                 decompositions,
-                lambda: trace(
-                    traced, decompositions=decompositions, cse=stitched is None, dynamic=dims
+                lambda d: trace(
+                    traced, decompositions=decompositions, cse=stitched is None, dynamic=d
                 )(*example),
                 dims,
             )
@@ -868,7 +882,7 @@ class Jitted(Generic[_P, _R]):
             disk,
             "joint",
             decompositions,
-            lambda: joint(flat_f, argnums=0, decompositions=decompositions, dynamic=dims)(*example),
+            lambda d: joint(flat_f, argnums=0, decompositions=decompositions, dynamic=d)(*example),
             dims,
         )
         self._times.regions_reused += region_stats.reused - reused
