@@ -33,16 +33,17 @@ from functrans._core.backends import get_backend
 from functrans._core.boxed import boxed
 from functrans._core.dtypes import differentiable
 from functrans._core.logs import log
-from functrans._core.pytree import Flat
+from functrans._core.pytree import Flat, exact_key
 from functrans._core.shapes import Dims, ShapeGuard, shape_env_of
 from functrans._core.stack import ControlFlow
 from functrans._cut.partition import Partition, partition
 from functrans._trace.joint import joint
 from functrans._trace.regions import stats as region_stats
 from functrans._trace.trace import trace
+from functrans._trace.unify import Pairs
 
 from .apply import Entry, OutMeta, inner_tensors, saved_inputs
-from .cache import CacheInfo
+from .cache import CacheInfo, rank_key
 from .disk import store as disk_cache
 from .disk.store import DiskKey
 from .options import Options
@@ -130,6 +131,7 @@ class Builder:
     def __init__(self, options: Options, times: CacheInfo) -> None:
         self.options, self._times = options, times
         self.disk_misses = 0  # traces the on-disk cache did not have
+        self._pairs = Pairs()  # static traces to generalise (dynamic="auto")
 
     @property
     def stores(self) -> bool:
@@ -141,13 +143,25 @@ class Builder:
         disk: Callable[..., DiskKey],
         kind: str,
         decompositions: Any,
-        make: Callable[[], _G],
+        make: Callable[[Dims | None], _G],
         dims: Dims | None,
     ) -> _G:
-        """``make()`` (a trace symbolic in ``dims``), through the on-disk cache
-        (:mod:`functrans._jit.disk.store`)."""
+        """``make(dims)`` (a trace symbolic in ``dims``), through the on-disk cache
+        (:mod:`functrans._jit.disk.store`); with ``dynamic="auto"``, generalised from two
+        static traces where they unify (:mod:`functrans._trace.unify`)."""
         key = disk(kind=kind, decompositions=decompositions, dims=dims)
-        g, hit = disk_cache.traced(key, make)
+        kw = disk.keywords  # type: ignore[attr-defined]  # a functools.partial of DiskKey
+        group = (
+            kind,
+            decompositions,
+            rank_key((exact_key(kw["flat"], kw["tensors"]), kw["state"])),
+        )
+        run = (
+            self._pairs.make(group, make, dims)
+            if self.options.dynamic == "auto"
+            else lambda: make(dims)
+        )
+        g, hit = disk_cache.traced(key, run)
         self._times.disk_hits += hit
         self.disk_misses += not hit
         return g
@@ -177,8 +191,8 @@ class Builder:
                     disk,
                     "forward",
                     decompositions,
-                    lambda: trace(
-                        traced, decompositions=decompositions, cse=stitched is None, dynamic=dims
+                    lambda d: trace(
+                        traced, decompositions=decompositions, cse=stitched is None, dynamic=d
                     )(*example),
                     dims,
                 )
@@ -209,7 +223,7 @@ class Builder:
             disk,
             "joint",
             decompositions,
-            lambda: joint(target.fn, argnums=0, decompositions=decompositions, dynamic=dims)(
+            lambda d: joint(target.fn, argnums=0, decompositions=decompositions, dynamic=d)(
                 *example
             ),
             dims,

@@ -44,6 +44,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._python_dispatch import _disable_current_modes
 
 from functrans._core.logs import log
+from functrans._core.shapes import is_symbolic
 
 from .trace import TRACE_CONTEXTS, TRACE_PASSES
 
@@ -465,6 +466,8 @@ def _usable(tensors: list[Any]) -> bool:
     if torch._C._functorch.peek_interpreter_stack() is not None:
         return False
     if not all(isinstance(t, FakeTensor) and type(t) is FakeTensor for t in tensors):
+        return False
+    if any(is_symbolic(t) for t in tensors):  # keyed by static sizes: a symbolic trace inlines
         return False
     return any(t.requires_grad for t in tensors)
 
