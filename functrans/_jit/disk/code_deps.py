@@ -201,6 +201,7 @@ def _reach(
     (see :class:`Recorder`), to a fixed point."""
     work: list[tuple[types.CodeType, dict[str, Any]]] = list(codes.items())
     seen: set[int] = set()
+    function, method, partial = types.FunctionType, types.MethodType, functools.partial
 
     def add(code: types.CodeType, glb: dict[str, Any]) -> None:
         if code not in codes:
@@ -209,28 +210,32 @@ def _reach(
             work.append((code, glb))
 
     def visit(value: Any, names: frozenset[str], depth: int = 0) -> None:
-        if id(value) in seen or depth > 8:
+        if depth > 8 or id(value) in seen:
             return
-        if isinstance(value, types.FunctionType):
+        kind = type(value)
+        if kind is function:
             seen.add(id(value))
-            if classify(value.__code__.co_filename) != "trusted":
-                add(value.__code__, value.__globals__)
+            code = value.__code__
+            if classify(code.co_filename) != "trusted":
+                add(code, value.__globals__)
                 wrapped = value.__dict__.get("__wrapped__")
                 if wrapped is not None:
                     visit(wrapped, names, depth + 1)
-        elif isinstance(value, types.MethodType):
+        elif kind is method:
             visit(value.__func__, names, depth + 1)
-        elif isinstance(value, functools.partial):
+        elif kind is partial or isinstance(value, partial):
             visit(value.func, names, depth + 1)
         elif isinstance(value, type):
             seen.add(id(value))
             for c in value.__mro__:
-                module = sys.modules.get(c.__module__)
-                if classify(getattr(module, "__file__", None) or "") == "trusted":
+                if _trusted_module(c.__module__):
                     continue
                 for attr in list(vars(c).values()):
-                    for f in _functions_of(attr):
-                        visit(f, names, depth + 1)
+                    if type(attr) is function:
+                        visit(attr, names, depth + 1)
+                    elif isinstance(attr, _HOLDERS):
+                        for f in _functions_of(attr):
+                            visit(f, names, depth + 1)
         elif isinstance(value, types.ModuleType):
             if classify(getattr(value, "__file__", None) or "") == "trusted":
                 return
@@ -248,10 +253,26 @@ def _reach(
         for c in code.co_consts:
             if isinstance(c, types.CodeType):
                 add(c, glb)
-        names = code_names(code)
+        names = _code_names(code)
         for name in names:
             if name in glb:
                 visit(glb[name], names)
+
+
+@functools.lru_cache(maxsize=65536)
+def _code_names(code: types.CodeType) -> frozenset[str]:
+    """:func:`code_names`, once per code object (its names never change)."""
+    return code_names(code)
+
+
+def _trusted_module(name: str) -> bool:
+    """Whether module ``name`` (imported) is trusted code: torch's, functrans', the standard
+    library's (:func:`classify` of its file)."""
+    module = sys.modules.get(name)
+    return classify(getattr(module, "__file__", None) or "") == "trusted"
+
+
+_HOLDERS = (staticmethod, classmethod, property, functools.cached_property)
 
 
 def _functions_of(attr: Any) -> list[Any]:
