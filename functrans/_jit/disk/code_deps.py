@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import inspect
 import linecache
 import os
 import sys
@@ -122,6 +123,8 @@ class Recorder:
         self.ok = False
         self._classes: list[type] = []
         self._watch: Callable[[], None] | None = None
+        self._stack: list[types.FrameType] = []
+        self._index: dict[int, int] = {}
 
     def __enter__(self) -> Recorder:
         from functrans._trace.trace import TORCH_CALL_WATCHERS
@@ -129,17 +132,37 @@ class Recorder:
         codes, classes = self.codes, self._classes
         boundary = sys._getframe(1)  # the frame that entered: it and its callers are outside
         thread = threading.get_ident()
+        # The chain of frames the last call walked, outermost first, and each one's position
+        # (by id: the list keeps them alive, so ids are unique). A function's frame on the
+        # stack now that a call walked before has had the same callers since (they have been
+        # running all along), so the walk stops there: a call costs the frames entered since
+        # the last one, not the depth of the stack. A generator's or coroutine's frame is no
+        # stop: it may have been resumed from elsewhere since.
+        stack, index = self._stack, self._index
 
         def watch() -> None:
             if threading.get_ident() != thread:
                 return
             frame: types.FrameType | None = sys._getframe(1)
+            new: list[types.FrameType] = []
+            keep = 0
             while frame is not None and frame is not boundary:
                 code = frame.f_code
+                at = index.get(id(frame))
+                if at is not None and not code.co_flags & _SUSPENDS:
+                    keep = at + 1
+                    break
                 if code not in codes:
                     codes[code] = frame.f_globals
                     _method_class(code, frame, classes)
+                new.append(frame)
                 frame = frame.f_back
+            for gone in stack[keep:]:
+                index.pop(id(gone), None)  # a generator's frame may be there twice
+            del stack[keep:]
+            for f in reversed(new):
+                index[id(f)] = len(stack)
+                stack.append(f)
 
         self._watch = watch
         TORCH_CALL_WATCHERS.append(watch)
@@ -152,8 +175,14 @@ class Recorder:
         if self._watch is not None:
             TORCH_CALL_WATCHERS.remove(self._watch)
             self._watch = None
+        self._stack.clear()  # the frames (and their locals) are not kept past the trace
+        self._index.clear()
         if self.ok and exc[0] is None:
             _reach(self.codes, self.static, self._classes)
+
+
+#: Flags of code whose frames a caller suspends and resumes (their callers change).
+_SUSPENDS = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
 
 
 def _method_class(code: types.CodeType, frame: types.FrameType, classes: list[type]) -> None:
@@ -172,6 +201,7 @@ def _reach(
     (see :class:`Recorder`), to a fixed point."""
     work: list[tuple[types.CodeType, dict[str, Any]]] = list(codes.items())
     seen: set[int] = set()
+    function, method, partial = types.FunctionType, types.MethodType, functools.partial
 
     def add(code: types.CodeType, glb: dict[str, Any]) -> None:
         if code not in codes:
@@ -180,28 +210,32 @@ def _reach(
             work.append((code, glb))
 
     def visit(value: Any, names: frozenset[str], depth: int = 0) -> None:
-        if id(value) in seen or depth > 8:
+        if depth > 8 or id(value) in seen:
             return
-        if isinstance(value, types.FunctionType):
+        kind = type(value)
+        if kind is function:
             seen.add(id(value))
-            if classify(value.__code__.co_filename) != "trusted":
-                add(value.__code__, value.__globals__)
+            code = value.__code__
+            if classify(code.co_filename) != "trusted":
+                add(code, value.__globals__)
                 wrapped = value.__dict__.get("__wrapped__")
                 if wrapped is not None:
                     visit(wrapped, names, depth + 1)
-        elif isinstance(value, types.MethodType):
+        elif kind is method:
             visit(value.__func__, names, depth + 1)
-        elif isinstance(value, functools.partial):
+        elif kind is partial or isinstance(value, partial):
             visit(value.func, names, depth + 1)
         elif isinstance(value, type):
             seen.add(id(value))
             for c in value.__mro__:
-                module = sys.modules.get(c.__module__)
-                if classify(getattr(module, "__file__", None) or "") == "trusted":
+                if _trusted_module(c.__module__):
                     continue
                 for attr in list(vars(c).values()):
-                    for f in _functions_of(attr):
-                        visit(f, names, depth + 1)
+                    if type(attr) is function:
+                        visit(attr, names, depth + 1)
+                    elif isinstance(attr, _HOLDERS):
+                        for f in _functions_of(attr):
+                            visit(f, names, depth + 1)
         elif isinstance(value, types.ModuleType):
             if classify(getattr(value, "__file__", None) or "") == "trusted":
                 return
@@ -219,10 +253,26 @@ def _reach(
         for c in code.co_consts:
             if isinstance(c, types.CodeType):
                 add(c, glb)
-        names = code_names(code)
+        names = _code_names(code)
         for name in names:
             if name in glb:
                 visit(glb[name], names)
+
+
+@functools.lru_cache(maxsize=65536)
+def _code_names(code: types.CodeType) -> frozenset[str]:
+    """:func:`code_names`, once per code object (its names never change)."""
+    return code_names(code)
+
+
+def _trusted_module(name: str) -> bool:
+    """Whether module ``name`` (imported) is trusted code: torch's, functrans', the standard
+    library's (:func:`classify` of its file)."""
+    module = sys.modules.get(name)
+    return classify(getattr(module, "__file__", None) or "") == "trusted"
+
+
+_HOLDERS = (staticmethod, classmethod, property, functools.cached_property)
 
 
 def _functions_of(attr: Any) -> list[Any]:
@@ -261,32 +311,19 @@ def dependencies(recorder: Recorder, walked: set[types.CodeType], since: float) 
     user code with closure cells the key did not hash (``walked``) and that the trace did not
     make, globals that cannot be hashed."""
     deps = Deps()
-    ran = set(recorder.codes)
-    nested = {c for code in ran for c in code.co_consts if isinstance(c, types.CodeType)}
+    kinds: dict[str, str | None] = {}  # per file: its kind, None where it adds nothing
+    nested: set[types.CodeType] | None = None
     for code, glb in recorder.codes.items():
         filename = code.co_filename
-        kind = classify(filename)
-        if kind == "trusted":
-            continue
-        digest = None if kind == "unknown" else file_digest(filename)
-        if digest is not None:
-            if modified_since(filename, since):
-                raise Unhashable(f"{filename} changed after this process started")
-            deps.files[filename] = digest
-        else:
-            lines = source_lines(filename)
-            if lines is not None:  # a notebook cell, code typed at the prompt
-                deps.lines[filename] = lines
-                kind = "user"
-            elif filename.startswith("<"):
-                # compiled from a string while tracing (torch.fx's generated code, dataclass
-                # and namedtuple methods, torch's module templates): what the code that
-                # compiled it (recorded in turn) made it
-                continue
-            else:
-                raise Unhashable(f"{filename} (which ran while tracing) cannot be read")
+        kind = kinds.get(filename, "")
+        if kind == "":
+            kind = kinds[filename] = _file_deps(filename, since, deps)
         if kind != "user":
             continue
+        if nested is None:  # code made by code that ran (a lambda, a nested function)
+            nested = {
+                c for ran in recorder.codes for c in ran.co_consts if isinstance(c, types.CodeType)
+            }
         # code reached by name: its cells are in the hash of the global that reached it
         static = code in recorder.static
         if code.co_freevars and code not in walked and code not in nested and not static:
@@ -309,6 +346,31 @@ def dependencies(recorder: Recorder, walked: set[types.CodeType], since: float) 
 _BY_NAME = frozenset(
     {"globals", "vars", "eval", "exec", "import_module", "__import__", "argv", "environ", "getenv"}
 )
+
+
+def _file_deps(filename: str, since: float, deps: Deps) -> str | None:
+    """Record in ``deps`` the source of code from ``filename`` (its content's hash, or the
+    lines linecache holds); its kind (:func:`classify`, a notebook cell's ``"user"``), None
+    where its code adds nothing (trusted, or compiled from a string while tracing)."""
+    kind = classify(filename)
+    if kind == "trusted":
+        return None
+    digest = None if kind == "unknown" else file_digest(filename)
+    if digest is not None:
+        if modified_since(filename, since):
+            raise Unhashable(f"{filename} changed after this process started")
+        deps.files[filename] = digest
+        return kind
+    lines = source_lines(filename)
+    if lines is not None:  # a notebook cell, code typed at the prompt
+        deps.lines[filename] = lines
+        return "user"
+    if filename.startswith("<"):
+        # compiled from a string while tracing (torch.fx's generated code, dataclass and
+        # namedtuple methods, torch's module templates): what the code that compiled it
+        # (recorded in turn) made it
+        return None
+    raise Unhashable(f"{filename} (which ran while tracing) cannot be read")
 
 
 def source_lines(name: str) -> str | None:

@@ -296,26 +296,103 @@ def load(
 
 def check_round_trip(doc: dict[str, Any], g: Graph) -> None:
     """Raise :class:`NotStorable` unless ``doc`` (:func:`dump` of ``g``, through JSON text)
-    rebuilds a graph that prints as ``g`` does, with the same calling convention."""
+    decodes to ``g``'s nodes as they are (names, ops, targets, arguments of the same types
+    and values, node references, namespaced meta, constants stored by value) and to the same
+    calling convention. Compared node by node on the decoded values, without building a graph
+    (a few ms per thousand nodes); the names' validity as FX names is checked on load, which
+    rebuilds the graph."""
     try:
-        graph, root, vals = _rebuild(doc, None, keep_captured=True)
-        old = {n.name: n for n in g.fx_graph.nodes}
-        for n, _ in vals:
-            n.meta["val"] = old[n.name].meta.get("val")
-        back = _wrap(doc, fx.GraphModule(root, graph))
-    except (CorruptEntry, KeyError) as e:
+        nodes = list(g.fx_graph.nodes)
+        docs = doc["nodes"]
+        if len(docs) != len(nodes):
+            raise NotStorable(f"{len(docs)} nodes stored of {len(nodes)}")
+        by_name = {n.name: n for n in nodes}
+        gm = g.graph_module
+        for n, nd in zip(nodes, docs, strict=True):
+            why = _node_differs(n, nd, by_name, gm)
+            if why is not None:
+                raise NotStorable(f"the graph does not round-trip: node {n.name} {why}")
+        flats = [(doc["in_flat"], g.in_flat), (doc["out_flat"], g.out_flat)]
+        joint = doc.get("joint")
+        if isinstance(g, JointGraph):
+            if joint is None:
+                raise NotStorable("the graph does not round-trip: a joint graph stored plain")
+            flats += [(joint["fn_in"], g.fn_in), (joint["fn_out"], g.fn_out)]
+            flats += [(joint["grads_flat"], g.grads_flat)]
+            same_joint = (
+                joint["num_outputs"] == g.num_outputs
+                and tuple(joint["argnums"]) == tuple(g.argnums)
+                and tuple(joint["differentiable"]) == tuple(g.differentiable)
+            )
+            if not same_joint:
+                raise NotStorable("the graph does not round-trip: its joint fields differ")
+        elif joint is not None:
+            raise NotStorable("the graph does not round-trip: a plain graph stored joint")
+        for d, f in flats:
+            back = flat_of(d)
+            same = back.spec == f.spec and back.is_tensor == f.is_tensor
+            if not (same and flat_doc(back) == flat_doc(f)):
+                raise NotStorable("the graph does not round-trip: its calling convention")
+    except (CorruptEntry, KeyError, TypeError, ValueError) as e:
         raise NotStorable(f"the graph does not round-trip: {e}") from e
-    flats = [(back.in_flat, g.in_flat), (back.out_flat, g.out_flat)]
-    if isinstance(g, JointGraph):
-        assert isinstance(back, JointGraph)
-        flats += [(back.fn_in, g.fn_in), (back.fn_out, g.fn_out)]
-        flats += [(back.grads_flat, g.grads_flat)]
-    same = str(back) == str(g) and all(
-        a.spec == b.spec and a.is_tensor == b.is_tensor and flat_doc(a) == flat_doc(b)
-        for a, b in flats
-    )
-    if not same:
-        raise NotStorable("the graph does not round-trip")
+
+
+def _node_differs(
+    n: fx.Node, nd: dict[str, Any], by_name: dict[str, fx.Node], gm: fx.GraphModule
+) -> str | None:
+    """How node ``n`` differs from what its stored document ``nd`` decodes to (None: not)."""
+    if nd["name"] != n.name or nd["op"] != n.op:
+        return f"comes back as {nd['op']} {nd['name']}"
+    if n.op == "call_function":
+        if _untarget(nd["target"]) is not n.target:
+            return "calls another target"
+        if not _same(decode(nd["args"], by_name), n.args):
+            return "has other arguments"
+        kwargs = {k: decode(v, by_name) for k, v in nd["kwargs"].items()}
+        if kwargs.keys() != n.kwargs.keys() or not all(
+            _same(kwargs[k], n.kwargs[k]) for k in kwargs
+        ):
+            return "has other keyword arguments"
+    elif n.op == "output":
+        if not _same(decode(nd["args"], by_name), n.args):
+            return "returns other values"
+    elif n.op == "get_attr":
+        if nd["target"] != n.target:
+            return "reads another attribute"
+        constant = nd["constant"]
+        if "value" in constant:
+            value = getattr(gm, str(n.target))
+            back = _unconstant(constant, None)
+            same = back.dtype == value.dtype and back.shape == value.shape
+            if not (same and torch.equal(_bits(back), _bits(value))):
+                return "holds another constant"
+    ours = {k: v for k, v in n.meta.items() if k.startswith("functrans.")}
+    if _unmeta(nd["meta"]) != ours:
+        return "has other meta"
+    return None
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes (``-0.0`` is not ``0.0``, a NaN is itself)."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether decoded argument ``a`` is ``b``: the same types (a list and FX's immutable list
+    alike), nodes by identity, floats and complex numbers by ``repr`` (``-0.0``, ``nan``)."""
+    ta, tb = type(a), type(b)
+    if ta is fx.Node or tb is fx.Node:
+        return a is b
+    if (ta in _LISTS and tb in _LISTS) or ta is tb is tuple:
+        return len(a) == len(b) and all(map(_same, a, b))
+    if ta is not tb:
+        return False
+    if ta is float or ta is complex:
+        return repr(a) == repr(b)
+    return bool(a == b)
+
+
+_LISTS = (list, fx.immutable_collections.immutable_list)
 
 
 def _wrap(doc: dict[str, Any], gm: fx.GraphModule) -> Graph:
@@ -337,7 +414,7 @@ def _wrap(doc: dict[str, Any], gm: fx.GraphModule) -> Graph:
 
 
 def _rebuild(
-    doc: dict[str, Any], root_fn: Any, *, keep_captured: bool = False
+    doc: dict[str, Any], root_fn: Any
 ) -> tuple[fx.Graph, torch.nn.Module, list[tuple[fx.Node, Any]]]:
     graph = fx.Graph()
     root = torch.nn.Module()
@@ -357,8 +434,7 @@ def _rebuild(
             if not attr.isidentifier() or (attr in constants and constants[attr] != nd["constant"]):
                 raise CorruptEntry(f"a constant at {attr!r}")
             if attr not in constants:  # several nodes may read one constant
-                captured = keep_captured and "path" in nd["constant"]
-                value = torch.empty(0) if captured else _unconstant(nd["constant"], root_fn)
+                value = _unconstant(nd["constant"], root_fn)
                 setattr(root, attr, value)
                 constants[attr] = nd["constant"]
             n = graph.create_node(op, attr, name=name)
