@@ -156,9 +156,14 @@ class Builder:
             decompositions,
             rank_key((exact_key(kw["flat"], kw["tensors"]), kw["state"])),
         )
+        # a stored symbolic entry must be the trace a fresh process rebuilds from the call's
+        # own dimension names; a graph generalised from two static traces names its symbols
+        # by class, so a trace the disk cache will store is traced symbolically (once per
+        # program: later processes load it)
+        stored = disk_cache.enabled() and key.store
         run = (
             self._pairs.make(group, make, dims)
-            if self.options.dynamic == "auto"
+            if self.options.dynamic == "auto" and not stored
             else lambda: make(dims)
         )
         g, hit = disk_cache.traced(key, run)
