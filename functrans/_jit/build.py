@@ -8,7 +8,7 @@ traces go through the on-disk cache (:meth:`Builder._traced`), and both end in t
 A forward trace of a call whose inputs require grad under ``torch.no_grad()`` watches the body
 (:func:`watched`): eager records what a ``torch.enable_grad()`` block in the body computes, so a
 body that turns grad mode on stops the trace at its first such op (before the on-disk cache
-stores it) and :meth:`Builder._build` answers :data:`GRAD_ON`; the caller builds a training
+stores it) and :meth:`Builder.build` answers :data:`GRAD_ON`; the caller builds a training
 entry instead (see :meth:`~functrans._jit.jitted.Jitted._compile`).
 
 >>> import torch, functrans as ft
@@ -49,7 +49,16 @@ from .disk.store import DiskKey
 from .options import Options
 from .plans import Plan
 
-__all__ = ["DISK_STORES", "GRAD_ON", "Builder", "GradOn", "Target", "grad_off", "watched"]
+__all__ = [
+    "DISK_STORES",
+    "GRAD_ON",
+    "Builder",
+    "GradOn",
+    "Target",
+    "grad_off",
+    "plain",
+    "watched",
+]
 
 _G = TypeVar("_G")
 
@@ -57,11 +66,15 @@ _G = TypeVar("_G")
 #: twice a plain one on CPython 3.11): the first calls, which every restart pays again.
 DISK_STORES = 4
 
-PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+def plain(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a plain tensor or parameter (not a tensor subclass, which jit traces
+    at static shapes and refuses to lift as a captured tensor)."""
+    return type(t) is torch.Tensor or type(t) is torch.nn.Parameter
 
 
 class GradOn(enum.Enum):
-    """What :meth:`Builder._build` answers where the body turned grad mode on under the
+    """What :meth:`Builder.build` answers where the body turned grad mode on under the
     caller's ``torch.no_grad()`` (seen by :func:`watched`)."""
 
     GRAD_ON = "grad on"
@@ -82,7 +95,7 @@ class Target:
 
 class _GradTurnedOn(ControlFlow):
     """Raised by :class:`_GradWatch` inside the body: stops the trace (caught in
-    :meth:`Builder._build`, which answers :data:`GRAD_ON`)."""
+    :meth:`Builder.build`, which answers :data:`GRAD_ON`)."""
 
 
 class _GradWatch(torch.overrides.TorchFunctionMode):
@@ -150,12 +163,9 @@ class Builder:
         (:mod:`functrans._jit.disk.store`); with ``dynamic="auto"``, generalised from two
         static traces where they unify (:mod:`functrans._trace.unify`)."""
         key = disk(kind=kind, decompositions=decompositions, dims=dims)
-        kw = disk.keywords  # type: ignore[attr-defined]  # a functools.partial of DiskKey
-        group = (
-            kind,
-            decompositions,
-            rank_key((exact_key(kw["flat"], kw["tensors"]), kw["state"])),
-        )
+        # the static traces generalised together: this call's structure, kind and
+        # decompositions, at any sizes
+        group = (kind, decompositions, rank_key((exact_key(key.flat, key.tensors), key.state)))
         # a stored symbolic entry must be the trace a fresh process rebuilds from the call's
         # own dimension names; a graph generalised from two static traces names its symbols
         # by class, so a trace the disk cache will store is traced symbolically (once per
@@ -171,7 +181,7 @@ class Builder:
         self.disk_misses += not hit
         return g
 
-    def _build(
+    def build(
         self,
         target: Target,
         example: Any,
@@ -186,7 +196,7 @@ class Builder:
         if decompositions == "auto":
             decompositions = getattr(backend, "decompositions", "core")
         inputs = inner_tensors([*example[0], *example[1]])
-        subclass = any(type(t) not in PLAIN_TYPES for t in [*example[0], *example[1]])
+        subclass = not all(map(plain, [*example[0], *example[1]]))
         t0 = time.perf_counter()
         if not training:
             stitched = target.plan(decompositions) if target.plan is not None else None
@@ -236,7 +246,7 @@ class Builder:
         self._times.regions_reused += region_stats.reused - reused
         if not any(jg.differentiable):  # e.g. a body under torch.no_grad(): nothing to save
             self._times.trace_s += time.perf_counter() - t0
-            built = self._build(Target(target.fn), example, False, disk, dims)
+            built = self.build(Target(target.fn), example, False, disk, dims)
             assert not isinstance(built, GradOn)  # a training call's body is not watched
             entry, gm = built
             # its inputs require grad: run it as the body did, with autograd off

@@ -4,7 +4,7 @@
 dimension of every argument (captured tensors keep their sizes, as in torch), a mapping the
 named ones (:func:`~functrans._core.shapes.resolve`), and ``"auto"`` the dimensions whose size
 changed since the last entry for inputs like these (a first call is static, as in
-``torch.compile``). :func:`_build_dynamic` builds the entry symbolic in them where it can, and
+``torch.compile``). :func:`build_dynamic` builds the entry symbolic in them where it can, and
 static, with a ``dynamic`` log line, where the backend compiles static shapes only, the entry
 traces a plan, the inputs are tensor subclasses, or the symbolic trace fails.
 
@@ -30,7 +30,7 @@ from functrans._core.logs import log
 from functrans._core.shapes import Dims, DynamicSpecError, EveryInput, JitDynamic, resolve
 
 from .apply import Entry
-from .build import PLAIN_TYPES, Builder, GradOn, Target
+from .build import Builder, GradOn, Target, plain
 from .cache import Cache, changed_dims, rank_key
 from .disk.store import DiskKey
 
@@ -72,7 +72,7 @@ def chosen_dims(
     return dims if any(dims) else None
 
 
-def _build_dynamic(
+def build_dynamic(
     builder: Builder,
     owner: str,
     warn_once: Callable[[str, str], None],
@@ -82,10 +82,10 @@ def _build_dynamic(
     disk: Callable[..., DiskKey],
     dims: Dims | None,
 ) -> tuple[Entry, torch.fx.GraphModule] | GradOn:
-    """:meth:`Builder._build` with ``dims`` symbolic; where the backend compiles static shapes
+    """:meth:`Builder.build` with ``dims`` symbolic; where the backend compiles static shapes
     only, or the symbolic trace fails, a static entry (and a ``dynamic`` log line)."""
     if dims is None:
-        return builder._build(target, example, training, disk)
+        return builder.build(target, example, training, disk)
     opts = builder.options
     backend = get_backend(opts.backend)
     why = None
@@ -93,12 +93,12 @@ def _build_dynamic(
         why = f"backend {opts.backend!r} compiles static shapes only"
     elif target.plan is not None:
         why = "a planned gradient (grad(f, partition=...)) is traced at static shapes"
-    elif any(type(t) not in PLAIN_TYPES for t in [*example[0], *example[1]]):
+    elif not all(map(plain, [*example[0], *example[1]])):
         why = "tensor subclass inputs are traced at static shapes"
     if why is None:
         try:
             with _quiet_fake_tensor_log():
-                return builder._build(target, example, training, disk, dims)
+                return builder.build(target, example, training, disk, dims)
         except DynamicSpecError:  # the inputs break the user's dynamic=
             raise
         except Exception as e:  # the static trace reports real errors
@@ -111,7 +111,7 @@ def _build_dynamic(
             f"{owner}: dynamic={asked!r} was asked for, but {why}; "
             "it compiles an entry per shape (FUNCTRANS_LOGS=dynamic says why each time)",
         )
-    return builder._build(target, example, training, disk)
+    return builder.build(target, example, training, disk)
 
 
 @contextlib.contextmanager

@@ -61,10 +61,10 @@ from functrans._trace.trace import ArgPaths, arg_names
 
 from . import plans
 from .apply import Apply, ApplySubclass, Entry, apply_graphs, inner_tensors
-from .build import DISK_STORES, Builder, GradOn, Target, grad_off, watched
+from .build import DISK_STORES, Builder, GradOn, Target, grad_off, plain, watched
 from .cache import Cache, CacheInfo, Signature, Slot, leaves_order, rank_key
 from .captures import CAPTURED, Captures, Lifted
-from .dims import _build_dynamic, chosen_dims
+from .dims import build_dynamic, chosen_dims
 from .disk.store import DiskKey
 from .options import CACHE_SIZE, Options
 
@@ -103,10 +103,6 @@ def inline() -> bool:
 
 
 _GENERATOR = torch.Generator
-
-
-def _plain(t: torch.Tensor) -> bool:
-    return type(t) is torch.Tensor or type(t) is torch.nn.Parameter
 
 
 class Jitted(Generic[_P, _R]):
@@ -329,7 +325,7 @@ class Jitted(Generic[_P, _R]):
         except UnsupportedOpError as e:  # a tensor subclass it cannot take apart
             self._warn_once(type(e).__name__, f"{self._owner}: {e}; this call runs as written")
             return AS_WRITTEN
-        if not all(map(_plain, tensors)):
+        if not all(map(plain, tensors)):
             return self._as_written(flat, tensors)
         if flat.wrappers:  # subclass tensors stay whole here: trace and joint take them apart
             tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
@@ -365,7 +361,7 @@ class Jitted(Generic[_P, _R]):
     def _as_written(self, flat: Flat, tensors: list[torch.Tensor]) -> Outcome:
         """Tensor subclasses (DTensor, fake tensors of another tracer...) are not compiled."""
         names = self._names(flat)
-        odd = [(n, type(t)) for n, t in zip(names, tensors, strict=True) if not _plain(t)]
+        odd = [(n, type(t)) for n, t in zip(names, tensors, strict=True) if not plain(t)]
         name, kind = odd[0]
         fake = isinstance(tensors[0], torch._subclasses.FakeTensor)
         if not fake and kind.__qualname__ not in self._warned:
@@ -450,7 +446,7 @@ class Jitted(Generic[_P, _R]):
             planned=plan is not None,
             store=self._builder.stores,
         )
-        built = _build_dynamic(
+        built = build_dynamic(
             self._builder,
             self._owner,
             self._warn_once,
