@@ -353,6 +353,8 @@ def generalise(old: _G, new: _G, dims: Dims) -> _G | Mismatch:
     wrong = _check(na, nb, env, points)
     if wrong is not None:
         return wrong
+    for n in graph.nodes:  # make_fx's static metadata, copied with the nodes
+        n.meta.pop("tensor_meta", None)
     out = copy.copy(new)
     gm = fx.GraphModule(new.graph_module, graph)
     out._gm, out._graph = gm, gm.graph  # the same calling convention, the generalised graph
