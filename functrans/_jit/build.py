@@ -33,17 +33,16 @@ from functrans._core.backends import get_backend
 from functrans._core.boxed import boxed
 from functrans._core.dtypes import differentiable
 from functrans._core.logs import log
-from functrans._core.pytree import Flat, exact_key
+from functrans._core.pytree import Flat
 from functrans._core.shapes import Dims, ShapeGuard, shape_env_of
 from functrans._core.stack import ControlFlow
 from functrans._cut.partition import Partition, partition
 from functrans._trace.joint import joint
 from functrans._trace.regions import stats as region_stats
 from functrans._trace.trace import trace
-from functrans._trace.unify import Pairs
 
 from .apply import Entry, OutMeta, inner_tensors, saved_inputs
-from .cache import CacheInfo, rank_key
+from .cache import CacheInfo
 from .disk import store as disk_cache
 from .disk.store import DiskKey
 from .options import Options
@@ -144,7 +143,6 @@ class Builder:
     def __init__(self, options: Options, times: CacheInfo) -> None:
         self.options, self._times = options, times
         self.disk_misses = 0  # traces the on-disk cache did not have
-        self._pairs = Pairs()  # static traces to generalise (dynamic="auto")
 
     @property
     def stores(self) -> bool:
@@ -156,27 +154,13 @@ class Builder:
         disk: Callable[..., DiskKey],
         kind: str,
         decompositions: Any,
-        make: Callable[[Dims | None], _G],
+        make: Callable[[], _G],
         dims: Dims | None,
     ) -> _G:
-        """``make(dims)`` (a trace symbolic in ``dims``), through the on-disk cache
-        (:mod:`functrans._jit.disk.store`); with ``dynamic="auto"``, generalised from two
-        static traces where they unify (:mod:`functrans._trace.unify`)."""
+        """``make()`` (a trace symbolic in ``dims``), through the on-disk cache
+        (:mod:`functrans._jit.disk.store`)."""
         key = disk(kind=kind, decompositions=decompositions, dims=dims)
-        # the static traces generalised together: this call's structure, kind and
-        # decompositions, at any sizes
-        group = (kind, decompositions, rank_key((exact_key(key.flat, key.tensors), key.state)))
-        # a stored symbolic entry must be the trace a fresh process rebuilds from the call's
-        # own dimension names; a graph generalised from two static traces names its symbols
-        # by class, so a trace the disk cache will store is traced symbolically (once per
-        # program: later processes load it)
-        stored = disk_cache.enabled() and key.store
-        run = (
-            self._pairs.make(group, make, dims)
-            if self.options.dynamic == "auto" and not stored
-            else lambda: make(dims)
-        )
-        g, hit = disk_cache.traced(key, run)
+        g, hit = disk_cache.traced(key, make)
         self._times.disk_hits += hit
         self.disk_misses += not hit
         return g
@@ -206,8 +190,8 @@ class Builder:
                     disk,
                     "forward",
                     decompositions,
-                    lambda d: trace(
-                        traced, decompositions=decompositions, cse=stitched is None, dynamic=d
+                    lambda: trace(
+                        traced, decompositions=decompositions, cse=stitched is None, dynamic=dims
                     )(*example),
                     dims,
                 )
@@ -238,7 +222,7 @@ class Builder:
             disk,
             "joint",
             decompositions,
-            lambda d: joint(target.fn, argnums=0, decompositions=decompositions, dynamic=d)(
+            lambda: joint(target.fn, argnums=0, decompositions=decompositions, dynamic=dims)(
                 *example
             ),
             dims,

@@ -554,3 +554,33 @@ def test_a_named_parameter_dimension_is_symbolic() -> None:
     jm = ft.jit(m, dynamic={"idx": (0, 1), "params['e.weight']": (0,)})
     _table_calls(m, jm)
     assert jm.cache_info().misses == 1
+
+
+def test_auto_sizes_that_coincide_at_two_shapes_stay_apart() -> None:
+    # Shrunk from a property test of dynamic="auto" that generalised two static traces: at
+    # (2, 3) and (3, 4) the slice end `t - 1` equals the batch, so a graph fitted to those two
+    # shapes read the batch there, and at (2, 2) it sliced 2 tokens of 2 instead of 1.
+    w = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        flat = (x.reshape(b * t, c) @ w).view(b, t, -1).sum(1)
+        return (flat * t).reshape(b, 3)[:, 1:] - x[:, : t - 1, 0].sum(1, True)
+
+    jf = ft.jit(f)
+    for b, t in [(2, 3), (3, 4), (2, 2)]:
+        x = torch.randn(b, t, 4)
+        torch.testing.assert_close(jf(x), f(x), rtol=0, atol=0)
+
+
+def test_auto_a_size_threshold_both_shapes_pass_is_guarded() -> None:
+    # A Python condition on a size that the first two shapes satisfy alike leaves the same ops
+    # in both static traces; the dynamic entry must still take the other branch below it.
+    def f(x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[1]
+        return x.sin().sum(1) if t > 16 else x.cos().sum(1)
+
+    jf = ft.jit(f)
+    for t in (20, 24, 8, 30):
+        x = torch.randn(3, t)
+        torch.testing.assert_close(jf(x), f(x), rtol=0, atol=0)
