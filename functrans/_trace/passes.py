@@ -18,7 +18,7 @@ import optree
 import torch
 import torch.fx as fx
 
-from functrans._core.graph import PATH, ROLE, SOURCE, Role
+from functrans._core.graph import PATH, ROLE, SOURCE, Role, lazy_module
 from functrans._core.ops import is_collective, is_random
 from functrans._core.tags import REMAT
 
@@ -124,7 +124,7 @@ def canonicalize(
             copied.meta[SOURCE] = src
         env[node] = copied
     eliminate_dead_code(new)
-    return fx.GraphModule(gm, new)  # keeps gm's attributes (constants) that new refers to
+    return lazy_module(gm, new)  # keeps gm's attributes (constants) that new refers to
 
 
 def _frozen(value: Any) -> Any:
@@ -208,7 +208,7 @@ def out_of_place(gm: fx.GraphModule) -> fx.GraphModule | None:
         else:
             copied = new.node_copy(node, read)
         env[node] = copied
-    return fx.GraphModule(gm, new)
+    return lazy_module(gm, new)
 
 
 def _with_defaults(node: fx.Node) -> tuple[Any, ...]:

@@ -24,6 +24,7 @@ from torch._subclasses.fake_tensor import (
     DynamicOutputShapeException,
     FakeTensorDeviceMismatchError,
 )
+from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
@@ -240,6 +241,15 @@ class _PlainRNNs(torch.overrides.TorchFunctionMode):
 
 
 TRACE_CONTEXTS.append(_PlainRNNs)
+
+
+def _lazy_modules() -> contextlib.AbstractContextManager[None]:
+    """make_fx's graphs generate their Python code when first run: a trace's raw graph goes
+    through the passes below and is never run itself."""
+    return _use_lazy_graph_module(True)
+
+
+TRACE_CONTEXTS.append(_lazy_modules)
 TRACE_CONTEXTS.append(inline_compiled)  # a torch.compile-d function is traced as written
 
 #: passes run on every raw trace before the input-mutation check and functionalization,
@@ -409,7 +419,7 @@ def retrace(
     pure = torch.func.functionalize(run, remove="mutations") if functional else run
     # autocast off: the graph already holds the casts its first trace recorded, and casting
     # its ops again would round an op eager runs in float32 (SDPA's math path) to bfloat16
-    with TRACE_LOCK, autocast_off(), fx_traceback.preserve_node_meta():
+    with TRACE_LOCK, autocast_off(), fx_traceback.preserve_node_meta(), _lazy_modules():
         out: fx.GraphModule = make_fx(pure, table, tracing_mode="fake", record_stack_traces=True)(
             *vals
         )

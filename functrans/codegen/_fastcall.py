@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.fx as fx
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 __all__ = ["copy_module", "fast_target", "use_fast_calls"]
 
@@ -116,4 +117,4 @@ def copy_module(gm: fx.GraphModule, env: dict[fx.Node, fx.Node] | None = None) -
     graph = fx.Graph()
     out = graph.graph_copy(gm.graph, {} if env is None else env)
     graph.output(out)
-    return fx.GraphModule(gm, graph)
+    return _LazyGraphModule(gm, graph)  # its code is generated once, after the rewrites
