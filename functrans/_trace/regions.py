@@ -41,8 +41,10 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils._mode_utils import no_dispatch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from functrans._core.graph import lazy_module
 from functrans._core.logs import log
 from functrans._core.shapes import is_symbolic
 
@@ -169,7 +171,9 @@ class _Apply(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
         r = _lookup(ctx.key)
-        cots = [g for g, d in zip(grads, r.differentiable, strict=False) if d]
+        # the region's backward was traced with contiguous cotangents: what it gets here is
+        # made so (a no-op, and no node, for the usual contiguous gradient)
+        cots = [g.contiguous() for g, d in zip(grads, r.differentiable, strict=False) if d]
         got = _BWD(ctx.key, [*ctx.saved_tensors, *cots])
         out: list[torch.Tensor | None] = [None] * len(r.primals)
         for (i, _), g in zip(r.grads, got, strict=False):
@@ -328,7 +332,14 @@ def _trace_region(
     if not any(diff) or not wrt:
         return None
     with mode:
-        cot_like = [_fresh(t.detach()) for t, d in zip(leaves, diff, strict=False) if d]
+        # contiguous, as most backward formulas make a gradient (and as _Apply.backward
+        # hands them in): the copies of the backward are then valid for the cotangents they
+        # read, whose layout the forward cannot know
+        cot_like = [
+            torch.empty(t.shape, dtype=t.dtype, device=t.device)
+            for t, d in zip(leaves, diff, strict=False)
+            if d
+        ]
     n = len(metas)
     forward_names: list[set[str]] = []
     present: list[list[bool]] = []
@@ -684,20 +695,24 @@ def expand(gm: fx.GraphModule) -> fx.GraphModule:
     s = _SESSION.get()
     if s is None or not any(n.target in (_FWD, _BWD) for n in gm.graph.nodes):
         return gm
-    mode = _fake_mode(gm)
     graph = fx.Graph()
     env: dict[fx.Node, Any] = {}
-    with mode:
-        for node in gm.graph.nodes:
-            if node.op == "call_function" and node.target is _FWD:
-                env[node] = _copy_forward(graph, node, env, s, mode)
-            elif node.op == "call_function" and node.target is _BWD:
-                env[node] = _copy_backward(graph, node, env, s, mode)
-            elif node.op == "call_function" and _region_item(node):
-                env[node] = env[node.args[0]][node.args[1]]
-            else:
-                env[node] = graph.node_copy(node, lambda n: env[n])
-    return fx.GraphModule(gm, graph)
+    # the region ops' fake outputs -> the copies' values: the ops that read a region's
+    # outputs (views among them) are laid onto the copies' storages too
+    moved = _Storages(_fake_mode(gm))
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is _FWD:
+            env[node] = _copy_forward(graph, node, env, s, moved.mode)
+        elif node.op == "call_function" and node.target is _BWD:
+            env[node] = _copy_backward(graph, node, env, s, moved.mode)
+        elif node.op == "call_function" and _region_item(node):
+            env[node] = env[node.args[0]][node.args[1]]
+            moved.bind(node.meta.get("val"), env[node].meta.get("val"))
+        else:
+            env[node] = graph.node_copy(node, lambda n: env[n])
+            if "val" in node.meta:
+                env[node].meta["val"] = moved.moved(node.meta["val"])
+    return lazy_module(gm, graph)
 
 
 def _region_item(node: fx.Node) -> bool:
@@ -717,14 +732,65 @@ def _fake_mode(gm: fx.GraphModule) -> FakeTensorMode:
     return FakeTensorMode()
 
 
+class _Storages:
+    """Values laid onto new storages: each old storage gets one new storage (or a given one,
+    :meth:`bind`), and each value lies on it as the old value lay on its own. This is how a
+    region's copy gets fresh fake values without running its ops (an ATen call on fake
+    tensors costs about 8x building the fake directly)."""
+
+    def __init__(self, mode: FakeTensorMode) -> None:
+        self.mode = mode
+        self.by_storage: dict[int, torch.Tensor] = {}  # old storages, by identity
+
+    def bind(self, old: Any, new: Any) -> None:
+        """The old value ``old`` is ``new`` here (a region's primal and the call's argument)."""
+        if isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor):
+            self.by_storage.setdefault(old.untyped_storage()._cdata, new)
+
+    def fresh(self, val: Any) -> Any:
+        """A value like ``val`` on the new storages (non-tensors are shared)."""
+        return self._lay(val, fresh=True)
+
+    def moved(self, val: Any) -> Any:
+        """``val`` laid onto the new storage of its storage, where it has one; else itself."""
+        return self._lay(val, fresh=False)
+
+    def _lay(self, val: Any, fresh: bool) -> Any:
+        if isinstance(val, (list, tuple)):
+            return type(val)(self._lay(v, fresh) for v in val)
+        if not isinstance(val, FakeTensor):
+            return val
+        key = val.untyped_storage()._cdata
+        base = self.by_storage.get(key)
+        if base is None and not fresh:
+            return val
+        with no_dispatch():
+            storage = (
+                torch.empty(
+                    val.untyped_storage().nbytes(), dtype=torch.uint8, device="meta"
+                ).untyped_storage()
+                if base is None
+                else base.untyped_storage()
+            )
+            meta = torch.empty(0, dtype=val.dtype, device="meta")
+            meta.set_(storage, val.storage_offset(), val.shape, val.stride())
+        out = FakeTensor(self.mode, meta, val.device)
+        if base is None:
+            self.by_storage[key] = out
+        return out
+
+
 def _paste(
     graph: fx.Graph, nodes: list[fx.Node], local: dict[fx.Node, Any], mode: FakeTensorMode
 ) -> None:
-    """Copy ``nodes`` (a region's) into ``graph``: fresh names and fake values."""
+    """Copy ``nodes`` (a region's) into ``graph``: fresh names, and fresh fake values laid
+    onto storages as the region's lie on its own (its inputs' storages are the call's)."""
+    storages = _Storages(mode)
+    for old, new in local.items():
+        storages.bind(old.meta.get("val"), new.meta.get("val"))
     for x in nodes:
         new = graph.node_copy(x, lambda n: local[n])
-        args = fx.node.map_arg((new.args, new.kwargs), lambda n: n.meta.get("val"))
-        new.meta["val"] = new.target(*args[0], **args[1])  # type: ignore[operator]
+        new.meta["val"] = storages.fresh(x.meta.get("val"))
         local[x] = new
 
 

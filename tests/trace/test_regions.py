@@ -96,30 +96,73 @@ def test_identical_blocks_traced_once_bitwise(regions_env: Callable[[bool], None
     assert reused == 7
 
 
-def test_joint_graph_is_the_unrolled_one(regions_env: Callable[[bool], None]) -> None:
+def _stack_joints(
+    set_to: Callable[[bool], None], head: bool = True
+) -> tuple[ft.JointGraph, ft.JointGraph, int]:
+    """The joint graph of a Sequential of 3 blocks (parameters passed in, so the blocks see
+    fake tensors) on a transposed input, with regions off and on, and the reuses counted.
+    With ``head``, a matmul follows the stack (its gradient is contiguous); without, a sum
+    (the last block's gradient is an expanded scalar)."""
     torch.manual_seed(0)
-    blocks = [Block(p=0.0) for _ in range(3)]
-    params = [dict(b.named_parameters()) for b in blocks]
+    seq = nn.Sequential(*[Block(p=0.0) for _ in range(3)])
+    params = {k: v.detach().requires_grad_() for k, v in seq.named_parameters()}
+    w = torch.randn(16, 4, requires_grad=True)
 
-    def f(ps: list[dict[str, torch.Tensor]], x: torch.Tensor) -> torch.Tensor:
-        for b, p in zip(blocks, ps, strict=True):
-            x = torch.func.functional_call(b, p, (x,))
-        return x.sum()
-
-    seq = nn.Sequential(*blocks)
-
-    def g(x: torch.Tensor) -> torch.Tensor:
-        return seq(x).sum()
+    def g(ps: dict[str, torch.Tensor], w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        y = torch.func.functional_call(seq, ps, (x.transpose(0, 1),))
+        return (y @ w).sum() if head else y.sum()
 
     x = _x().requires_grad_()
-    regions_env(False)
-    off = ft.joint(g)(x)
-    regions_env(True)
-    on = ft.joint(g)(x)
+    set_to(False)
+    off = ft.joint(g, argnums=(0, 1, 2))(params, w, x)
+    set_to(True)
+    reused = _regions.stats.reused
+    on = ft.joint(g, argnums=(0, 1, 2))(params, w, x)
+    return off, on, _regions.stats.reused - reused
+
+
+def test_joint_graph_is_the_unrolled_one(regions_env: Callable[[bool], None]) -> None:
+    off, on, reused = _stack_joints(regions_env)
+    assert reused > 0  # the blocks were regions
     ops = lambda jg: [str(n.target) for n in jg.graph_module.graph.nodes]  # noqa: E731
     assert ops(on) == ops(off)
-    assert len(on.graph_module.graph.nodes) == len(off.graph_module.graph.nodes)
-    del f, params
+    assert str(on) == str(off)
+
+
+def test_a_region_takes_its_cotangents_contiguous(regions_env: Callable[[bool], None]) -> None:
+    # the region's backward was traced with a contiguous cotangent; the last block's gradient
+    # from a bare sum is an expanded scalar, made contiguous once before it enters the copy
+    off, on, reused = _stack_joints(regions_env, head=False)
+    assert reused > 0
+    clones = lambda jg: [n for n in jg.ops() if n.target is torch.ops.aten.clone.default]  # noqa: E731
+    (clone,) = [c for c in clones(on) if c.name not in {n.name for n in clones(off)}]
+    assert clone.args[0].target is torch.ops.aten.expand.default
+    assert len(list(on.ops())) == len(list(off.ops())) + 1
+
+
+def _layout(jg: ft.JointGraph) -> list[Any]:
+    """Per node: each tensor's geometry and which earlier node's storage it lies on."""
+    first: dict[int, int] = {}
+    out: list[Any] = []
+    for i, n in enumerate(jg.graph_module.graph.nodes):
+        vals = n.meta.get("val")
+        row = []
+        for v in vals if isinstance(vals, (list, tuple)) else [vals]:
+            if isinstance(v, torch.Tensor):
+                owner = first.setdefault(v.untyped_storage()._cdata, i)
+                row.append((tuple(v.shape), v.stride(), v.storage_offset(), v.dtype, owner))
+        out.append(row)
+    return out
+
+
+def test_copied_values_lie_on_storages_as_unrolled_ones_do(
+    regions_env: Callable[[bool], None],
+) -> None:
+    # a block's copies get fresh fake values without running their ops: views must still
+    # share their base's storage, and no two copies (or the region itself) share one
+    off, on, reused = _stack_joints(regions_env)
+    assert reused > 0
+    assert _layout(on) == _layout(off)
 
 
 def test_partition_sees_the_whole_stack(regions_env: Callable[[bool], None]) -> None:
