@@ -414,6 +414,22 @@ def partition(joint: JointGraph, strategy: str | Strategy = "default", **options
     return apply_cut(joint, cut, name)
 
 
+def _adjusted(
+    joint: JointGraph,
+    picked: set[fx.Node],
+    legal: set[fx.Node],
+    asked: set[fx.Node],
+    host: set[fx.Node],
+) -> tuple[fx.Node, ...]:
+    """Nodes the shared rules added to or dropped from the strategy's choice, and values it
+    asked to offload that stay on the device."""
+    return tuple(
+        n
+        for n in joint.fx_graph.nodes
+        if (n in picked) != (n in legal) or (n in asked and n not in host)
+    )
+
+
 def apply_cut(joint: JointGraph, cut: Cut, strategy: str = "cut") -> Partition:
     """The :class:`Partition` that saves (and offloads) what ``cut`` names, after the shared
     rules (:meth:`~functrans.extend.CutProblem.legalize`): what :func:`partition` does with a
@@ -449,11 +465,7 @@ def apply_cut(joint: JointGraph, cut: Cut, strategy: str = "cut") -> Partition:
         saved=saved,
         recomputed=s.recomputed,
         recompute_flops=sum(flops(n) for n in s.recomputed),
-        adjusted=tuple(
-            n
-            for n in joint.fx_graph.nodes
-            if (n in picked) != (n in legal) or (n in asked and n not in host)
-        ),
+        adjusted=_adjusted(joint, set(picked), set(legal), set(asked), set(host)),
         offloaded=tuple(v for v in saved if v.node in host),
     )
     log(
