@@ -40,7 +40,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from torch.utils._mode_utils import no_dispatch
 from torch.utils._python_dispatch import _disable_current_modes
 
@@ -141,16 +141,41 @@ def _lookup(key: int) -> _Region:
     return r
 
 
+def _outputs_like(nodes: list[fx.Node], inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Fakes like ``nodes``' values, in the inputs' fake mode, each on a storage of its own
+    (built directly: these are placeholders for :func:`expand`, whose copies get their real
+    layout)."""
+    mode = cast(FakeTensor, inputs[0]).fake_mode
+    # a functional op's outputs alias neither its inputs nor each other
+    return [_Storages(mode).fresh(n.meta["val"]) for n in nodes]
+
+
 @torch.library.register_fake("functrans::region_fwd")  # type: ignore[untyped-decorator]
 def _fwd_fake(key: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     r = _lookup(key)
-    return [_fresh(n.meta["val"]) for n in [*r.outputs, *r.residuals]]
+    return _outputs_like([*r.outputs, *r.residuals], inputs)
 
 
 @torch.library.register_fake("functrans::region_bwd")  # type: ignore[untyped-decorator]
 def _bwd_fake(key: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     r = _lookup(key)
-    return [_fresh(g.meta["val"]) for _, g in r.grads]
+    return _outputs_like([g for _, g in r.grads], inputs)
+
+
+@contextlib.contextmanager
+def _no_stack_traces() -> Iterator[None]:
+    """The enclosing trace records no stack trace for a region op and its outputs: they are
+    replaced by the copies, which carry the region's own (a stack costs 0.1 ms to record)."""
+    mode = get_proxy_mode()
+    tracer = getattr(mode, "tracer", None)
+    if tracer is None or not tracer.record_stack_traces:
+        yield
+        return
+    tracer.record_stack_traces = False
+    try:
+        yield
+    finally:
+        tracer.record_stack_traces = True
 
 
 class _Apply(torch.autograd.Function):
@@ -159,7 +184,8 @@ class _Apply(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, key: int, *inputs: torch.Tensor) -> Any:
         r = _lookup(key)
-        got = _FWD(key, list(inputs))
+        with _no_stack_traces():
+            got = _FWD(key, list(inputs))
         outs, residuals = got[: len(r.outputs)], got[len(r.outputs) :]
         ctx.key = key
         ctx.save_for_backward(*[inputs[i] for i in r.saved_primals], *residuals)
@@ -174,7 +200,8 @@ class _Apply(torch.autograd.Function):
         # the region's backward was traced with contiguous cotangents: what it gets here is
         # made so (a no-op, and no node, for the usual contiguous gradient)
         cots = [g.contiguous() for g, d in zip(grads, r.differentiable, strict=False) if d]
-        got = _BWD(ctx.key, [*ctx.saved_tensors, *cots])
+        with _no_stack_traces():
+            got = _BWD(ctx.key, [*ctx.saved_tensors, *cots])
         out: list[torch.Tensor | None] = [None] * len(r.primals)
         for (i, _), g in zip(r.grads, got, strict=False):
             out[i] = g
