@@ -8,6 +8,7 @@ graph, connected only by data flow, which is what lets a partitioner plan global
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, ParamSpec
 
 import optree
@@ -38,10 +39,11 @@ from .trace import (
     arg_names,
     check_inputs,
     flatten_args,
+    late_inputs,
     refuse_closure_outputs,
-    run_traced,
     trace,
     trace_module,
+    untraced,
 )
 
 __all__ = ["joint", "normalize_argnums"]
@@ -146,22 +148,13 @@ def joint(
             fakes = [mode.from_tensor(t.detach()) for t in tensors]
         else:
             fakes = symbolic_fakes(tensors, dims, paths)
-            mode = getattr(fakes[0], "fake_mode")  # noqa: B009
-        out_tree, differentiable = _eval_shape(f, fn_in, fakes, mask, mode)
-        out_vals, fn_out = flatten(out_tree)
-        refuse_closure_outputs(f, fn_out.static)
-        if dims is not None:
-            refuse_size_outputs(f, [*fn_out.static, *out_vals])
-        wants_tangent = _tangent_mask(f, out_tree, out_vals, has_aux)
-        with mode:
-            tangents = [  # contiguous, as callers (and autograd) usually hand them in
-                torch.empty(o.shape, dtype=o.dtype, device=o.device)
-                for o, w in zip(out_vals, wants_tangent, strict=True)
-                if w
-            ]
-        joint_fn = _joint_function(f, fn_in, wrt, wants_tangent)
-        inputs = [t.requires_grad_(m) for t, m in zip(fakes, mask, strict=True)] + tangents
+        found: list[_Outputs] = []
+        joint_fn = _joint_function(f, fn_in, wrt, _outputs_check(f, has_aux, dims), found)
+        inputs = [t.requires_grad_(m) for t, m in zip(fakes, mask, strict=True)]
         gm = trace_module(joint_fn, inputs, user_fn=f, table=table, input_paths=paths)
+        (outs,) = found
+        out_tree, differentiable, fn_out = outs.tree, outs.differentiable, outs.flat
+        wants_tangent, tangents = outs.wants_tangent, outs.tangents
         tangent_paths = [p for p, w in zip(fn_out.tensor_paths(), wants_tangent, strict=True) if w]
         specs = [InputSpec(f"primals_{i + 1}", Role.PRIMAL, p) for i, p in enumerate(paths)]
         specs += [
@@ -180,7 +173,7 @@ def joint(
             fn_in=fn_in,
             fn_out=fn_out,
             grads_flat=flatten(grads_tree)[1],
-            num_outputs=len(out_vals),
+            num_outputs=fn_out.num_tensors,
             argnums=nums,
             differentiable=differentiable,
         )
@@ -190,14 +183,45 @@ def joint(
     return traced
 
 
+@dataclass(frozen=True)
+class _Outputs:
+    """What the joint trace learned of ``f``'s outputs when it ran it."""
+
+    tree: Any  # the result, its tensors detached
+    flat: Flat
+    differentiable: tuple[bool, ...]  # per flat tensor: requires grad (not no_grad/detached)
+    wants_tangent: list[bool]
+    tangents: list[torch.Tensor]  # the tangent inputs the trace made, one per wanted output
+
+
+def _outputs_check(
+    f: Callable[..., Any], has_aux: bool, dims: Any
+) -> Callable[[Any, list[torch.Tensor], Flat], list[bool]]:
+    """Checks ``f``'s result as the trace meets it; returns which flat outputs get a tangent."""
+
+    def check(result: Any, outs: list[torch.Tensor], flat: Flat) -> list[bool]:
+        refuse_closure_outputs(f, flat.static)
+        if dims is not None:
+            refuse_size_outputs(f, [*flat.static, *outs])
+        return _tangent_mask(f, result, outs, has_aux)
+
+    return check
+
+
 def _joint_function(
-    f: Callable[..., Any], fn_in: Flat, wrt_index: list[int], wants_tangent: list[bool]
+    f: Callable[..., Any],
+    fn_in: Flat,
+    wrt_index: list[int],
+    check: Callable[[Any, list[torch.Tensor], Flat], list[bool]],
+    found: list[_Outputs],
 ) -> Callable[..., list[torch.Tensor]]:
-    """The flat function ``(*primals, *tangents) -> [*outputs, *grads]`` that gets traced."""
+    """The flat function ``(*primals) -> [*outputs, *grads]`` that gets traced. It makes the
+    tangents inputs of the trace when ``f``'s outputs are known (:func:`late_inputs`), so
+    ``f`` runs once, and leaves what it learned of them in ``found``."""
     n_primals = fn_in.num_tensors
 
     def joint_fn(*leaves: torch.Tensor) -> list[torch.Tensor]:
-        primals, cots = list(leaves[:n_primals]), list(leaves[n_primals:])
+        primals = list(leaves[:n_primals])
         with torch.enable_grad():
             # tensor subclasses (DTensor) are differentiated as themselves: rebuilt around
             # their inner tensors, their gradients taken apart again below
@@ -207,8 +231,19 @@ def _joint_function(
                     rebuilt[i].requires_grad_()
             a, kw = unflatten(fn_in, rebuilt, rebuilt=True)
             result = f(*a, **kw)
-            outs, _ = flatten(result)
+            outs, flat = flatten(result)
             raw = [t for t in leaves_of(result)[0] if isinstance(t, torch.Tensor)]
+            wants_tangent = check(result, outs, flat)
+            # contiguous, as callers (and autograd) usually hand them in
+            cots = late_inputs([o for o, w in zip(outs, wants_tangent, strict=True) if w])
+            with untraced():
+                tree = optree.tree_map(
+                    lambda x: x.detach() if isinstance(x, torch.Tensor) else x,
+                    result,
+                    namespace=NAMESPACE,
+                )
+            differentiable = tuple(t.requires_grad for t in raw)
+            found.append(_Outputs(tree, flat, differentiable, wants_tangent, cots))
             wrt = [rebuilt[i] for i in wrt_index]
             diff_outs = [o for o, w in zip(raw, wants_tangent, strict=True) if w]
             cots = [_like(o, t) for o, t in zip(diff_outs, cots, strict=True)]
@@ -266,37 +301,6 @@ def _inner_grad(g: torch.Tensor, wrt: torch.Tensor) -> torch.Tensor:
             "the input; functrans cannot return it as the input's inner tensor"
         )
     return found.inner(g)
-
-
-def _eval_shape(
-    f: Callable[..., Any],
-    fn_in: Flat,
-    fakes: Sequence[torch.Tensor],
-    mask: list[bool],
-    mode: FakeTensorMode,
-) -> tuple[Any, tuple[bool, ...]]:
-    """Run ``f`` on fake tensors to learn its outputs' structure, shapes and dtypes, and which
-    flat outputs require grad (not those made under ``torch.no_grad()`` or detached)."""
-
-    def run() -> Any:
-        with mode, torch.enable_grad():
-            leaves = [t.detach().requires_grad_(m) for t, m in zip(fakes, mask, strict=True)]
-            rebuilt = rebuild_leaves(fn_in, leaves)  # a subclass requires grad itself
-            for r, leaf, m in zip(rebuilt, leaves, mask, strict=True):
-                if r is not leaf and m and not r.requires_grad:
-                    r.requires_grad_()
-            a, kw = unflatten(fn_in, rebuilt, rebuilt=True)
-            return f(*a, **kw)
-
-    out = run_traced(run, f)
-    # read on the leaves themselves: a subclass output (DTensor) requires grad, its inner
-    # tensor never does
-    raw = [t for t in leaves_of(out)[0] if isinstance(t, torch.Tensor)]
-    differentiable = tuple(t.requires_grad for t in raw)
-    tree = optree.tree_map(
-        lambda x: x.detach() if isinstance(x, torch.Tensor) else x, out, namespace=NAMESPACE
-    )
-    return tree, differentiable
 
 
 def _tangent_mask(

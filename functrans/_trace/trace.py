@@ -25,7 +25,12 @@ from torch._subclasses.fake_tensor import (
     FakeTensorDeviceMismatchError,
 )
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
-from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.proxy_tensor import (
+    disable_proxy_modes_tracing,
+    get_proxy_mode,
+    make_fx,
+    track_tensor_tree,
+)
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from functrans._core.context import _TRACING, LIBRARY_DIRS, culprit, is_tracing, user_frame
@@ -453,6 +458,35 @@ def fake_inputs(tensors: Sequence[torch.Tensor], mode: Any) -> list[torch.Tensor
     return [mode.from_tensor(t) for t in tensors]
 
 
+def untraced() -> contextlib.AbstractContextManager[Any]:
+    """Inside a trace: tensor ops run on the fake tensors without being recorded."""
+    return disable_proxy_modes_tracing()
+
+
+def late_inputs(like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Inside a trace (:func:`trace_module`): new inputs of the graph, contiguous tensors
+    shaped like ``like``, for values the traced function learns only while it runs (a joint
+    graph's tangents are shaped like the outputs: making them here spares running the
+    function once more beforehand). The trace puts their placeholders after the others."""
+    mode = get_proxy_mode()
+    if mode is None:
+        raise TraceError("late_inputs() is called inside a trace only")
+    tracer = mode.tracer
+    with untraced():
+        made = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in like]
+        proxies = [tracer.create_proxy("placeholder", "late_input", (), {}) for _ in made]
+        track_tensor_tree(made, proxies, constant=None, tracer=tracer)
+    return made
+
+
+def _inputs_first(gm: fx.GraphModule) -> None:
+    """Move the placeholders :func:`late_inputs` made to the end of the others (in place)."""
+    first = next(n for n in gm.graph.nodes if n.op != "placeholder")
+    for node in list(gm.graph.nodes):
+        if node.op == "placeholder" and node > first:
+            first.prepend(node)
+
+
 def trace_module(
     flat_fn: Callable[..., Any],
     inputs: Sequence[torch.Tensor],
@@ -477,6 +511,7 @@ def trace_module(
         _allow_non_fake_inputs=True,
     )
     gm: fx.GraphModule = run_traced(lambda: traced(*inputs), user_fn)
+    _inputs_first(gm)
     for rewrite in TRACE_PASSES:
         gm = rewrite(gm)
     check_no_input_mutation(gm, input_paths)

@@ -96,3 +96,20 @@ def test_joint_graph_is_callable_with_its_pytree_convention():
     assert repr(jg).startswith("<JointGraph with 2 inputs")
     with pytest.raises(ft.TraceError, match="structure"):
         jg((torch.ones(3),), ())
+
+
+def test_joint_runs_the_function_once() -> None:
+    # the tangents become inputs of the trace when the outputs are known, so f is not run a
+    # second time beforehand to learn their shapes
+    calls: list[int] = []
+
+    def f(x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        calls.append(1)
+        return x.sin().sum(), {"aux": x.cos()}
+
+    jg = ft.joint(f, has_aux=True)(torch.ones(3))
+    assert len(calls) == 1
+    assert [p.name for p in jg.placeholders()] == ["primals_1", "tangents_1"]
+    outs, grads = jg((torch.zeros(3),), (torch.tensor(1.0),))
+    torch.testing.assert_close(outs[0], torch.tensor(0.0))
+    torch.testing.assert_close(grads[0], torch.ones(3))

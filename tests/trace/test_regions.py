@@ -91,9 +91,9 @@ def test_identical_blocks_traced_once_bitwise(regions_env: Callable[[bool], None
     torch.manual_seed(0)
     model = Stack([Block() for _ in range(4)])
     traced, reused = _compare(regions_env, model, _x())
-    # traced once; each of the 4 calls of the shape pass and of the trace reuses it but one
+    # traced once (at the first call); the other 3 calls of the trace reuse it
     assert traced == 1
-    assert reused == 7
+    assert reused == 3
 
 
 def _stack_joints(
@@ -198,7 +198,7 @@ def test_a_block_that_differs_is_its_own_region(
     traced, reused = _compare(regions_env, model, x)
     assert traced == 2
     n = len(model.blocks)  # type: ignore[arg-type]
-    assert reused == 2 * n - 2
+    assert reused == n - 2
 
 
 def test_a_hooked_block_is_traced_inline(regions_env: Callable[[bool], None]) -> None:
@@ -226,9 +226,9 @@ def test_a_hooked_block_is_traced_inline(regions_env: Callable[[bool], None]) ->
         ones = (torch.ones(()),)
         results.append(jg((params, x), ones))
         counts = (_regions.stats.traced - traced, _regions.stats.reused - reused)
-        # blocks 0 and 2 share a region (in the shape pass and the trace); block 1 is inline
-        assert counts == ((1, 3) if on else (0, 0))
-        assert len(calls) == 2  # the hook ran in the shape pass and in the trace
+        # blocks 0 and 2 share a region; block 1 is inline
+        assert counts == ((1, 1) if on else (0, 0))
+        assert len(calls) == 1  # the hook ran once: the trace runs f once
     for a, b in zip(
         torch.utils._pytree.tree_leaves(results[0]),
         torch.utils._pytree.tree_leaves(results[1]),
@@ -276,8 +276,8 @@ def test_region_decorator_on_a_function(regions_env: Callable[[bool], None]) -> 
         results.append((loss.detach(), [t.grad for p in params for t in p]))
         counts = (_regions.stats.traced - traced, _regions.stats.reused - reused)
         # regions: the first call (x needs no gradient), the next two, and the last (its
-        # scale differs); the shape pass traces them, the trace reuses all four
-        assert counts == ((3, 5) if on else (0, 0))
+        # scale differs): three traced, the third call reuses the second's
+        assert counts == ((3, 1) if on else (0, 0))
     assert torch.equal(results[0][0], results[1][0])
     for a, b in zip(results[0][1], results[1][1], strict=True):
         assert torch.equal(a, b)
