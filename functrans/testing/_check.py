@@ -329,6 +329,12 @@ def split_and_check(
     return s
 
 
+def _pinned(env: Any, jg: JointGraph) -> bool:
+    """Whether the trace's guards fixed every symbolic size of the inputs to a number."""
+    sizes = [s for n in jg.primals() for s in n.meta["val"].shape if isinstance(s, torch.SymInt)]
+    return all(env.replace(s.node.expr).is_number for s in sizes)
+
+
 def check_dynamic_partition(
     prog: Program,
     strategy: str | Strategy = "default",
@@ -360,8 +366,8 @@ def check_dynamic_partition(
         raise AssertionError(f"partitioning {strategy!r} added guards {added}{describe(prog)}")
     p.forward.verify()
     p.backward.verify()
-    if env is None:  # torch's trace fixed the batch (e.g. F.pad reads its sizes): no other
-        batches = (prog.batch,)  # batch size can run this graph, and jit would trace again
+    if env is None or _pinned(env, jg):  # torch's trace fixed the batch (F.pad reads its
+        batches = (prog.batch,)  # sizes): no other batch runs this graph; jit traces again
     for batch in batches or (prog.batch, prog.batch + 1, prog.batch + 3):
         args = prog.example_inputs(seed=batch, batch=batch)
         with seeded():

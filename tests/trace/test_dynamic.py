@@ -189,10 +189,19 @@ SIZE_ONE_STRIDE = Program(
     outputs=(2,),
     batch=2,
 )
+# F.pad reads its input's sizes, so the trace pins the batch with a guard (Eq(s0, 2)) while
+# the inputs keep their symbols: only the traced batch can run the graph
+PAD_PINS_THE_BATCH = Program(
+    inputs=(InputSpec((1, 2), torch.float32),),
+    steps=(Step("pad", (0,), (0, 0), (1, 2)),),
+    outputs=(1,),
+    batch=2,
+)
 
 
 @given(programs(batch=True, max_steps=5), st.sampled_from(STRATEGIES))
 @example(SIZE_ONE_STRIDE, "default")
+@example(PAD_PINS_THE_BATCH, "default")
 def test_property_dynamic_batch_partitions(prog: ft.testing.Program, strategy: str) -> None:
     check_dynamic_partition(prog, strategy)
 
