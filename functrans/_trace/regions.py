@@ -46,7 +46,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from functrans._core.graph import lazy_module
 from functrans._core.logs import log
-from functrans._core.shapes import is_symbolic
+from functrans._core.shapes import is_symbolic, shape_env_of
 
 from .trace import TRACE_CONTEXTS, TRACE_PASSES
 
@@ -56,8 +56,9 @@ _T = TypeVar("_T")
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 _LIB = torch.library.Library("functrans", "FRAGMENT")  # type: ignore[no-untyped-call]
-_LIB.define("region_fwd(int key, Tensor[] inputs) -> Tensor[]")  # type: ignore[no-untyped-call]
-_LIB.define("region_bwd(int key, Tensor[] inputs) -> Tensor[]")  # type: ignore[no-untyped-call]
+# ``call`` numbers the calls of one trace: expand() finds a backward's forward by it
+_LIB.define("region_fwd(int key, int call, Tensor[] inputs) -> Tensor[]")  # type: ignore[no-untyped-call]
+_LIB.define("region_bwd(int key, int call, Tensor[] inputs) -> Tensor[]")  # type: ignore[no-untyped-call]
 _FWD = torch.ops.functrans.region_fwd.default
 _BWD = torch.ops.functrans.region_bwd.default
 
@@ -72,7 +73,9 @@ class _Region:
     forward: list[fx.Node]  # call_function nodes the forward ran, in trace order
     backward: list[fx.Node]
     outputs: list[fx.Node]  # the block's output leaves
-    residuals: list[fx.Node]  # forward nodes the backward reads
+    residuals: list[fx.Node]  # forward tensors the backward reads
+    sizes: list[fx.Node]  # forward sizes (SymInts) the backward reads: no op output, they
+    # pass from a call's forward copy to its backward copy in expand()
     saved_primals: list[int]  # primal positions the backward reads
     grads: list[tuple[int, fx.Node]]  # (primal position, gradient node)
     differentiable: list[bool]  # per output
@@ -151,13 +154,13 @@ def _outputs_like(nodes: list[fx.Node], inputs: list[torch.Tensor]) -> list[torc
 
 
 @torch.library.register_fake("functrans::region_fwd")  # type: ignore[untyped-decorator]
-def _fwd_fake(key: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+def _fwd_fake(key: int, call: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     r = _lookup(key)
     return _outputs_like([*r.outputs, *r.residuals], inputs)
 
 
 @torch.library.register_fake("functrans::region_bwd")  # type: ignore[untyped-decorator]
-def _bwd_fake(key: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+def _bwd_fake(key: int, call: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     r = _lookup(key)
     return _outputs_like([g for _, g in r.grads], inputs)
 
@@ -182,12 +185,12 @@ class _Apply(torch.autograd.Function):
     """One region call: the forward op, and the backward op autograd runs for it."""
 
     @staticmethod
-    def forward(ctx: Any, key: int, *inputs: torch.Tensor) -> Any:
+    def forward(ctx: Any, key: int, call: int, *inputs: torch.Tensor) -> Any:
         r = _lookup(key)
         with _no_stack_traces():
-            got = _FWD(key, list(inputs))
+            got = _FWD(key, call, list(inputs))
         outs, residuals = got[: len(r.outputs)], got[len(r.outputs) :]
-        ctx.key = key
+        ctx.key, ctx.call = key, call
         ctx.save_for_backward(*[inputs[i] for i in r.saved_primals], *residuals)
         ctx.mark_non_differentiable(
             *[o for o, d in zip(outs, r.differentiable, strict=False) if not d]
@@ -201,11 +204,11 @@ class _Apply(torch.autograd.Function):
         # made so (a no-op, and no node, for the usual contiguous gradient)
         cots = [g.contiguous() for g, d in zip(grads, r.differentiable, strict=False) if d]
         with _no_stack_traces():
-            got = _BWD(ctx.key, [*ctx.saved_tensors, *cots])
+            got = _BWD(ctx.key, ctx.call, [*ctx.saved_tensors, *cots])
         out: list[torch.Tensor | None] = [None] * len(r.primals)
         for (i, _), g in zip(r.grads, got, strict=False):
             out[i] = g
-        return (None, *out)
+        return (None, None, *out)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -249,8 +252,14 @@ def _global_hooks() -> bool:
     )
 
 
+def _size_key(s: Any) -> Any:
+    """An int, or a symbolic size by its expression (one trace's symbols mean one thing)."""
+    return ("sym", str(s.node.expr)) if isinstance(s, torch.SymInt) else s
+
+
 def _tensor_key(t: torch.Tensor) -> Any:
-    return (tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, t.device, t.requires_grad)
+    sizes = tuple(map(_size_key, (*t.shape, "|", *t.stride(), "|", t.storage_offset())))
+    return (sizes, t.dtype, t.device, t.requires_grad)
 
 
 def _code_key(fn: Any) -> Any:
@@ -346,7 +355,9 @@ def _trace_region(
     call: Callable[[list[torch.Tensor]], Any], metas: list[torch.Tensor], table: Any
 ) -> _Region | None:
     """The joint graph of ``call`` on fresh fakes like ``metas`` (None: not a region)."""
-    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    # the enclosing trace's shape environment: a symbolic block's sizes are its symbols, and
+    # the guards its trace records are the whole trace's
+    mode = FakeTensorMode(allow_non_fake_inputs=False, shape_env=shape_env_of(metas))
     with mode:
         probe = [_fresh(t).requires_grad_(t.requires_grad) for t in metas]
     with mode, torch.enable_grad():
@@ -422,12 +433,13 @@ def _trace_region(
     fwd_set = set(fwd)
     bwd_set = set(bwd)
     residuals: list[fx.Node] = []
+    sizes: list[fx.Node] = []
     saved: list[int] = []
     prim_pos = {p: i for i, p in enumerate(primals)}
     for x in bwd:
         for a in x.all_input_nodes:
-            if a in fwd_set and a not in residuals:
-                residuals.append(a)
+            if a in fwd_set and a not in residuals and a not in sizes:
+                (residuals if isinstance(a.meta["val"], torch.Tensor) else sizes).append(a)
             elif a in prim_pos and prim_pos[a] not in saved:
                 saved.append(prim_pos[a])
     for g in grad_nodes:  # a gradient that is a forward value (or a primal) is not handled
@@ -442,6 +454,7 @@ def _trace_region(
         backward=bwd,
         outputs=cast(list[fx.Node], outputs),
         residuals=residuals,
+        sizes=sizes,
         saved_primals=sorted(saved),
         grads=list(zip(grad_of, grad_nodes, strict=False)),
         differentiable=diff,
@@ -484,7 +497,7 @@ def _call_region(
     if region is None:
         return eager()
     s.calls += 1
-    outs = _Apply.apply(rid, *tensors)  # type: ignore[no-untyped-call]
+    outs = _Apply.apply(rid, s.calls, *tensors)  # type: ignore[no-untyped-call]
     return pytree.tree_unflatten(list(outs), region.out_spec)
 
 
@@ -504,8 +517,6 @@ def _usable(tensors: list[Any]) -> bool:
     if torch._C._functorch.peek_interpreter_stack() is not None:
         return False
     if not all(isinstance(t, FakeTensor) and type(t) is FakeTensor for t in tensors):
-        return False
-    if any(is_symbolic(t) for t in tensors):  # keyed by static sizes: a symbolic trace inlines
         return False
     return any(t.requires_grad for t in tensors)
 
@@ -727,11 +738,12 @@ def expand(gm: fx.GraphModule) -> fx.GraphModule:
     # the region ops' fake outputs -> the copies' values: the ops that read a region's
     # outputs (views among them) are laid onto the copies' storages too
     moved = _Storages(_fake_mode(gm))
+    sizes: dict[int, list[fx.Node]] = {}  # per call: its forward copy's sizes the backward reads
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target is _FWD:
-            env[node] = _copy_forward(graph, node, env, s, moved.mode)
+            env[node] = _copy_forward(graph, node, env, s, moved.mode, sizes)
         elif node.op == "call_function" and node.target is _BWD:
-            env[node] = _copy_backward(graph, node, env, s, moved.mode)
+            env[node] = _copy_backward(graph, node, env, s, moved.mode, sizes)
         elif node.op == "call_function" and _region_item(node):
             env[node] = env[node.args[0]][node.args[1]]
             moved.bind(node.meta.get("val"), env[node].meta.get("val"))
@@ -791,6 +803,15 @@ class _Storages:
         base = self.by_storage.get(key)
         if base is None and not fresh:
             return val
+        if is_symbolic(val):  # symbolic sizes go through the fake mode (no set_ takes them)
+            with self.mode:
+                if base is None:
+                    size = val.untyped_storage().nbytes() // val.element_size()
+                    base = torch.empty(size, dtype=val.dtype, device=val.device)
+                    self.by_storage[key] = base
+                elif base.dtype != val.dtype:
+                    base = base.view(-1).view(val.dtype)
+                return torch.as_strided(base, val.shape, val.stride(), val.storage_offset())
         with no_dispatch():
             storage = (
                 torch.empty(
@@ -822,22 +843,33 @@ def _paste(
 
 
 def _copy_forward(
-    graph: fx.Graph, node: fx.Node, env: dict[fx.Node, Any], s: _Session, mode: FakeTensorMode
+    graph: fx.Graph,
+    node: fx.Node,
+    env: dict[fx.Node, Any],
+    s: _Session,
+    mode: FakeTensorMode,
+    sizes: dict[int, list[fx.Node]],
 ) -> list[fx.Node]:
-    key, inputs = node.args
+    key, call, inputs = node.args
     r = s.regions[cast(int, key)]
     assert r is not None
     local: dict[fx.Node, Any] = {
         p: env[i] for p, i in zip(r.primals, cast(list[fx.Node], inputs), strict=False)
     }
     _paste(graph, r.forward, local, mode)
+    sizes[cast(int, call)] = [local[x] for x in r.sizes]
     return [local[x] for x in [*r.outputs, *r.residuals]]
 
 
 def _copy_backward(
-    graph: fx.Graph, node: fx.Node, env: dict[fx.Node, Any], s: _Session, mode: FakeTensorMode
+    graph: fx.Graph,
+    node: fx.Node,
+    env: dict[fx.Node, Any],
+    s: _Session,
+    mode: FakeTensorMode,
+    sizes: dict[int, list[fx.Node]],
 ) -> list[fx.Node]:
-    key, inputs = node.args
+    key, call, inputs = node.args
     r = s.regions[cast(int, key)]
     assert r is not None
     given = [env[i] for i in cast(list[fx.Node], inputs)]
@@ -847,6 +879,7 @@ def _copy_backward(
     }
     local.update(zip(r.residuals, given[n_saved : n_saved + n_res], strict=False))
     local.update(zip(r.tangents, given[n_saved + n_res :], strict=False))
+    local.update(zip(r.sizes, sizes[cast(int, call)], strict=True))
     _paste(graph, r.backward, local, mode)
     return [local[g] for _, g in r.grads]
 

@@ -301,3 +301,59 @@ def test_recompiles_log_reports_reuse(
         ft.set_logs()
     err = capsys.readouterr().err
     assert "region Block" in err and "traced once" in err and "reused" in err
+
+
+def test_a_symbolic_trace_reuses_regions(regions_env: Callable[[bool], None]) -> None:
+    # regions are keyed by their inputs' size expressions; the sizes a block's backward reads
+    # from its forward (SymInts) pass from each forward copy to its own backward copy
+    torch.manual_seed(0)
+    model = Stack([Block(p=0.0) for _ in range(3)])
+    for on in (False, True):
+        regions_env(on)
+        reused = _regions.stats.reused
+        jm = ft.jit(model, dynamic=True)
+        for b, t in [(2, 5), (3, 7), (4, 3)]:
+            x = torch.randn(b, t, 16, generator=torch.Generator().manual_seed(b))
+            model.zero_grad(set_to_none=True)
+            got = jm(x)
+            got.backward()
+            grads = [p.grad for p in model.parameters()]
+            model.zero_grad(set_to_none=True)
+            want = model(x)
+            want.backward()
+            torch.testing.assert_close(got, want)
+            for g, p in zip(grads, model.parameters(), strict=True):
+                torch.testing.assert_close(g, p.grad)
+        assert jm.cache_info().misses == 1  # one symbolic entry for every shape
+        assert (_regions.stats.reused - reused > 0) == on
+
+
+def test_symbolic_regions_trace_the_unrolled_graph(regions_env: Callable[[bool], None]) -> None:
+    torch.manual_seed(0)
+    seq = nn.Sequential(*[Block(p=0.0) for _ in range(3)])
+    params = {k: v.detach().requires_grad_() for k, v in seq.named_parameters()}
+
+    def g(ps: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return torch.func.functional_call(seq, ps, (x,)).square().sum()
+
+    x = _x().requires_grad_()
+    graphs = []
+    for on in (False, True):
+        regions_env(on)
+        reused = _regions.stats.reused
+        graphs.append(ft.joint(g, argnums=(0, 1), dynamic={"x": {0: "b", 1: "t"}})(params, x))
+        assert (_regions.stats.reused - reused > 0) == on
+    # the same tensor ops with the same layouts; each copy reads its sizes from its own
+    # inputs (sym_size), where unrolled tracing reuses the first block's
+    off, on_ = graphs
+
+    def tensor_ops(jg: ft.JointGraph) -> list[str]:
+        return [str(n.target) for n in jg.ops() if isinstance(n.meta["val"], torch.Tensor)]
+
+    def layouts(jg: ft.JointGraph) -> list[Any]:
+        return [row for row in _layout(jg) if row]
+
+    assert tensor_ops(on_) == tensor_ops(off)
+    assert [[r[:4] for r in row] for row in layouts(on_)] == [
+        [r[:4] for r in row] for row in layouts(off)
+    ]
