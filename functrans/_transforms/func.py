@@ -32,6 +32,7 @@ import torch
 
 from functrans._core.context import is_tracing
 from functrans._core.errors import InvalidArgumentError
+from functrans._core.marks import leave
 from functrans._core.pytree import NAMESPACE
 from functrans._core.stack import transform_frame
 from functrans._core.validate import (
@@ -48,7 +49,7 @@ from functrans._core.validate import (
 from functrans._trace.trace import _no_saved_tensor_hooks
 
 from .grad import _value_and_grad_fn
-from .plans import GRAD_SPEC, PER_EXAMPLE, GradSpec, Rewrap, VmapOfGrad, plan_per_example
+from .plans import GradSpec, Rewrap, VmapOfGrad, plan_of, plan_per_example
 
 __all__ = [
     "ShapeDtypeStruct",
@@ -118,9 +119,7 @@ def vmap(
     batched = torch.func.vmap(
         user_calls(func), in_dims, out_dims, randomness, chunk_size=chunk_size
     )
-    spec: GradSpec | None = getattr(func, GRAD_SPEC, None)
-    if spec is not None and spec.run is not func:  # a wrapper (jit, remat) copied it
-        spec = None
+    spec = plan_of(func, GradSpec)  # None for a wrapper (jit, remat) that copied the record
 
     compiled = _batched_jit(func, in_dims, out_dims, randomness, chunk_size)
 
@@ -138,7 +137,7 @@ def vmap(
 
     wrapped = _frame("vmap", func, call, hint)
     if spec is not None and out_dims == 0 and chunk_size is None:
-        setattr(wrapped, PER_EXAMPLE, VmapOfGrad(wrapped, spec, in_dims, randomness))
+        leave(wrapped, VmapOfGrad(wrapped, spec, in_dims, randomness))
     return wrapped
 
 

@@ -15,6 +15,7 @@ from functrans._core.context import is_tracing
 from functrans._core.describe import check_numpy_leaves
 from functrans._core.dtypes import differentiable
 from functrans._core.errors import InvalidArgumentError, NonScalarOutputError, UnsupportedOpError
+from functrans._core.marks import leave
 from functrans._core.pytree import NAMESPACE, flatten
 from functrans._core.stack import transform_frame
 from functrans._core.validate import (
@@ -29,7 +30,7 @@ from functrans._trace.joint import joint, normalize_argnums
 from functrans._trace.trace import _no_saved_tensor_hooks
 
 from .inline import inline_value_and_grad, inline_vjp
-from .plans import GRAD_SPEC, GradSpec
+from .plans import GradSpec
 
 __all__ = ["grad", "value_and_grad", "vjp"]
 
@@ -211,7 +212,7 @@ def _value_and_grad_fn(
         grads = p.backward(saved, (torch.ones_like(out),))
         return value, grads
 
-    setattr(run, GRAD_SPEC, _spec(run, f, argnums, has_aux, True, partition, options))
+    leave(run, _spec(run, f, argnums, has_aux, True, partition, options))
     return run
 
 
@@ -334,5 +335,5 @@ def grad(
         value, grads = vg(*args, **kwargs)
         return (grads, value[1]) if has_aux else grads
 
-    setattr(run, GRAD_SPEC, _spec(run, f, argnums, has_aux, False, partition, options))
+    leave(run, _spec(run, f, argnums, has_aux, False, partition, options))
     return run
