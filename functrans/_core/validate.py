@@ -21,6 +21,7 @@ import torch.fx as fx
 
 from .describe import _REPR, check_numpy_leaves, describe
 from .errors import InvalidArgumentError, InvalidPartitionError
+from .marks import leave, marked
 
 __all__ = [
     "check_call",
@@ -385,7 +386,10 @@ def check_cotangents(where: str, cotangents: Any, outs: Any) -> list[Any]:
 
 # -- torch.func's own argument errors, named -------------------------------------------------
 
-_USER_ERROR = "__functrans_user_error__"
+
+@dataclasses.dataclass(frozen=True)
+class UserError:
+    """The record :func:`user_calls` leaves on an exception the user's function raised."""
 
 
 def user_calls(func: Callable[..., Any]) -> Callable[..., Any]:
@@ -398,8 +402,7 @@ def user_calls(func: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return func(*args, **kwargs)
         except BaseException as e:
-            with contextlib.suppress(AttributeError, TypeError):  # builtin exceptions take it
-                setattr(e, _USER_ERROR, True)
+            leave(e, UserError())
             raise
 
     return run
@@ -425,7 +428,7 @@ def torch_func_arguments(where: str, hint: Callable[[], str] = lambda: "") -> It
     except FunctransError:
         raise
     except (ValueError, RuntimeError, TypeError, IndexError, AttributeError) as e:
-        if getattr(e, _USER_ERROR, False) or _raised_in_user_code(e):
+        if marked(e, UserError) or _raised_in_user_code(e):
             raise
         message = f"{where}: {e}{hint()}"
         try:
