@@ -27,6 +27,7 @@ import torch.fx as fx
 
 from functrans._core.errors import InvalidArgumentError
 from functrans._core.graph import PHASE, ROLE, SOURCE, Graph, Phase, Role
+from functrans._core.ops import is_view_op
 from functrans._core.validate import check_number, check_option, describe
 
 from .cost import flops, storage_of
@@ -181,7 +182,7 @@ def why_not_offload(node: fx.Node, outputs: frozenset[fx.Node] = frozenset()) ->
     target = node.target
     if target is operator.getitem:
         return "it is one output of a multi-output op"
-    if isinstance(target, torch._ops.OpOverload) and target.is_view:
+    if is_view_op(target):
         return "it is a view"
     if not val.is_contiguous():
         return "it is not contiguous"

@@ -40,6 +40,7 @@ from functrans._core.context import is_tracing
 from functrans._core.dynamo_skip import compiling, outside_dynamo, refuse_export
 from functrans._core.errors import InvalidArgumentError, UnsupportedOpError
 from functrans._core.module_view import ModuleView
+from functrans._core.ops import is_view_op
 from functrans._core.pytree import NAMESPACE
 from functrans._core.stack import fn_name, transform_frame
 from functrans._core.tags import REMAT, REMAT_OP, Policy, PolicyLike, RematOp
@@ -439,9 +440,7 @@ def _tags_of_call(
 def _viewed(node: fx.Node) -> fx.Node | None:
     """The value ``node`` is a view of (or ``alias``/``detach``, which canonicalization drops)."""
     target, base = node.target, node.args[0] if node.args else None
-    viewing = target in _IDENTITY_OPS or (
-        isinstance(target, torch._ops.OpOverload) and target.is_view
-    )
+    viewing = target in _IDENTITY_OPS or is_view_op(target)
     return base if viewing and isinstance(base, fx.Node) else None
 
 
