@@ -34,6 +34,7 @@ import optree
 import torch
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
 
+from functrans._core.context import functorch_active
 from functrans._core.dtypes import differentiable_dtype
 from functrans._core.errors import FunctransError, InvalidArgumentError, UnsupportedOpError
 from functrans._core.pytree import NAMESPACE
@@ -458,7 +459,7 @@ _IN_RULE: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar(
 def _needs_rule(args: Any) -> bool:
     """Whether a gradient can flow: some tensor argument requires grad, or a torch.func
     transform may differentiate (it tracks its own levels)."""
-    if torch._C._are_functorch_transforms_active():
+    if functorch_active():
         return True
     return torch.is_grad_enabled() and any(
         _is_tensor(x) and x.requires_grad for x in optree.tree_leaves(args, namespace=NAMESPACE)

@@ -30,7 +30,7 @@ from typing import Any, ParamSpec, TypeVar, cast
 import optree
 import torch
 
-from functrans._core.context import is_tracing
+from functrans._core.context import functorch_active, runs_as_written
 from functrans._core.errors import InvalidArgumentError
 from functrans._core.marks import leave
 from functrans._core.pytree import NAMESPACE
@@ -128,7 +128,7 @@ def vmap(
             planned = _per_example(spec, in_dims, randomness, args, kwargs)
             if planned is not _NOT_PLANNED:
                 return planned
-        if compiled is not None and not is_tracing() and not _functorch_active():
+        if compiled is not None and not runs_as_written():
             return compiled(*args, **kwargs)
         return batched(*args, **kwargs)
 
@@ -158,7 +158,6 @@ def _check_chunk_size(where: str, chunk_size: object) -> None:
 
 
 _NOT_PLANNED = object()
-_functorch_active = torch._C._are_functorch_transforms_active
 
 
 def _batched_jit(
@@ -179,7 +178,7 @@ def _per_example(
     """``vmap(grad(f), in_dims)(*args)`` as one joint graph cut by the grad's strategy (see
     :func:`plan_per_example`); ``_NOT_PLANNED`` inside traces and other transforms, where the
     enclosing graph decides, and where the plan does not apply."""
-    if is_tracing() or _functorch_active():
+    if runs_as_written():
         return _NOT_PLANNED
     plan = plan_per_example(spec, spec.f, in_dims, randomness, args)
     if plan is None:
@@ -250,7 +249,7 @@ def linearize(func: Callable[..., Any], *primals: Any) -> tuple[Any, Callable[..
         return run
 
     def call(*ps: Any) -> tuple[Any, Callable[..., Any]]:
-        if not torch._C._are_functorch_transforms_active() and not is_tracing():
+        if not runs_as_written():
             import warnings
 
             with warnings.catch_warnings():  # torch's constant folding warns about get_attr
@@ -424,7 +423,7 @@ def eval_shape(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 
     # outside torch.func transforms, none to hide: the function may start its own (a jvp of a
     # custom_jvp needs functorch's dispatch, which _DisableFuncTorch would switch off)
-    hide = torch._C._DisableFuncTorch() if _functorch_active() else contextlib.nullcontext()
+    hide = torch._C._DisableFuncTorch() if functorch_active() else contextlib.nullcontext()
     with hide:
         out = run_traced(run, func)
     return optree.tree_map(

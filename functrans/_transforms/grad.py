@@ -11,7 +11,7 @@ from typing import Any, Literal, ParamSpec, TypeVar, overload
 import optree
 import torch
 
-from functrans._core.context import is_tracing
+from functrans._core.context import functorch_active, is_tracing
 from functrans._core.describe import check_numpy_leaves
 from functrans._core.dtypes import differentiable
 from functrans._core.errors import InvalidArgumentError, NonScalarOutputError, UnsupportedOpError
@@ -79,7 +79,7 @@ def vjp(
     if has_aux:  # torch.func.vjp's form: f returns (output, aux); aux is not differentiated
         return _vjp_with_aux(f, primals, partition, options)
     with transform_frame("vjp", f):
-        if torch._C._are_functorch_transforms_active():
+        if functorch_active():
             return _torch_func_vjp(f, primals)
         if is_tracing():  # inside another functrans trace: the outer trace records the backward
             return inline_vjp(f, primals)
@@ -114,7 +114,7 @@ def _vjp_with_aux(
 
     main.__qualname__ = getattr(f, "__qualname__", "f")
     with transform_frame("vjp", f):
-        if torch._C._are_functorch_transforms_active():
+        if functorch_active():
             found: Any = torch.func.vjp(f, *primals, has_aux=True)
             return found[0], found[1], found[2]
         if is_tracing():
@@ -199,7 +199,7 @@ def _value_and_grad_fn(
 
     def _value_and_grad(args: Any, kwargs: Any) -> tuple[_R, Any]:
         check_differentiable(f, args, argnums, name)
-        if torch._C._are_functorch_transforms_active():
+        if functorch_active():
             return _torch_func_value_and_grad(f, argnums, has_aux, args, kwargs)
         if is_tracing():  # inside another functrans trace: the outer trace records the backward
             value, grads = inline_value_and_grad(f, argnums, has_aux, args, kwargs)

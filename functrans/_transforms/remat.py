@@ -36,7 +36,7 @@ from torch.fx.experimental.proxy_tensor import (
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
-from functrans._core.context import is_tracing
+from functrans._core.context import functorch_active, is_tracing
 from functrans._core.dynamo_skip import compiling, outside_dynamo, refuse_export
 from functrans._core.errors import InvalidArgumentError, UnsupportedOpError
 from functrans._core.module_view import ModuleView
@@ -313,7 +313,7 @@ def _under_functorch_autodiff() -> bool:
     """Whether torch.func's grad/vjp/jvp is running: their levels do not support saved-tensor
     hooks, so eager remat runs the region as written there (same values; memory as without
     remat). Inside ``ft.jit`` and ``ft.vmap(ft.grad(...))`` the traced remat applies."""
-    if not torch._C._are_functorch_transforms_active():
+    if not functorch_active():
         return False
     from torch._C._functorch import TransformType
     from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
