@@ -65,7 +65,7 @@ from functrans._core.graph import PHASE, JointGraph, Phase, Role, ancestors
 from functrans._core.graph import ROLE as _ROLE
 from functrans._core.ops import is_view_op
 from functrans._core.shapes import planned_sizes
-from functrans._core.tags import Policy, policy_of
+from functrans._core.tags import SAVE_TAGS, Policy, policy_of
 
 from .cost import OpClass, Storage, activation_bytes, flops, op_class, storage_of
 from .offload import why_not_offload
@@ -307,7 +307,6 @@ class CutProblem:
         return out
 
 
-_SAVE_TAGS = (Policy.MUST_SAVE, Policy.PREFER_SAVE, Policy.MUST_OFFLOAD)
 #: tags that forbid recomputing a value the forward computes (it is saved, on device or host)
 _KEEP_TAGS = (Policy.MUST_SAVE, Policy.MUST_OFFLOAD)
 
@@ -331,7 +330,7 @@ def _value(
     outputs: frozenset[fx.Node],
 ) -> ForwardValue:
     cls, tag = op_class(node), policy_of(node)
-    if tag in _SAVE_TAGS and is_view_op(node):
+    if tag in SAVE_TAGS and is_view_op(node):
         tag = _base_tag(node)  # saving a view keeps its base: the view follows its base
         if tag is Policy.MUST_OFFLOAD:  # ...unless the base goes to host: a saved view would
             tag = Policy.PREFER_RECOMPUTE  # keep it on the device; re-view the copy instead

@@ -43,7 +43,7 @@ from functrans._core.module_view import ModuleView
 from functrans._core.ops import is_view_op
 from functrans._core.pytree import NAMESPACE
 from functrans._core.stack import fn_name, transform_frame
-from functrans._core.tags import REMAT, REMAT_OP, Policy, PolicyLike, RematOp
+from functrans._core.tags import REMAT, REMAT_OP, SAVE_TAGS, Policy, PolicyLike, RematOp
 from functrans._cut import transfer as _transfer
 from functrans._trace.passes import _IDENTITY_OPS
 
@@ -218,7 +218,7 @@ class _Record(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's cl
             self.cache.draws[key] = tuple(g.get_state() for g in generators)
         out = func(*args, **kwargs)
         decision = self.decide(func, *args, **kwargs)
-        if decision in _SAVES and not _aliases(func):
+        if decision in SAVE_TAGS and not _aliases(func):
             self.cache.put(key, out, offload=decision is Policy.MUST_OFFLOAD)
         return out
 
@@ -284,7 +284,6 @@ def _with_generators(tree: Any, states: tuple[torch.Tensor, ...]) -> Any:
     return optree.tree_unflatten(spec, leaves)
 
 
-_SAVES = (Policy.MUST_SAVE, Policy.PREFER_SAVE, Policy.MUST_OFFLOAD)
 _SAVE_NOTHING = policies.normalize(policies.nothing_saveable)
 
 
