@@ -49,7 +49,7 @@ from functrans._core.validate import (
 from functrans._trace.trace import _no_saved_tensor_hooks
 
 from .grad import _value_and_grad_fn
-from .plans import GradSpec, Rewrap, VmapOfGrad, plan_of, plan_per_example
+from .plans import GradSpec, Rewrap, VmapOfGrad, grad_name, plan_of, plan_per_example
 
 __all__ = [
     "ShapeDtypeStruct",
@@ -183,7 +183,7 @@ def _per_example(
     plan = plan_per_example(spec, spec.f, in_dims, randomness, args)
     if plan is None:
         return _NOT_PLANNED
-    name = "value_and_grad" if spec.with_value else "grad"
+    name = grad_name(spec)
     (_, values), grads = _value_and_grad_fn(
         plan.total, spec.argnums, True, spec.partition, dict(spec.options), name
     )(*plan.args, **kwargs)
