@@ -40,6 +40,7 @@ from functrans._core.pytree import (
     exact_key,
     flatten_leaves,
     leaves_of,
+    plain,
     unflatten,
     wrap_static,
 )
@@ -61,7 +62,7 @@ from functrans._trace.trace import ArgPaths, arg_names
 
 from . import plans
 from .apply import Apply, ApplySubclass, Entry, apply_graphs, inner_tensors
-from .build import DISK_STORES, Builder, GradOn, Target, grad_off, plain, watched
+from .build import DISK_STORES, Builder, GradOn, Target, grad_off, watched
 from .cache import Cache, CacheInfo, Signature, Slot, leaves_order, rank_key
 from .captures import CAPTURED, Captures, Lifted
 from .dims import build_dynamic, chosen_dims
