@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 import torch.fx as fx
 
 from .describe import _REPR, check_numpy_leaves, describe
+from .dtypes import differentiable
 from .errors import InvalidArgumentError, InvalidPartitionError
 from .marks import leave, marked
 
@@ -373,8 +374,6 @@ def check_cotangents(where: str, cotangents: Any, outs: Any) -> list[Any]:
     """The cotangents of the differentiable (floating-point or complex) tensor outputs, in order, or
     :class:`InvalidArgumentError` naming the first one that does not match its output (wrong
     structure, count, shape, dtype or device). Other outputs' cotangents are not read."""
-    from .dtypes import differentiable
-
     pairs = check_tree_like(where, "cotangents", cotangents, outs, "the outputs")
     chosen = []
     for path, given, out in pairs:
@@ -488,7 +487,7 @@ def check_primals(where: str, primals: tuple[Any, ...]) -> None:
                 raise InvalidArgumentError(
                     f"{where}: {what} is {describe(leaf)}; primals must be floating-point tensors"
                 )
-            if not (leaf.is_floating_point() or leaf.is_complex()):
+            if not differentiable(leaf):
                 raise InvalidArgumentError(
                     f"{where}: {what} is a {leaf.dtype} tensor; primals must be floating-point "
                     "tensors (forward mode has no tangent for integers)"

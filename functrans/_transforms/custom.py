@@ -35,7 +35,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
 
 from functrans._core.context import functorch_active
-from functrans._core.dtypes import differentiable_dtype
+from functrans._core.dtypes import differentiable, differentiable_dtype
 from functrans._core.errors import FunctransError, InvalidArgumentError, UnsupportedOpError
 from functrans._core.pytree import NAMESPACE
 from functrans._core.stack import fn_name, transform_frame
@@ -190,16 +190,12 @@ class _VjpRule(torch.autograd.Function):
         )
 
 
-def _is_float(t: Any) -> bool:
-    return _is_tensor(t) and (t.is_floating_point() or t.is_complex())
-
-
 def _float_vjp(
     fn: Callable[..., tuple[torch.Tensor, ...]], inputs: Sequence[torch.Tensor]
 ) -> tuple[tuple[torch.Tensor, ...], Callable[[Any], list[Any]]]:
     """``torch.func.vjp`` of ``fn`` over its floating-point inputs only (integer and boolean
     ones held fixed, their gradient None): differentiating them is not defined."""
-    where = [i for i, t in enumerate(inputs) if _is_float(t)]
+    where = [i for i, t in enumerate(inputs) if differentiable(t)]
 
     def over_floats(*floats: torch.Tensor) -> tuple[torch.Tensor, ...]:
         full = list(inputs)
@@ -484,7 +480,7 @@ class _JvpRule(torch.autograd.Function):
         ctx.save_for_backward(*inputs[2:])
         ctx.save_for_forward(*inputs[2:])
         outs = output if isinstance(output, tuple) else (output,)
-        ctx.mark_non_differentiable(*[o for o in outs if not _is_float(o)])
+        ctx.mark_non_differentiable(*[o for o in outs if not differentiable(o)])
 
     @staticmethod
     def jvp(ctx: Any, *tangents: Any) -> Any:

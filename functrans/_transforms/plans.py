@@ -157,7 +157,7 @@ def plan_per_example(
                 lambda t: _per_example_copy(t, size), args[i], namespace=NAMESPACE
             )
             new_dims[i] = optree.tree_map(
-                lambda t: 0 if _is_float_tensor(t) else None, args[i], namespace=NAMESPACE
+                lambda t: 0 if differentiable(t) else None, args[i], namespace=NAMESPACE
             )
     each = torch.func.vmap(f, tuple(new_dims), 0, randomness)
 
@@ -175,13 +175,9 @@ def plan_per_example(
     return PerExample(spec, total, tuple(new_args))
 
 
-def _is_float_tensor(t: Any) -> bool:
-    return differentiable(t)  # floating point or complex: what grad differentiates
-
-
 def _per_example_copy(t: Any, size: int) -> Any:
     """``size`` stride-0 copies of ``t`` (a view: gradients still flow to ``t``)."""
-    return t.unsqueeze(0).expand(size, *t.shape) if _is_float_tensor(t) else t
+    return t.unsqueeze(0).expand(size, *t.shape) if differentiable(t) else t
 
 
 def _describe(out: Any, size: int) -> str:
