@@ -21,7 +21,7 @@ so every rank issues the same collectives whatever its local shapes.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -51,7 +51,7 @@ def fsdp_units(model: torch.nn.Module) -> list[torch.nn.Module]:
 def jit_blocks(
     model: torch.nn.Module,
     *,
-    policy: PolicyLike | bool = False,
+    policy: PolicyLike | Literal[False] = False,
     blocks: list[torch.nn.Module] | None = None,
     **jit_options: Any,
 ) -> torch.nn.Module:
@@ -81,7 +81,7 @@ def jit_blocks(
             continue
         body = block.forward  # the unit's own forward; FSDP's hooks stay around it
         if policy is not False:
-            body = remat(body, policy=policy)  # type: ignore[arg-type]
-        block.forward = jit(body, **jit_options)  # type: ignore[method-assign]
+            body = remat(body, policy=policy)
+        block.forward = jit(body, **jit_options)
         leave(block, JitBlock())
     return model

@@ -84,7 +84,7 @@ class Wrapper:
         cannot take apart (several inner tensors, or no ``__tensor_flatten__``)."""
         if plain(t) or not is_traceable_wrapper_subclass(t):
             return None
-        attrs, ctx = t.__tensor_flatten__()  # type: ignore[attr-defined]
+        attrs, ctx = t.__tensor_flatten__()
         tensors = [a for a in attrs if isinstance(getattr(t, a), torch.Tensor)]
         if len(tensors) != 1:
             raise UnsupportedOpError(
@@ -101,7 +101,7 @@ class Wrapper:
 
     def rebuild(self, inner: torch.Tensor) -> torch.Tensor:
         """The subclass instance around ``inner`` (not connected to ``inner`` by autograd)."""
-        rebuilt: torch.Tensor = self.cls.__tensor_unflatten__(  # type: ignore[attr-defined]
+        rebuilt: torch.Tensor = self.cls.__tensor_unflatten__(  # type: ignore[attr-defined]  # a traceable wrapper subclass
             {self.attr: inner, **dict(self.opaque)}, self.ctx, self.size, self.stride
         )
         return rebuilt

@@ -459,6 +459,6 @@ def _forward_ad_active(args: Any) -> bool:
     import torch.autograd.forward_ad as fwAD
 
     return any(
-        is_tensor(x) and fwAD.unpack_dual(x).tangent is not None  # type: ignore[no-untyped-call]
+        is_tensor(x) and fwAD.unpack_dual(x).tangent is not None  # type: ignore[no-untyped-call]  # torch: untyped
         for x in optree.tree_leaves(args, namespace=NAMESPACE)
     )

@@ -198,7 +198,7 @@ def apply_rule(
     tensors, statics = split_tensors(leaves)
     call = Call(spec, statics, len(args), [is_tensor(x) for x in leaves], nondiff)
     with transform_frame(transform, rule.fun):
-        flat = function.apply(rule, call, *tensors)  # type: ignore[no-untyped-call]
+        flat = function.apply(rule, call, *tensors)  # type: ignore[no-untyped-call]  # torch: untyped
     return tree_unflatten(call.out_spec, fill_slots(call.out_statics, flat[: call.n_out]))
 
 

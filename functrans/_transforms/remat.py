@@ -496,9 +496,7 @@ class RematDecorator(Protocol):
     :func:`remat` with those options to a module or a function."""
 
     @overload
-    def __call__(  # type: ignore[overload-overlap]  # a Module is callable: first one wins
-        self, f: _M, /
-    ) -> RematModule: ...
+    def __call__(self, f: _M, /) -> RematModule: ...
     @overload
     def __call__(self, f: Callable[_P, _R], /) -> Callable[_P, _R]: ...
 
