@@ -20,7 +20,6 @@
 from __future__ import annotations
 
 import functools
-import operator
 from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple, ParamSpec, Protocol, TypeVar, cast, overload
@@ -40,7 +39,7 @@ from functrans._core.context import functorch_active, is_tracing
 from functrans._core.dynamo_skip import compiling, outside_dynamo, refuse_export
 from functrans._core.errors import InvalidArgumentError, UnsupportedOpError
 from functrans._core.module_view import ModuleView
-from functrans._core.ops import is_view_op
+from functrans._core.ops import is_getitem, is_view_op
 from functrans._core.pytree import NAMESPACE
 from functrans._core.stack import fn_name, transform_frame
 from functrans._core.tags import REMAT, REMAT_OP, SAVE_TAGS, Policy, PolicyLike, RematOp
@@ -427,7 +426,7 @@ def _tags_of_call(
         hold(node)
     for node in made:
         parts = [u for u in node.users if u in ours]
-        if parts and all(u.target is operator.getitem and u in holders for u in parts):
+        if parts and all(is_getitem(u) and u in holders for u in parts):
             hold(node)
     inner = (
         Policy.PREFER_RECOMPUTE if decision is Policy.PREFER_RECOMPUTE else Policy.MUST_RECOMPUTE
@@ -483,7 +482,7 @@ def _decision(node: fx.Node, decide: Callable[..., Policy]) -> Policy | None:
     target = node.target
     if node.op != "call_function":
         return None
-    if target is operator.getitem and isinstance(node.args[0], fx.Node):
+    if is_getitem(node) and isinstance(node.args[0], fx.Node):
         return node.args[0].meta.get(REMAT)
     if not isinstance(target, torch._ops.OpOverload):
         return None
