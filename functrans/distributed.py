@@ -20,11 +20,13 @@ so every rank issues the same collectives whatever its local shapes.
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 
 from ._core.errors import InvalidArgumentError
+from ._core.marks import leave, marked
 from ._core.module_view import is_fsdp_module as is_fsdp_module
 from ._core.tags import PolicyLike
 from ._jit.api import jit
@@ -32,7 +34,11 @@ from ._transforms.remat import remat
 
 __all__ = ["fsdp_units", "is_fsdp_module", "jit_blocks"]
 
-_JITTED = "__functrans_jit_blocks__"
+
+@dataclass(frozen=True)
+class JitBlock:
+    """The record :func:`jit_blocks` leaves on a block whose ``forward`` it compiled (a second
+    ``jit_blocks`` leaves the block as it is)."""
 
 
 def fsdp_units(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -45,7 +51,7 @@ def fsdp_units(model: torch.nn.Module) -> list[torch.nn.Module]:
 def jit_blocks(
     model: torch.nn.Module,
     *,
-    policy: PolicyLike | bool = False,
+    policy: PolicyLike | Literal[False] = False,
     blocks: list[torch.nn.Module] | None = None,
     **jit_options: Any,
 ) -> torch.nn.Module:
@@ -71,11 +77,11 @@ def jit_blocks(
             "blocks=[...]"
         )
     for block in chosen:
-        if getattr(block, _JITTED, False):
+        if marked(block, JitBlock):
             continue
         body = block.forward  # the unit's own forward; FSDP's hooks stay around it
         if policy is not False:
-            body = remat(body, policy=policy)  # type: ignore[arg-type]
-        block.forward = jit(body, **jit_options)  # type: ignore[method-assign]
-        setattr(block, _JITTED, True)
+            body = remat(body, policy=policy)
+        block.forward = jit(body, **jit_options)
+        leave(block, JitBlock())
     return model

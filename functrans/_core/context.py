@@ -14,6 +14,7 @@ import os
 import sys
 import sysconfig
 import traceback
+from collections.abc import Callable
 
 import optree
 import torch
@@ -22,8 +23,10 @@ __all__ = [
     "LIBRARY_DIRS",
     "classify",
     "culprit",
+    "functorch_active",
     "is_tracing",
     "library_dirs",
+    "runs_as_written",
     "user_frame",
 ]
 
@@ -46,6 +49,22 @@ def is_tracing() -> bool:
     False
     """
     return _TRACING.get()
+
+
+#: Whether a torch.func transform (``vmap``, ``grad``, ``jvp``...) runs around the caller:
+#: torch's own check, bound once, as jit asks it on every call.
+functorch_active: Callable[[], bool] = torch._C._are_functorch_transforms_active
+
+
+def runs_as_written() -> bool:
+    """Whether a functrans transform should run its function as written, so the transforms
+    around it see the ops: under a torch.func transform (it must see every op) or inside a
+    functrans trace (the outer graph records them, as a nested ``jax.jit`` inlines).
+
+    >>> runs_as_written()
+    False
+    """
+    return functorch_active() or _TRACING.get()
 
 
 def user_frame(exc: BaseException, *, cells: bool = False) -> traceback.FrameSummary | None:

@@ -6,11 +6,12 @@ function's parameters and the output is a flat tuple.
 
 from __future__ import annotations
 
-import operator
 from typing import Any
 
 import torch
 import torch.fx as fx
+
+from .ops import is_getitem
 
 __all__ = ["format_graph", "format_value_type", "op_name"]
 
@@ -69,7 +70,7 @@ def _call(node: fx.Node) -> str:
         return f"self.{node.target}"
     parts = [_arg(a) for a in node.args]
     parts += [f"{k}={_arg(v)}" for k, v in node.kwargs.items()]
-    if node.target is operator.getitem and len(node.args) == 2:
+    if is_getitem(node) and len(node.args) == 2:
         return f"{_arg(node.args[0])}[{_arg(node.args[1])}]"
     return f"{op_name(node.target)}({', '.join(parts)})"
 

@@ -18,6 +18,7 @@ from .describe import describe
 from .dtypes import differentiable as is_differentiable
 from .errors import FunctransError
 from .format import format_graph
+from .ops import is_view_op
 from .pytree import Flat, check_matches, unflatten
 from .shapes import ShapeGuard, readable, shape_env_of
 
@@ -295,8 +296,7 @@ def _zero_fill(node: Any) -> bool:
         if node.target in _ZERO_FILLS:
             fill = node.args[1] if node.target in _FILL_VALUE and len(node.args) > 1 else 0
             return isinstance(fill, (int, float)) and fill == 0
-        target = node.target
-        if not (isinstance(target, torch._ops.OpOverload) and target.is_view):
+        if not is_view_op(node):
             return False
         node = node.args[0]
     return False

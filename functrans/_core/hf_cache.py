@@ -119,7 +119,7 @@ def register_type(cls: type) -> bool:
     _REGISTERED.add(cls)
     optree.register_pytree_node(
         cls,
-        _flatten,  # type: ignore[arg-type]
+        _flatten,
         _unflatten_for(cls),
         namespace="functrans",
     )

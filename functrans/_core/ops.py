@@ -26,6 +26,7 @@ __all__ = [
     "is_collective",
     "is_getitem",
     "is_random",
+    "is_view_op",
     "op_class",
     "overload_of",
 ]
@@ -164,7 +165,7 @@ def _class_of(op: torch._ops.OpOverload, *, seeded: bool = True) -> OpClass:
         return OpClass.EFFECTFUL
     if op.overloadpacket in COMPUTE_INTENSIVE:
         return OpClass.COMPUTE
-    if op.is_view:
+    if is_view_op(op):
         return OpClass.VIEW
     if torch.Tag.pointwise in tags:
         return OpClass.POINTWISE
@@ -211,6 +212,18 @@ def _argument(node: fx.Node, op: torch._ops.OpOverload, name: str) -> Any:
             return node.args[i]
         return arg.default_value if arg.has_default_value() else _MISSING
     return _MISSING
+
+
+def is_view_op(node_or_target: fx.Node | object) -> bool:
+    """Whether a node's op (or the op ``node_or_target`` itself) is an ATen view: its output
+    aliases its first argument's storage (``view``, ``permute``, ``t``, ``expand``...).
+    ``operator.getitem`` is not one (:class:`OpClass` counts it as ``VIEW`` all the same).
+
+    >>> is_view_op(torch.ops.aten.t.default), is_view_op(torch.ops.aten.sin.default)
+    (True, False)
+    """
+    target = node_or_target.target if isinstance(node_or_target, fx.Node) else node_or_target
+    return isinstance(target, torch._ops.OpOverload) and target.is_view
 
 
 def is_getitem(node: fx.Node) -> bool:

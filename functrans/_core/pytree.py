@@ -42,6 +42,7 @@ __all__ = [
     "flatten",
     "flatten_leaves",
     "leaves_of",
+    "plain",
     "rebuild_leaves",
     "tensor_leaves",
     "unflatten",
@@ -49,6 +50,20 @@ __all__ = [
     "wrap_static",
     "wrap_tree",
 ]
+
+
+_PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
+
+
+def plain(t: object) -> bool:
+    """Whether ``t`` is a plain tensor or parameter, not a tensor subclass (a subclass such as
+    DTensor is taken apart by :class:`Wrapper`; jit traces subclasses at static shapes and never
+    lifts one as a captured tensor).
+
+    >>> plain(torch.ones(1)), plain(torch.nn.Parameter(torch.ones(1))), plain(1.0)
+    (True, True, False)
+    """
+    return type(t) in _PLAIN
 
 
 @dataclass(frozen=True)
@@ -67,9 +82,9 @@ class Wrapper:
     def of(cls, t: torch.Tensor) -> Wrapper | None:
         """The wrapper of ``t``, None for a plain tensor; raises for a subclass functrans
         cannot take apart (several inner tensors, or no ``__tensor_flatten__``)."""
-        if type(t) in _PLAIN or not is_traceable_wrapper_subclass(t):
+        if plain(t) or not is_traceable_wrapper_subclass(t):
             return None
-        attrs, ctx = t.__tensor_flatten__()  # type: ignore[attr-defined]
+        attrs, ctx = t.__tensor_flatten__()
         tensors = [a for a in attrs if isinstance(getattr(t, a), torch.Tensor)]
         if len(tensors) != 1:
             raise UnsupportedOpError(
@@ -86,13 +101,10 @@ class Wrapper:
 
     def rebuild(self, inner: torch.Tensor) -> torch.Tensor:
         """The subclass instance around ``inner`` (not connected to ``inner`` by autograd)."""
-        rebuilt: torch.Tensor = self.cls.__tensor_unflatten__(  # type: ignore[attr-defined]
+        rebuilt: torch.Tensor = self.cls.__tensor_unflatten__(  # type: ignore[attr-defined]  # a traceable wrapper subclass
             {self.attr: inner, **dict(self.opaque)}, self.ctx, self.size, self.stride
         )
         return rebuilt
-
-
-_PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
 
 
 @dataclass(frozen=True)
@@ -182,7 +194,7 @@ def flatten_leaves(
         _refuse_numpy(static, spec)
     tensors = list(itertools.compress(leaves, is_tensor))
     wrappers: tuple[Wrapper | None, ...] = ()
-    if not all(type(t) in _PLAIN for t in tensors):
+    if not all(map(plain, tensors)):
         wrappers = tuple(Wrapper.of(t) for t in tensors)
         tensors = [t if w is None else w.inner(t) for t, w in zip(tensors, wrappers, strict=True)]
         if not any(wrappers):
@@ -245,7 +257,7 @@ def exact_key(flat: Flat, tensors: Sequence[torch.Tensor]) -> Any:
         statics = tuple((k, repr(s)) for k, s in statics)
     meta = tuple(
         (type(t), t.shape, t.stride(), t.dtype, t.device, t.requires_grad, _dispatch_keys(t))
-        + (() if type(t) in _PLAIN else (Wrapper.of(t),))  # a DTensor's placements, mesh
+        + (() if plain(t) else (Wrapper.of(t),))  # a DTensor's placements, mesh
         for t in tensors
     )
     return (flat.spec, statics, meta, flat.wrappers)
@@ -435,7 +447,7 @@ class _Guard:
         if _TENSOR_GUARDS is None:
             return None
         tensors = [leaves[i] for i in order]
-        if not all(type(t) in _PLAIN for t in tensors):
+        if not all(map(plain, tensors)):
             return None  # tensor subclasses (DTensor...): the exact path takes them apart
         if any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors):
             return None  # torch unwraps dead functorch wrappers on every call

@@ -33,7 +33,7 @@ import re
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, TypeAlias
+from typing import Any, Literal, TypeAlias, cast
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -101,9 +101,9 @@ def check_dynamic(dynamic: Any) -> JitDynamic:
     """``jit``'s ``dynamic=`` checked (mappings are checked against the arguments at the
     first call)."""
     if dynamic is True or dynamic is False or dynamic == "auto" or isinstance(dynamic, Mapping):
-        return dynamic  # type: ignore[no-any-return]
+        return cast(JitDynamic, dynamic)  # a bool, "auto" or a mapping: tested above
     if isinstance(dynamic, EveryInput):
-        return dynamic  # type: ignore[no-any-return]
+        return dynamic
     raise TraceError(
         f"jit: dynamic={dynamic!r}: expected False, True, 'auto' or a mapping from argument "
         "names to dimensions, e.g. {'x': {0: 'batch', 1: 'seq'}}"
@@ -183,7 +183,7 @@ def symbolic_fakes(
     # symbols named s0, s1, ... in the order of the inputs' dimensions (torch names them by a
     # hash of their source: s26, s49), so graphs and guards read like the function's inputs
     counter = itertools.count()
-    env._generate_unique_id = lambda _name: next(counter)  # type: ignore[method-assign,assignment]
+    env._generate_unique_id = lambda _name: next(counter)  # type: ignore[method-assign,assignment]  # torch has no hook for symbol names
     mode = FakeTensorMode(shape_env=env, allow_non_fake_inputs=True)
     # rebuilding outputs from the fake-tensor cache redoes the symbolic stride arithmetic the
     # cache exists to skip: without it a GPT's symbolic joint trace takes 3.3 s instead of 4.3
@@ -191,7 +191,7 @@ def symbolic_fakes(
     fakes: list[torch.Tensor] = []
     for t, ds in zip(tensors, dims, strict=True):
         kinds = [DimDynamic.DYNAMIC if d in ds else DimDynamic.STATIC for d in range(t.dim())]
-        ctx: Any = StatelessSymbolicContext(dynamic_sizes=kinds)  # type: ignore[arg-type]
+        ctx: Any = StatelessSymbolicContext(dynamic_sizes=kinds)
         fakes.append(mode.from_tensor(t.detach(), symbolic_context=ctx))
     named: dict[str, tuple[str, Any]] = {}
     known = _NAMES.setdefault(env, {})

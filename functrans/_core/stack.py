@@ -34,6 +34,7 @@ from typing import Any, Literal
 
 from .context import culprit, user_frame
 from .errors import FunctransError
+from .marks import leave, marked
 
 __all__ = ["TransformError", "describe_stack", "transform_frame"]
 
@@ -49,7 +50,12 @@ class Frame:
 _STACK: contextvars.ContextVar[tuple[Frame, ...]] = contextvars.ContextVar(
     "functrans_transform_stack", default=()
 )
-_NAMED = "__functrans_stack_named__"
+
+
+@dataclass(frozen=True)
+class Named:
+    """The record left on an exception once it is named with the transform stack: the frames
+    further out leave it as it is."""
 
 
 class ControlFlow(Exception):
@@ -102,7 +108,7 @@ class transform_frame:  # used as a function: with transform_frame(...)
         named = (
             isinstance(e, Exception)
             and len(self.frames) >= 2
-            and not getattr(e, _NAMED, False)
+            and not marked(e, Named)
             and not isinstance(e, ControlFlow)
             and not isinstance(e, StopIteration | StopAsyncIteration)
         )
@@ -133,7 +139,7 @@ def _name(e: Exception, frames: tuple[Frame, ...]) -> Exception:
             e.args = (f"{stack}: {e.args[0]}", *e.args[1:])
         else:
             e.add_note(stack)
-        setattr(e, _NAMED, True)
+        leave(e, Named())
         return e
     fr = user_frame(e, cells=True)
     where = f" at {fr.filename}:{fr.lineno}: `{(fr.line or '').strip()}`" if fr else ""
@@ -151,7 +157,7 @@ def _name(e: Exception, frames: tuple[Frame, ...]) -> Exception:
         named.args = (f"{head}\n{e.args[0]}",)  # torch's and Python's own errors
     else:
         named.add_note(head)  # a user's exception or a KeyError: its arguments are data
-    setattr(named, _NAMED, True)
+    leave(named, Named())
     return named
 
 

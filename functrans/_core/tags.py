@@ -15,7 +15,16 @@ from typing import Any, Protocol, TypeAlias
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy  # torch imports it anyway
 
-__all__ = ["REMAT", "REMAT_OP", "Policy", "PolicyFn", "PolicyLike", "RematOp", "policy_of"]
+__all__ = [
+    "REMAT",
+    "REMAT_OP",
+    "SAVE_TAGS",
+    "Policy",
+    "PolicyFn",
+    "PolicyLike",
+    "RematOp",
+    "policy_of",
+]
 
 REMAT = "functrans.remat"
 #: On a node a traced remat region recorded: :class:`RematOp`, the op the user's code called
@@ -49,6 +58,12 @@ class Policy(enum.Enum):
     MUST_RECOMPUTE = "must_recompute"
     PREFER_RECOMPUTE = "prefer_recompute"
     MUST_OFFLOAD = "must_offload"
+
+
+#: The decisions that save an op's output rather than recompute it (``MUST_OFFLOAD``: saved in
+#: host memory); eager remat caches these outputs, and a traced view tagged with one follows
+#: its base's decision.
+SAVE_TAGS = (Policy.MUST_SAVE, Policy.PREFER_SAVE, Policy.MUST_OFFLOAD)
 
 
 class PolicyFn(Protocol):

@@ -20,7 +20,9 @@ from typing import Any, TypeVar
 import torch.fx as fx
 
 from .describe import _REPR, check_numpy_leaves, describe
+from .dtypes import differentiable
 from .errors import InvalidArgumentError, InvalidPartitionError
+from .marks import leave, marked
 
 __all__ = [
     "check_call",
@@ -372,8 +374,6 @@ def check_cotangents(where: str, cotangents: Any, outs: Any) -> list[Any]:
     """The cotangents of the differentiable (floating-point or complex) tensor outputs, in order, or
     :class:`InvalidArgumentError` naming the first one that does not match its output (wrong
     structure, count, shape, dtype or device). Other outputs' cotangents are not read."""
-    from .dtypes import differentiable
-
     pairs = check_tree_like(where, "cotangents", cotangents, outs, "the outputs")
     chosen = []
     for path, given, out in pairs:
@@ -385,7 +385,10 @@ def check_cotangents(where: str, cotangents: Any, outs: Any) -> list[Any]:
 
 # -- torch.func's own argument errors, named -------------------------------------------------
 
-_USER_ERROR = "__functrans_user_error__"
+
+@dataclasses.dataclass(frozen=True)
+class UserError:
+    """The record :func:`user_calls` leaves on an exception the user's function raised."""
 
 
 def user_calls(func: Callable[..., Any]) -> Callable[..., Any]:
@@ -398,8 +401,7 @@ def user_calls(func: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return func(*args, **kwargs)
         except BaseException as e:
-            with contextlib.suppress(AttributeError, TypeError):  # builtin exceptions take it
-                setattr(e, _USER_ERROR, True)
+            leave(e, UserError())
             raise
 
     return run
@@ -425,7 +427,7 @@ def torch_func_arguments(where: str, hint: Callable[[], str] = lambda: "") -> It
     except FunctransError:
         raise
     except (ValueError, RuntimeError, TypeError, IndexError, AttributeError) as e:
-        if getattr(e, _USER_ERROR, False) or _raised_in_user_code(e):
+        if marked(e, UserError) or _raised_in_user_code(e):
             raise
         message = f"{where}: {e}{hint()}"
         try:
@@ -485,7 +487,7 @@ def check_primals(where: str, primals: tuple[Any, ...]) -> None:
                 raise InvalidArgumentError(
                     f"{where}: {what} is {describe(leaf)}; primals must be floating-point tensors"
                 )
-            if not (leaf.is_floating_point() or leaf.is_complex()):
+            if not differentiable(leaf):
                 raise InvalidArgumentError(
                     f"{where}: {what} is a {leaf.dtype} tensor; primals must be floating-point "
                     "tensors (forward mode has no tangent for integers)"

@@ -106,7 +106,7 @@ def storage_of(node: fx.Node) -> Storage:
             return node, None
         multi = isinstance(src.meta.get("val"), (tuple, list)) and op_class(src) is not OpClass.VIEW
         if is_getitem(node) and multi:  # one output of a multi-output op: its own storage
-            return src, int(node.args[1])  # type: ignore[arg-type]
+            return src, int(node.args[1])  # type: ignore[arg-type]  # getitem's index: an int
         if op_class(node) is not OpClass.VIEW and node.target not in _ALIASING:
             return node, None
         node = src

@@ -215,7 +215,7 @@ def simulate(
 
 def _user_outputs(forward: fx.Graph, backward: fx.Graph, num_outputs: int | None) -> list[fx.Node]:
     out = next(n for n in reversed(forward.nodes) if n.op == "output")
-    raw = list(out.args[0])  # type: ignore[arg-type]
+    raw = list(out.args[0])
     if num_outputs is not None:
         return [v for v in raw[:num_outputs] if isinstance(v, fx.Node)]
     saved = {n.name for n in backward.nodes if n.op == "placeholder"}

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +26,7 @@ import torch.fx as fx
 
 from functrans._core.errors import InvalidArgumentError
 from functrans._core.graph import PHASE, ROLE, SOURCE, Graph, Phase, Role
+from functrans._core.ops import is_getitem, is_view_op
 from functrans._core.validate import check_number, check_option, describe
 
 from .cost import flops, storage_of
@@ -178,10 +178,9 @@ def why_not_offload(node: fx.Node, outputs: frozenset[fx.Node] = frozenset()) ->
         return "it is an output of the function"
     if any(storage_of(o)[0] is node for o in outputs if isinstance(o, fx.Node)):
         return "an output of the function is a view of it"
-    target = node.target
-    if target is operator.getitem:
+    if is_getitem(node):
         return "it is one output of a multi-output op"
-    if isinstance(target, torch._ops.OpOverload) and target.is_view:
+    if is_view_op(node):
         return "it is a view"
     if not val.is_contiguous():
         return "it is not contiguous"

@@ -63,8 +63,9 @@ import torch.fx as fx
 from functrans._core.errors import InvalidPartitionError
 from functrans._core.graph import PHASE, JointGraph, Phase, Role, ancestors
 from functrans._core.graph import ROLE as _ROLE
+from functrans._core.ops import is_view_op
 from functrans._core.shapes import planned_sizes
-from functrans._core.tags import Policy, policy_of
+from functrans._core.tags import SAVE_TAGS, Policy, policy_of
 
 from .cost import OpClass, Storage, activation_bytes, flops, op_class, storage_of
 from .offload import why_not_offload
@@ -306,19 +307,14 @@ class CutProblem:
         return out
 
 
-_SAVE_TAGS = (Policy.MUST_SAVE, Policy.PREFER_SAVE, Policy.MUST_OFFLOAD)
 #: tags that forbid recomputing a value the forward computes (it is saved, on device or host)
 _KEEP_TAGS = (Policy.MUST_SAVE, Policy.MUST_OFFLOAD)
-
-
-def _is_view(node: fx.Node) -> bool:
-    return isinstance(node.target, torch._ops.OpOverload) and node.target.is_view
 
 
 def _base_tag(node: fx.Node) -> Policy | None:
     """The tag of the value a chain of views starts from (eager remat never caches a view: it
     re-runs the view from its base, which its base's decision saves or recomputes)."""
-    while _is_view(node) and node.args and isinstance(node.args[0], fx.Node):
+    while is_view_op(node) and node.args and isinstance(node.args[0], fx.Node):
         node = node.args[0]
     return policy_of(node)
 
@@ -334,7 +330,7 @@ def _value(
     outputs: frozenset[fx.Node],
 ) -> ForwardValue:
     cls, tag = op_class(node), policy_of(node)
-    if tag in _SAVE_TAGS and _is_view(node):
+    if tag in SAVE_TAGS and is_view_op(node):
         tag = _base_tag(node)  # saving a view keeps its base: the view follows its base
         if tag is Policy.MUST_OFFLOAD:  # ...unless the base goes to host: a saved view would
             tag = Policy.PREFER_RECOMPUTE  # keep it on the device; re-view the copy instead

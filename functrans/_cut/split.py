@@ -8,7 +8,6 @@ the saved set; this function does all graph surgery, so one property test covers
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +26,7 @@ from functrans._core.graph import (
     ancestors,
     check_tensors,
 )
+from functrans._core.ops import is_getitem
 from functrans._core.pytree import check_matches, flatten, unflatten
 from functrans._core.validate import check_joint, check_saved
 
@@ -160,7 +160,7 @@ def _unpack_tuples(nodes: set[fx.Node]) -> set[fx.Node]:
     out: set[fx.Node] = set()
     for n in nodes:
         if isinstance(n.meta.get("val"), (tuple, list)):
-            out |= {u for u in n.users if u.target is operator.getitem}
+            out |= {u for u in n.users if is_getitem(u)}
         else:
             out.add(n)
     return out

@@ -183,7 +183,9 @@ def _on(t: torch.Tensor, device: torch.device) -> bool:
     return t.device.type == device.type and device.index in (None, t.device.index)
 
 
-def _checked(transfer: Transfer, method: str, x: torch.Tensor, out: Any, device: Any) -> Any:
+def _checked(
+    transfer: Transfer, method: str, x: torch.Tensor, out: Any, device: Any
+) -> torch.Tensor:
     """``out``, the copy ``transfer.method`` made of ``x``, or an error naming the transfer."""
     if not isinstance(out, torch.Tensor):
         got = f"a {type(out).__name__}"
@@ -202,14 +204,14 @@ def _checked(transfer: Transfer, method: str, x: torch.Tensor, out: Any, device:
 def copy_out(x: torch.Tensor) -> torch.Tensor:
     """``x`` copied to host memory by the current transfer (remembered as the copy's maker)."""
     transfer = current()
-    return _checked(transfer, "to_host", x, transfer.to_host(x), "cpu")  # type: ignore[no-any-return]
+    return _checked(transfer, "to_host", x, transfer.to_host(x), "cpu")
 
 
 def copy_back(x: torch.Tensor, device: torch.device) -> torch.Tensor:
     """The host copy ``x`` copied back to ``device`` by the transfer that made it."""
     transfer = maker(x)
     out = transfer.to_device(x, device)
-    return _checked(transfer, "to_device", x, out, device)  # type: ignore[no-any-return]
+    return _checked(transfer, "to_device", x, out, device)
 
 
 def wait(x: torch.Tensor) -> None:

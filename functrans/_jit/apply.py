@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from functrans._core.dtypes import differentiable
+from functrans._core.ops import is_view_op
 from functrans._core.pytree import Flat, Wrapper, rebuild_leaves
 from functrans._core.shapes import ShapeGuard
 from functrans._core.state import autocast_off
@@ -127,12 +128,7 @@ def saved_inputs(
     out: Any = forward.graph.output_node().args[0]
     found = []
     for at, node in enumerate(list(out)[num_outputs:]):
-        while (
-            isinstance(node, torch.fx.Node)
-            and node.op == "call_function"
-            and isinstance(node.target, torch._ops.OpOverload)
-            and node.target.is_view
-        ):
+        while isinstance(node, torch.fx.Node) and is_view_op(node):
             node = node.args[0]
         i = index.get(node) if isinstance(node, torch.fx.Node) else None
         if i is not None and i >= num_diff:

@@ -27,10 +27,11 @@ import torch
 
 from functrans._core.backends import get_backend
 from functrans._core.logs import log
+from functrans._core.pytree import plain
 from functrans._core.shapes import Dims, DynamicSpecError, EveryInput, JitDynamic, resolve
 
 from .apply import Entry
-from .build import Builder, GradOn, Target, plain
+from .build import Builder, GradOn, Target
 from .cache import Cache, changed_dims, rank_key
 from .disk.store import DiskKey
 

@@ -30,7 +30,7 @@ from typing import Any, Generic, ParamSpec, TypeVar
 
 import torch
 
-from functrans._core.context import _TRACING, is_tracing
+from functrans._core.context import runs_as_written
 from functrans._core.dtypes import differentiable
 from functrans._core.dynamo_skip import compiling, outside_dynamo
 from functrans._core.errors import TraceError, UnsupportedOpError
@@ -40,6 +40,7 @@ from functrans._core.pytree import (
     exact_key,
     flatten_leaves,
     leaves_of,
+    plain,
     unflatten,
     wrap_static,
 )
@@ -61,7 +62,7 @@ from functrans._trace.trace import ArgPaths, arg_names
 
 from . import plans
 from .apply import Apply, ApplySubclass, Entry, apply_graphs, inner_tensors
-from .build import DISK_STORES, Builder, GradOn, Target, grad_off, plain, watched
+from .build import DISK_STORES, Builder, GradOn, Target, grad_off, watched
 from .cache import Cache, CacheInfo, Signature, Slot, leaves_order, rank_key
 from .captures import CAPTURED, Captures, Lifted
 from .dims import build_dynamic, chosen_dims
@@ -91,16 +92,6 @@ class Outcome(enum.Enum):
 
 AS_WRITTEN = Outcome.AS_WRITTEN
 REKEY = Outcome.REKEY
-
-_functorch_active = torch._C._are_functorch_transforms_active
-
-
-def inline() -> bool:
-    """Whether a jitted call should run its function as written: under torch.func transforms
-    (``vmap``, ``grad``, ``jvp``: they must see the ops) and inside another functrans trace
-    (the outer graph records the ops, as a nested ``jax.jit`` inlines)."""
-    return bool(_functorch_active()) or is_tracing()
-
 
 _GENERATOR = torch.Generator
 
@@ -166,9 +157,9 @@ class Jitted(Generic[_P, _R]):
         return self._call_here(*args, **kwargs)
 
     def _call_here(self, *args: _P.args, **kwargs: _P.kwargs) -> _R:
-        if _functorch_active() or _TRACING.get():
+        if runs_as_written():
             with transform_frame("jit", self._f):
-                return self._f(*args, **kwargs)  # see inline()
+                return self._f(*args, **kwargs)
         ran = self._run(args, kwargs, None)
         if ran is None:
             with transform_frame("jit", self._f):
@@ -180,9 +171,9 @@ class Jitted(Generic[_P, _R]):
     def run_or_none(
         self, args: Any, kwargs: Any, module_flags: ModuleFlags
     ) -> tuple[list[Any], Entry, Sequence[torch.Tensor]] | None:
-        """For callers that check :func:`inline` and read the module flags themselves: flat
-        outputs, the entry that computed them and the inputs in the entry's order; None where
-        the call must run as written (tensor subclasses)."""
+        """For callers that check :func:`~functrans._core.context.runs_as_written` and read the
+        module flags themselves: flat outputs, the entry that computed them and the inputs in
+        the entry's order; None where the call must run as written (tensor subclasses)."""
         return self._run(args, kwargs, module_flags)
 
     def _run(

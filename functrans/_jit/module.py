@@ -15,6 +15,7 @@ import optree
 import torch
 import torch.utils._pytree as torch_pytree
 
+from functrans._core.context import runs_as_written
 from functrans._core.dynamo_skip import compiling, outside_dynamo
 from functrans._core.errors import TraceError
 from functrans._core.hf_cache import is_cache_object, register_type, writable
@@ -33,7 +34,7 @@ from functrans._cut.partition import Partition
 
 from .apply import OVERWRITES, Entry
 from .cache import CacheInfo
-from .jitted import Jitted, inline
+from .jitted import Jitted
 from .options import Options
 
 __all__ = ["JitModule"]
@@ -241,7 +242,7 @@ class JitModule(ModuleView):
 
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
         jitted = self._compiled
-        if inline():
+        if runs_as_written():
             with transform_frame("jit", self.module):
                 return self.module(*args, **kwargs)
         params, buffers, flags = _gather(self.module)

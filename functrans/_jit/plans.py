@@ -32,12 +32,11 @@ from functrans._trace.joint import joint
 from functrans._trace.trace import ArgPaths
 from functrans._transforms.grad import check_differentiable, scalar_output
 from functrans._transforms.plans import (
-    GRAD_SPEC,
-    PER_EXAMPLE,
     GradSpec,
     PerExample,
     VmapOfGrad,
     grad_name,
+    plan_of,
     plan_per_example,
 )
 
@@ -69,11 +68,10 @@ def plan(
     dims: Dims | None,
 ) -> Plan | None:
     """The plan for an inference entry of jitted ``f`` (None: ``f`` is traced as it is)."""
-    spec = getattr(f, GRAD_SPEC, None)
-    batched = getattr(f, PER_EXAMPLE, None)
-    if spec is not None and spec.run is f and _chosen(spec, dims):
+    spec, batched = plan_of(f, GradSpec), plan_of(f, VmapOfGrad)
+    if spec is not None and _chosen(spec, dims):
         return _planned_grad(spec, captures, owner, flat, example, paths)
-    if batched is not None and batched.run is f and _chosen(batched.spec, dims):
+    if batched is not None and _chosen(batched.spec, dims):
         return _planned_per_example(batched, captures, owner, flat, example, paths)
     return None
 

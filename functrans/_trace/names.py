@@ -12,7 +12,7 @@ from typing import Any, TypeVar, cast
 import optree
 import torch
 
-from functrans._core.context import is_tracing
+from functrans._core.context import functorch_active, is_tracing
 from functrans._core.describe import describe
 from functrans._core.pytree import NAMESPACE
 
@@ -38,10 +38,6 @@ def checkpoint_name_op() -> Any:
     return torch.ops.functrans.checkpoint_name.default
 
 
-def _tracing() -> bool:
-    return is_tracing()
-
-
 def checkpoint_name(x: _T, name: str) -> _T:
     """Name ``x`` (a tensor or pytree of tensors) for ``save_only_these_names`` and friends;
     the result has ``x``'s structure and type.
@@ -57,7 +53,7 @@ def checkpoint_name(x: _T, name: str) -> _T:
             f"checkpoint_name: name={describe(name)} is not accepted; name must be a str (what "
             "save_only_these_names and friends match)"
         )
-    if torch._C._are_functorch_transforms_active() and not _tracing():
+    if functorch_active() and not is_tracing():
         # eager torch.func grad/vmap/jvp cannot run a custom op's autograd formula, and under
         # them eager remat runs its region as written (no policy is asked): the name has no
         # reader. Traced (ft.jit of ft.vmap(ft.grad(...))), the op is recorded as usual.

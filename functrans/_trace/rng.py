@@ -36,6 +36,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from functrans._core.errors import TraceError
+from functrans._core.marks import leave, marked
 
 __all__ = ["Seeding", "seeded_then_drew", "tracing_guard"]
 
@@ -78,6 +79,14 @@ def _error(owner: Callable[[], str], what: str) -> TraceError:
     )
 
 
+@dataclass(frozen=True)
+class Seeder:
+    """The record on our wrapper of a seeding function, holding the function it wraps: a
+    seeding function that carries it is ours and is never wrapped again."""
+
+    original: Callable[..., Any]
+
+
 def _wrap(module: Any, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
     qualified = f"{module.__name__}.{name}"
 
@@ -89,7 +98,7 @@ def _wrap(module: Any, name: str, original: Callable[..., Any]) -> Callable[...,
             seeding.call = qualified
         return original(*args, **kwargs)
 
-    seeder.__functrans_original__ = original  # type: ignore[attr-defined]  # marks our wrapper
+    leave(seeder, Seeder(original))
     return seeder
 
 
@@ -108,7 +117,7 @@ def _install() -> None:
             return
         for module, name in _SEEDERS:
             original = getattr(module, name, None)
-            if original is not None and not hasattr(original, "__functrans_original__"):
+            if original is not None and not marked(original, Seeder):
                 setattr(module, name, _wrap(module, name, original))
         _installed = True
 

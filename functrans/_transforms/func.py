@@ -30,8 +30,9 @@ from typing import Any, ParamSpec, TypeVar, cast
 import optree
 import torch
 
-from functrans._core.context import is_tracing
+from functrans._core.context import functorch_active, runs_as_written
 from functrans._core.errors import InvalidArgumentError
+from functrans._core.marks import leave
 from functrans._core.pytree import NAMESPACE
 from functrans._core.stack import transform_frame
 from functrans._core.validate import (
@@ -48,7 +49,7 @@ from functrans._core.validate import (
 from functrans._trace.trace import _no_saved_tensor_hooks
 
 from .grad import _value_and_grad_fn
-from .plans import GRAD_SPEC, PER_EXAMPLE, GradSpec, Rewrap, VmapOfGrad, plan_per_example
+from .plans import GradSpec, Rewrap, VmapOfGrad, grad_name, plan_of, plan_per_example
 
 __all__ = [
     "ShapeDtypeStruct",
@@ -118,9 +119,7 @@ def vmap(
     batched = torch.func.vmap(
         user_calls(func), in_dims, out_dims, randomness, chunk_size=chunk_size
     )
-    spec: GradSpec | None = getattr(func, GRAD_SPEC, None)
-    if spec is not None and spec.run is not func:  # a wrapper (jit, remat) copied it
-        spec = None
+    spec = plan_of(func, GradSpec)  # None for a wrapper (jit, remat) that copied the record
 
     compiled = _batched_jit(func, in_dims, out_dims, randomness, chunk_size)
 
@@ -129,7 +128,7 @@ def vmap(
             planned = _per_example(spec, in_dims, randomness, args, kwargs)
             if planned is not _NOT_PLANNED:
                 return planned
-        if compiled is not None and not is_tracing() and not _functorch_active():
+        if compiled is not None and not runs_as_written():
             return compiled(*args, **kwargs)
         return batched(*args, **kwargs)
 
@@ -138,7 +137,7 @@ def vmap(
 
     wrapped = _frame("vmap", func, call, hint)
     if spec is not None and out_dims == 0 and chunk_size is None:
-        setattr(wrapped, PER_EXAMPLE, VmapOfGrad(wrapped, spec, in_dims, randomness))
+        leave(wrapped, VmapOfGrad(wrapped, spec, in_dims, randomness))
     return wrapped
 
 
@@ -159,7 +158,6 @@ def _check_chunk_size(where: str, chunk_size: object) -> None:
 
 
 _NOT_PLANNED = object()
-_functorch_active = torch._C._are_functorch_transforms_active
 
 
 def _batched_jit(
@@ -180,12 +178,12 @@ def _per_example(
     """``vmap(grad(f), in_dims)(*args)`` as one joint graph cut by the grad's strategy (see
     :func:`plan_per_example`); ``_NOT_PLANNED`` inside traces and other transforms, where the
     enclosing graph decides, and where the plan does not apply."""
-    if is_tracing() or _functorch_active():
+    if runs_as_written():
         return _NOT_PLANNED
     plan = plan_per_example(spec, spec.f, in_dims, randomness, args)
     if plan is None:
         return _NOT_PLANNED
-    name = "value_and_grad" if spec.with_value else "grad"
+    name = grad_name(spec)
     (_, values), grads = _value_and_grad_fn(
         plan.total, spec.argnums, True, spec.partition, dict(spec.options), name
     )(*plan.args, **kwargs)
@@ -251,7 +249,7 @@ def linearize(func: Callable[..., Any], *primals: Any) -> tuple[Any, Callable[..
         return run
 
     def call(*ps: Any) -> tuple[Any, Callable[..., Any]]:
-        if not torch._C._are_functorch_transforms_active() and not is_tracing():
+        if not runs_as_written():
             import warnings
 
             with warnings.catch_warnings():  # torch's constant folding warns about get_attr
@@ -425,7 +423,7 @@ def eval_shape(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 
     # outside torch.func transforms, none to hide: the function may start its own (a jvp of a
     # custom_jvp needs functorch's dispatch, which _DisableFuncTorch would switch off)
-    hide = torch._C._DisableFuncTorch() if _functorch_active() else contextlib.nullcontext()
+    hide = torch._C._DisableFuncTorch() if functorch_active() else contextlib.nullcontext()
     with hide:
         out = run_traced(run, func)
     return optree.tree_map(

@@ -11,10 +11,11 @@ from typing import Any, Literal, ParamSpec, TypeVar, overload
 import optree
 import torch
 
-from functrans._core.context import is_tracing
+from functrans._core.context import functorch_active, is_tracing
 from functrans._core.describe import check_numpy_leaves
 from functrans._core.dtypes import differentiable
 from functrans._core.errors import InvalidArgumentError, NonScalarOutputError, UnsupportedOpError
+from functrans._core.marks import leave
 from functrans._core.pytree import NAMESPACE, flatten
 from functrans._core.stack import transform_frame
 from functrans._core.validate import (
@@ -29,7 +30,7 @@ from functrans._trace.joint import joint, normalize_argnums
 from functrans._trace.trace import _no_saved_tensor_hooks
 
 from .inline import inline_value_and_grad, inline_vjp
-from .plans import GRAD_SPEC, GradSpec
+from .plans import GradSpec
 
 __all__ = ["grad", "value_and_grad", "vjp"]
 
@@ -78,7 +79,7 @@ def vjp(
     if has_aux:  # torch.func.vjp's form: f returns (output, aux); aux is not differentiated
         return _vjp_with_aux(f, primals, partition, options)
     with transform_frame("vjp", f):
-        if torch._C._are_functorch_transforms_active():
+        if functorch_active():
             return _torch_func_vjp(f, primals)
         if is_tracing():  # inside another functrans trace: the outer trace records the backward
             return inline_vjp(f, primals)
@@ -113,7 +114,7 @@ def _vjp_with_aux(
 
     main.__qualname__ = getattr(f, "__qualname__", "f")
     with transform_frame("vjp", f):
-        if torch._C._are_functorch_transforms_active():
+        if functorch_active():
             found: Any = torch.func.vjp(f, *primals, has_aux=True)
             return found[0], found[1], found[2]
         if is_tracing():
@@ -198,7 +199,7 @@ def _value_and_grad_fn(
 
     def _value_and_grad(args: Any, kwargs: Any) -> tuple[_R, Any]:
         check_differentiable(f, args, argnums, name)
-        if torch._C._are_functorch_transforms_active():
+        if functorch_active():
             return _torch_func_value_and_grad(f, argnums, has_aux, args, kwargs)
         if is_tracing():  # inside another functrans trace: the outer trace records the backward
             value, grads = inline_value_and_grad(f, argnums, has_aux, args, kwargs)
@@ -211,7 +212,7 @@ def _value_and_grad_fn(
         grads = p.backward(saved, (torch.ones_like(out),))
         return value, grads
 
-    setattr(run, GRAD_SPEC, _spec(run, f, argnums, has_aux, True, partition, options))
+    leave(run, _spec(run, f, argnums, has_aux, True, partition, options))
     return run
 
 
@@ -334,5 +335,5 @@ def grad(
         value, grads = vg(*args, **kwargs)
         return (grads, value[1]) if has_aux else grads
 
-    setattr(run, GRAD_SPEC, _spec(run, f, argnums, has_aux, False, partition, options))
+    leave(run, _spec(run, f, argnums, has_aux, False, partition, options))
     return run

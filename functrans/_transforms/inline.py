@@ -20,6 +20,7 @@ from typing import Any
 import optree
 import torch
 
+from functrans._core.dtypes import differentiable
 from functrans._core.errors import FunctransError
 from functrans._core.pytree import NAMESPACE
 from functrans._trace.joint import normalize_argnums
@@ -27,14 +28,10 @@ from functrans._trace.joint import normalize_argnums
 __all__ = ["inline_value_and_grad", "inline_vjp"]
 
 
-def _is_float(x: Any) -> bool:
-    return isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())
-
-
 def _watched(x: Any) -> Any:
     """``x`` ready to differentiate against: itself if the outer trace already tracks it (its
     gradient must flow on), else a detached copy that requires grad."""
-    if not _is_float(x) or x.requires_grad:
+    if not differentiable(x) or x.requires_grad:
         return x
     return x.detach().requires_grad_()
 
@@ -51,7 +48,7 @@ def _detached(tree: Any) -> Any:
 
 def _grads(outs: Sequence[torch.Tensor], wrt: list[Any], cots: Sequence[torch.Tensor]) -> list[Any]:
     pairs = [(o, c) for o, c in zip(outs, cots, strict=True) if o.requires_grad]
-    leaves = [t for t in wrt if _is_float(t)]
+    leaves = [t for t in wrt if differentiable(t)]
     found: Sequence[torch.Tensor | None] = [None] * len(leaves)
     if pairs and leaves:
         found = torch.autograd.grad(
@@ -64,7 +61,7 @@ def _grads(outs: Sequence[torch.Tensor], wrt: list[Any], cots: Sequence[torch.Te
     filled = iter(
         g if g is not None else torch.zeros_like(t) for g, t in zip(found, leaves, strict=True)
     )
-    return [next(filled) if _is_float(t) else None for t in wrt]
+    return [next(filled) if differentiable(t) else None for t in wrt]
 
 
 def inline_value_and_grad(
@@ -132,7 +129,7 @@ def _vjp(
             raise FunctransError(
                 f"vjp_fn: cotangents must have the structure of the outputs {out_spec}, got {spec}"
             )
-        pairs = [(o, c) for o, c in zip(out_leaves, cots, strict=True) if _is_float(o)]
+        pairs = [(o, c) for o, c in zip(out_leaves, cots, strict=True) if differentiable(o)]
         result = []
         with torch.enable_grad():
             for w in watched:

@@ -1,8 +1,11 @@
 """The plans one transform leaves for another: records, not code, so neither imports the other.
 
-``grad`` leaves a :class:`GradSpec` on the function it returns; ``vmap`` of such a function
-leaves a :class:`VmapOfGrad`; ``jit`` of either traces the plan (one joint graph of the
-per-example gradients, :func:`plan_per_example`) instead of the nested transforms. ``vmap``
+``grad`` leaves a :class:`GradSpec` record on the function it returns; ``vmap`` of such a
+function leaves a :class:`VmapOfGrad`; ``jit`` of either traces the plan (one joint graph of the
+per-example gradients, :func:`plan_per_example`) instead of the nested transforms. The records
+travel under :mod:`functrans._core.marks`' one attribute, and :func:`plan_of` answers only a
+record that describes the function it is read from (``functools.wraps`` copies records onto a
+wrapper, which computes something else). ``vmap``
 recognises a compiled function by the :class:`Rewrap` protocol (``jit`` implements it), the way
 JAX's batching rule table never imports ``pjit``.
 """
@@ -11,23 +14,23 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import optree
 import torch
 
 from functrans._core.dtypes import differentiable
 from functrans._core.errors import NonScalarOutputError
+from functrans._core.marks import read
 from functrans._core.pytree import NAMESPACE
 
 __all__ = [
-    "GRAD_SPEC",
-    "PER_EXAMPLE",
     "GradSpec",
     "PerExample",
     "Rewrap",
     "VmapOfGrad",
     "grad_name",
+    "plan_of",
     "plan_per_example",
 ]
 
@@ -52,14 +55,11 @@ class Rewrap(Protocol):
         ...
 
 
-#: Attribute on the functions ``grad``/``value_and_grad`` return: their :class:`GradSpec`.
-GRAD_SPEC = "__functrans_grad__"
-
-
 @dataclass(frozen=True)
 class GradSpec:
     """What a ``grad``/``value_and_grad`` function differentiates, and how (``vmap`` of one
-    plans per-example gradients as one joint graph)."""
+    plans per-example gradients as one joint graph): the record ``grad`` leaves on the function
+    it returns."""
 
     run: Callable[..., Any]  # the function grad returned (wrappers copying attributes differ)
     f: Callable[..., Any]
@@ -75,19 +75,35 @@ def grad_name(spec: GradSpec) -> str:
     return "value_and_grad" if spec.with_value else "grad"
 
 
-#: Attribute on the function ``vmap(grad(f))`` returns: its :class:`VmapOfGrad`.
-PER_EXAMPLE = "__functrans_per_example__"
-
-
 @dataclass(frozen=True)
 class VmapOfGrad:
     """What a ``vmap(grad(f))`` function batches, so ``jit`` of it can plan the per-example
-    joint graph as the eager call does (see :func:`plan_per_example`)."""
+    joint graph as the eager call does (see :func:`plan_per_example`): the record ``vmap``
+    leaves on the function it returns."""
 
-    run: Callable[..., Any]
+    run: Callable[..., Any]  # the function vmap returned
     spec: GradSpec
     in_dims: Any
     randomness: str
+
+
+_Plan = TypeVar("_Plan", GradSpec, VmapOfGrad)
+
+
+def plan_of(f: object, kind: type[_Plan]) -> _Plan | None:
+    """The ``kind`` record that describes ``f`` itself, or None: a record a wrapper copied from
+    the function it wraps (``functools.wraps`` copies ``__dict__``) describes that function,
+    not the wrapper.
+
+    >>> import functools, torch, functrans as ft
+    >>> g = ft.grad(lambda x: x.sum())
+    >>> plan_of(g, GradSpec).run is g
+    True
+    >>> plan_of(functools.wraps(g)(lambda x: g(x)), GradSpec) is None
+    True
+    """
+    found = read(f, kind)
+    return found if found is not None and found.run is f else None
 
 
 @dataclass(frozen=True)
@@ -141,7 +157,7 @@ def plan_per_example(
                 lambda t: _per_example_copy(t, size), args[i], namespace=NAMESPACE
             )
             new_dims[i] = optree.tree_map(
-                lambda t: 0 if _is_float_tensor(t) else None, args[i], namespace=NAMESPACE
+                lambda t: 0 if differentiable(t) else None, args[i], namespace=NAMESPACE
             )
     each = torch.func.vmap(f, tuple(new_dims), 0, randomness)
 
@@ -159,13 +175,9 @@ def plan_per_example(
     return PerExample(spec, total, tuple(new_args))
 
 
-def _is_float_tensor(t: Any) -> bool:
-    return differentiable(t)  # floating point or complex: what grad differentiates
-
-
 def _per_example_copy(t: Any, size: int) -> Any:
     """``size`` stride-0 copies of ``t`` (a view: gradients still flow to ``t``)."""
-    return t.unsqueeze(0).expand(size, *t.shape) if _is_float_tensor(t) else t
+    return t.unsqueeze(0).expand(size, *t.shape) if differentiable(t) else t
 
 
 def _describe(out: Any, size: int) -> str:

@@ -20,7 +20,6 @@
 from __future__ import annotations
 
 import functools
-import operator
 from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple, ParamSpec, Protocol, TypeVar, cast, overload
@@ -36,13 +35,14 @@ from torch.fx.experimental.proxy_tensor import (
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
-from functrans._core.context import is_tracing
+from functrans._core.context import functorch_active, is_tracing
 from functrans._core.dynamo_skip import compiling, outside_dynamo, refuse_export
 from functrans._core.errors import InvalidArgumentError, UnsupportedOpError
 from functrans._core.module_view import ModuleView
+from functrans._core.ops import is_getitem, is_view_op
 from functrans._core.pytree import NAMESPACE
 from functrans._core.stack import fn_name, transform_frame
-from functrans._core.tags import REMAT, REMAT_OP, Policy, PolicyLike, RematOp
+from functrans._core.tags import REMAT, REMAT_OP, SAVE_TAGS, Policy, PolicyLike, RematOp
 from functrans._cut import transfer as _transfer
 from functrans._trace.passes import _IDENTITY_OPS
 
@@ -217,7 +217,7 @@ class _Record(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's cl
             self.cache.draws[key] = tuple(g.get_state() for g in generators)
         out = func(*args, **kwargs)
         decision = self.decide(func, *args, **kwargs)
-        if decision in _SAVES and not _aliases(func):
+        if decision in SAVE_TAGS and not _aliases(func):
             self.cache.put(key, out, offload=decision is Policy.MUST_OFFLOAD)
         return out
 
@@ -283,7 +283,6 @@ def _with_generators(tree: Any, states: tuple[torch.Tensor, ...]) -> Any:
     return optree.tree_unflatten(spec, leaves)
 
 
-_SAVES = (Policy.MUST_SAVE, Policy.PREFER_SAVE, Policy.MUST_OFFLOAD)
 _SAVE_NOTHING = policies.normalize(policies.nothing_saveable)
 
 
@@ -312,7 +311,7 @@ def _under_functorch_autodiff() -> bool:
     """Whether torch.func's grad/vjp/jvp is running: their levels do not support saved-tensor
     hooks, so eager remat runs the region as written there (same values; memory as without
     remat). Inside ``ft.jit`` and ``ft.vmap(ft.grad(...))`` the traced remat applies."""
-    if not torch._C._are_functorch_transforms_active():
+    if not functorch_active():
         return False
     from torch._C._functorch import TransformType
     from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
@@ -427,7 +426,7 @@ def _tags_of_call(
         hold(node)
     for node in made:
         parts = [u for u in node.users if u in ours]
-        if parts and all(u.target is operator.getitem and u in holders for u in parts):
+        if parts and all(is_getitem(u) and u in holders for u in parts):
             hold(node)
     inner = (
         Policy.PREFER_RECOMPUTE if decision is Policy.PREFER_RECOMPUTE else Policy.MUST_RECOMPUTE
@@ -439,9 +438,7 @@ def _tags_of_call(
 def _viewed(node: fx.Node) -> fx.Node | None:
     """The value ``node`` is a view of (or ``alias``/``detach``, which canonicalization drops)."""
     target, base = node.target, node.args[0] if node.args else None
-    viewing = target in _IDENTITY_OPS or (
-        isinstance(target, torch._ops.OpOverload) and target.is_view
-    )
+    viewing = target in _IDENTITY_OPS or is_view_op(target)
     return base if viewing and isinstance(base, fx.Node) else None
 
 
@@ -485,7 +482,7 @@ def _decision(node: fx.Node, decide: Callable[..., Policy]) -> Policy | None:
     target = node.target
     if node.op != "call_function":
         return None
-    if target is operator.getitem and isinstance(node.args[0], fx.Node):
+    if is_getitem(node) and isinstance(node.args[0], fx.Node):
         return node.args[0].meta.get(REMAT)
     if not isinstance(target, torch._ops.OpOverload):
         return None
@@ -498,9 +495,7 @@ class RematDecorator(Protocol):
     :func:`remat` with those options to a module or a function."""
 
     @overload
-    def __call__(  # type: ignore[overload-overlap]  # a Module is callable: first one wins
-        self, f: _M, /
-    ) -> RematModule: ...
+    def __call__(self, f: _M, /) -> RematModule: ...
     @overload
     def __call__(self, f: Callable[_P, _R], /) -> Callable[_P, _R]: ...
 

@@ -151,7 +151,7 @@ def _solve(
 def _c_fflush() -> Callable[[ctypes.c_void_p | None], int] | None:
     """libc's ``fflush``, where ctypes finds it (not on Windows)."""
     try:
-        return ctypes.CDLL(None).fflush  # type: ignore[no-any-return]
+        return ctypes.CDLL(None).fflush
     except (OSError, AttributeError, TypeError):
         return None
 

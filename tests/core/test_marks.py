@@ -59,3 +59,79 @@ def test_an_object_answering_every_getattr_has_no_records() -> None:
             return 1
 
     assert read(Anything(), _A) is None
+
+
+def f() -> None:
+    pass
+
+
+def test_exceptions_carry_what_functrans_learned_about_them_as_records() -> None:
+    import pytest
+
+    from functrans._core.stack import Named, transform_frame
+    from functrans._core.validate import UserError, user_calls
+
+    def boom() -> None:
+        raise ValueError("mine")
+
+    with pytest.raises(ValueError) as raised:
+        user_calls(boom)()
+    assert marked(raised.value, UserError) and not marked(raised.value, Named)
+
+    def nested() -> None:
+        with transform_frame("jit", len), transform_frame("grad", f):
+            raise ValueError("inner")
+
+    with pytest.raises(ValueError) as named:
+        nested()
+    assert marked(named.value, Named) and "inside jit(grad(f))" in str(named.value)
+
+
+def test_the_seeding_wrappers_are_marked_and_wrapped_once() -> None:
+    import torch
+
+    from functrans._trace.rng import Seeder, tracing_guard
+
+    with tracing_guard(lambda: "f"):
+        pass
+    seeder = read(torch.manual_seed, Seeder)
+    assert seeder is not None and not marked(seeder.original, Seeder)
+    with tracing_guard(lambda: "f"):
+        pass
+    assert read(torch.manual_seed, Seeder) is seeder
+
+
+def test_jit_blocks_marks_a_block_and_compiles_it_once() -> None:
+    import torch
+
+    from functrans.distributed import JitBlock, jit_blocks
+
+    block = torch.nn.Linear(2, 2)
+    model = torch.nn.Sequential(block)
+    jit_blocks(model, blocks=[block])
+    compiled = block.forward
+    assert marked(block, JitBlock)
+    jit_blocks(model, blocks=[block])
+    assert block.forward is compiled
+    x = torch.ones(1, 2)
+    torch.testing.assert_close(model(x), torch.nn.functional.linear(x, block.weight, block.bias))
+
+
+def test_the_library_writes_no_other_functrans_attribute() -> None:
+    """Records travel under :data:`MARK` only; the names allowed here are a keyword-argument
+    key (``_jit/captures.py``) and the regions' mark, which moves to a record separately."""
+    import pathlib
+    import re
+
+    import functrans
+
+    root = pathlib.Path(functrans.__file__).parent
+    found = {
+        f"{path.relative_to(root)}:{name}"
+        for path in root.rglob("*.py")
+        for name in re.findall(r"__functrans_\w+__", path.read_text())
+    }
+    assert found <= {
+        "_jit/captures.py:__functrans_captured__",
+        "_trace/regions.py:__functrans_region__",
+    }

@@ -1,7 +1,7 @@
-"""Common torch layers under ``ft.jit``, checked against eager under one seed (functrans issue
-29): recurrent layers (oneDNN's fused LSTM and the plain path), weight reparametrizations that
-update buffers in forward (spectral norm's power iteration), and copies of jitted and remat'd
-modules (``torch.save``, ``pickle``).
+"""Common torch layers under ``ft.jit``, checked against eager under one seed: recurrent
+layers (oneDNN's fused LSTM and the plain path), weight reparametrizations that update buffers
+in forward (spectral norm's power iteration), and copies of jitted and remat'd modules
+(``torch.save``, ``pickle``).
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ def _leaves(*ts: torch.Tensor) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_spectral_layer_weight_learns_under_jit(strategy: str) -> None:
-    # the report: the complex spectral weight got no .grad while the Linear trained
+    # the failure this guards: the complex spectral weight got no .grad while the Linear trained
     torch.manual_seed(0)
     model, x = SpectralLayer(), torch.randn(4, 8)
     model(x).square().sum().backward()
