@@ -19,7 +19,7 @@ import torch
 import torch.fx as fx
 
 from functrans._core.graph import PATH, ROLE, SOURCE, Role, lazy_module
-from functrans._core.ops import is_collective, is_random
+from functrans._core.ops import is_collective, is_random, is_view_op
 from functrans._core.tags import REMAT
 
 __all__ = ["InputSpec", "canonicalize", "no_gc", "out_of_place", "source_of"]
@@ -272,11 +272,7 @@ def _fresh(buffer: fx.Node, functional: dict[fx.Node, Any]) -> bool:
     root = _root(buffer, functional)
     if root.op != "call_function" or not isinstance(root.target, torch._ops.OpOverload):
         return False
-    if root.target.is_view or _mutates(root):
+    if is_view_op(root) or _mutates(root):
         return False
     chain = [root, *[n for n in functional if _root(n, functional) is root]]
-    return not any(
-        isinstance(u.target, torch._ops.OpOverload) and u.target.is_view
-        for n in chain
-        for u in n.users
-    )
+    return not any(is_view_op(u) for n in chain for u in n.users)

@@ -48,7 +48,7 @@ from functrans._core.graph import lazy_module
 from functrans._core.logs import log
 from functrans._core.shapes import is_symbolic, shape_env_of
 
-from .trace import TRACE_CONTEXTS, TRACE_PASSES
+from .trace import TRACE_CONTEXTS, TRACE_PASSES, view_base
 
 __all__ = ["enabled", "expand", "region", "session", "stats"]
 
@@ -335,13 +335,7 @@ def _writes_placeholder(body: list[fx.Node]) -> bool:
         for i, arg in enumerate(target._schema.arguments):
             if arg.alias_info is None or not arg.alias_info.is_write:
                 continue
-            value = x.args[i] if i < len(x.args) else x.kwargs.get(arg.name)
-            while (
-                isinstance(value, fx.Node)
-                and isinstance(value.target, torch._ops.OpOverload)
-                and value.target.is_view
-            ):
-                value = value.args[0]
+            value = view_base(x.args[i] if i < len(x.args) else x.kwargs.get(arg.name))
             if not isinstance(value, fx.Node) or value.op == "placeholder":
                 return True
     return False

@@ -41,7 +41,7 @@ from functrans._core.format import op_name
 from functrans._core.graph import SOURCE, Graph, Role
 from functrans._core.logs import log
 from functrans._core.marks import read
-from functrans._core.ops import is_random
+from functrans._core.ops import is_random, is_view_op
 from functrans._core.pytree import NAMESPACE, Flat, Wrapper, flatten, unflatten
 from functrans._core.shapes import (
     Dynamic,
@@ -329,7 +329,7 @@ def check_no_input_mutation(gm: fx.GraphModule, paths: Sequence[str]) -> None:
             if arg.alias_info is None or not arg.alias_info.is_write:
                 continue
             value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
-            base = _view_base(value)
+            base = view_base(value)
             captured = isinstance(base, fx.Node) and base.op == "get_attr"
             if base in where or captured:
                 src = node.meta.get(SOURCE) or _src(node)
@@ -367,13 +367,9 @@ def _src(node: fx.Node) -> str | None:
     return source_of(node.meta.get("stack_trace"))
 
 
-def _view_base(value: Any) -> Any:
-    while (
-        isinstance(value, fx.Node)
-        and value.op == "call_function"
-        and isinstance(value.target, torch._ops.OpOverload)
-        and value.target.is_view
-    ):
+def view_base(value: Any) -> Any:
+    """The value a chain of view ops starting at ``value`` (an FX argument) reads from."""
+    while isinstance(value, fx.Node) and value.op == "call_function" and is_view_op(value):
         value = value.args[0]
     return value
 
