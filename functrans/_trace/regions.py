@@ -46,6 +46,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from functrans._core.graph import lazy_module
 from functrans._core.logs import log
+from functrans._core.marks import leave, marked
 from functrans._core.shapes import is_symbolic, shape_env_of
 
 from .trace import TRACE_CONTEXTS, TRACE_PASSES, view_base
@@ -587,7 +588,11 @@ def _has_hooks_deep(m: torch.nn.Module) -> bool:
 _CANDIDATES: contextvars.ContextVar[dict[int, torch.nn.Module] | None] = contextvars.ContextVar(
     "functrans_region_candidates", default=None
 )
-_MARKED = "__functrans_region__"
+
+
+@dataclass(frozen=True)
+class Marked:
+    """The record :func:`region` leaves on a module it marks as a block."""
 
 
 def _mark_siblings(mods: Any) -> None:
@@ -614,7 +619,7 @@ def _patched_call(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         return _ORIGINAL_CALL(self, *args, **kwargs)
     if isinstance(self, torch.nn.Sequential):
         _mark_siblings(self._modules.values())
-    if id(self) in found or getattr(self, _MARKED, False):
+    if id(self) in found or marked(self, Marked):
         return _module_region(self, _ORIGINAL_CALL, args, kwargs)
     return _ORIGINAL_CALL(self, *args, **kwargs)
 
@@ -685,7 +690,7 @@ def region(fn: _F) -> _F:
     [torch.Size([4, 4]), torch.Size([4, 4]), torch.Size([4, 4])]
     """
     if isinstance(fn, torch.nn.Module):
-        setattr(fn, _MARKED, True)
+        leave(fn, Marked())
         return cast(_F, fn)
     if not callable(fn):
         from functrans._core.errors import InvalidArgumentError

@@ -118,8 +118,8 @@ def test_jit_blocks_marks_a_block_and_compiles_it_once() -> None:
 
 
 def test_the_library_writes_no_other_functrans_attribute() -> None:
-    """Records travel under :data:`MARK` only; the names allowed here are a keyword-argument
-    key (``_jit/captures.py``) and the regions' mark, which moves to a record separately."""
+    """Records travel under :data:`MARK` only; the one name allowed here is a keyword-argument
+    key (``_jit/captures.py``), not an attribute."""
     import pathlib
     import re
 
@@ -131,7 +131,4 @@ def test_the_library_writes_no_other_functrans_attribute() -> None:
         for path in root.rglob("*.py")
         for name in re.findall(r"__functrans_\w+__", path.read_text())
     }
-    assert found <= {
-        "_jit/captures.py:__functrans_captured__",
-        "_trace/regions.py:__functrans_region__",
-    }
+    assert found <= {"_jit/captures.py:__functrans_captured__"}
