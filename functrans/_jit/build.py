@@ -33,7 +33,7 @@ from functrans._core.backends import get_backend
 from functrans._core.boxed import boxed
 from functrans._core.dtypes import differentiable
 from functrans._core.logs import log
-from functrans._core.pytree import Flat
+from functrans._core.pytree import Flat, plain
 from functrans._core.shapes import Dims, ShapeGuard, shape_env_of
 from functrans._core.stack import ControlFlow
 from functrans._cut.partition import Partition, partition
@@ -55,7 +55,6 @@ __all__ = [
     "GradOn",
     "Target",
     "grad_off",
-    "plain",
     "watched",
 ]
 
@@ -64,12 +63,6 @@ _G = TypeVar("_G")
 #: Traces a jitted function stores in the on-disk cache (each costs a recorded trace, about
 #: twice a plain one on CPython 3.11): the first calls, which every restart pays again.
 DISK_STORES = 4
-
-
-def plain(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a plain tensor or parameter (not a tensor subclass, which jit traces
-    at static shapes and refuses to lift as a captured tensor)."""
-    return type(t) is torch.Tensor or type(t) is torch.nn.Parameter
 
 
 class GradOn(enum.Enum):

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from functrans._core.context import classify
+from functrans._core.pytree import plain
 
 __all__ = ["Fingerprint", "Unhashable", "classify", "code_digest", "code_names"]
 
@@ -193,7 +194,7 @@ class Fingerprint:
         self._w("end")
 
     def _tensor(self, t: torch.Tensor) -> None:
-        if type(t) not in (torch.Tensor, torch.nn.Parameter):
+        if not plain(t):
             raise Unhashable(f"a tensor of type {type(t).__qualname__}")
         self._w(
             "tensor",

@@ -48,6 +48,7 @@ from functrans._core.graph import (
     Phase,
     Role,
 )
+from functrans._core.pytree import plain
 from functrans._core.state import autocast_off
 from functrans._core.tags import REMAT, REMAT_OP, Policy, RematOp
 from functrans._trace.capture import Path, reach
@@ -56,7 +57,6 @@ from .tree_json import CorruptEntry, NotStorable, decode, encode, flat_doc, flat
 
 __all__ = ["CorruptEntry", "NotStorable", "check_round_trip", "dump", "load", "size_text"]
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
 _MAX_CONSTANT = 4096  # elements of a fresh tensor constant stored by value
 
 
@@ -235,7 +235,7 @@ def dump(g: Graph, root: Any = None, *, symbolic: bool = False) -> dict[str, Any
 def _constant(node: fx.Node, value: Any, root: Any) -> Any:
     """A tensor constant: by value if the function made it (``torch.tensor(...)``, which
     tracing copies through ``lift_fresh_copy``), else by its path from ``root``."""
-    if type(value) not in _PLAIN or value.layout != torch.strided:
+    if not plain(value) or value.layout != torch.strided:
         raise NotStorable("a constant that is not a plain tensor")
     fresh = node.users and all(
         u.target is torch.ops.aten.lift_fresh_copy.default for u in node.users
@@ -265,7 +265,7 @@ def _unconstant(doc: Any, root: Any) -> torch.Tensor:
         value = path.read(root)
     except (LookupError, AttributeError, ValueError, TypeError) as e:
         raise CorruptEntry(f"captured tensor {name} is gone") from e
-    if type(value) not in _PLAIN:
+    if not plain(value):
         raise CorruptEntry(f"captured {name} is not a plain tensor")
     tensor: torch.Tensor = value
     return tensor

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from functrans._core.pytree import plain
+
 from . import shapes as disk_shapes
 from . import tree_json as tree_json
 from .code_deps import functrans_digest
@@ -95,7 +97,7 @@ def _tensors(tensors: tuple[Any, ...], *, symbolic: bool = False) -> list[Any]:
     out: list[Any] = []
     storages: dict[tuple[str, int], int] = {}
     for i, t in enumerate(tensors):
-        if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout != torch.strided:
+        if not plain(t) or t.layout != torch.strided:
             raise Unhashable(f"input {i} is a {type(t).__qualname__} ({t.layout})")
         where = (str(t.device), t.untyped_storage().data_ptr())
         alias = storages.setdefault(where, i) if where[1] else i
