@@ -34,7 +34,7 @@ import functools
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, TypeVar, cast
+from typing import Any, NamedTuple, TypeVar, cast
 
 import torch
 import torch.fx as fx
@@ -49,7 +49,7 @@ from functrans._core.logs import log
 from functrans._core.marks import leave, marked
 from functrans._core.shapes import is_symbolic, shape_env_of
 
-from .trace import TRACE_CONTEXTS, TRACE_PASSES, view_base
+from .trace import TRACE_CONTEXTS, TRACE_PASSES, inputs_first, late_inputs, view_base
 
 __all__ = ["enabled", "expand", "region", "session", "stats"]
 
@@ -346,6 +346,20 @@ def _aliases(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(a.untyped_storage()._cdata == b.untyped_storage()._cdata)
 
 
+class _NotARegion(Exception):
+    """The block returns no tensor to differentiate (or something else than tensors)."""
+
+
+class _Seen(NamedTuple):
+    """What a region's trace learned of the block as it ran it."""
+
+    outputs: int  # flat output leaves
+    spec: pytree.TreeSpec
+    differentiable: list[bool]  # per output
+    forward: set[str]  # names of the nodes the forward made
+    grads: list[bool]  # per differentiated input: whether it got a gradient
+
+
 def _trace_region(
     call: Callable[[list[torch.Tensor]], Any], metas: list[torch.Tensor], table: Any
 ) -> _Region | None:
@@ -355,54 +369,43 @@ def _trace_region(
     mode = FakeTensorMode(allow_non_fake_inputs=False, shape_env=shape_env_of(metas))
     with mode:
         probe = [_fresh(t).requires_grad_(t.requires_grad) for t in metas]
-    with mode, torch.enable_grad():
-        out = call(probe)
-    leaves, spec = pytree.tree_flatten(out)
-    if not leaves or not all(isinstance(t, torch.Tensor) for t in leaves):
-        return None
-    diff = [bool(t.requires_grad) and t.is_floating_point() for t in leaves]
     wrt = [i for i, t in enumerate(metas) if t.requires_grad]
-    if not any(diff) or not wrt:
+    if not wrt:
         return None
-    with mode:
-        # contiguous, as most backward formulas make a gradient (and as _Apply.backward
-        # hands them in): the copies of the backward are then valid for the cotangents they
-        # read, whose layout the forward cannot know
-        cot_like = [
-            torch.empty(t.shape, dtype=t.dtype, device=t.device)
-            for t, d in zip(leaves, diff, strict=False)
-            if d
-        ]
     n = len(metas)
-    forward_names: list[set[str]] = []
-    present: list[list[bool]] = []
+    seen: list[_Seen] = []
 
-    def joint(*flat: torch.Tensor) -> list[torch.Tensor]:
-        primals, cots = list(flat[:n]), list(flat[n:])
+    def joint(*primals: torch.Tensor) -> list[torch.Tensor]:
         with torch.enable_grad():
-            outs = pytree.tree_leaves(call(primals))
-            tracer = torch.fx.experimental.proxy_tensor.get_proxy_mode()
+            leaves, spec = pytree.tree_flatten(call(list(primals)))
+            if not leaves or not all(isinstance(t, torch.Tensor) for t in leaves):
+                raise _NotARegion
+            diff = [bool(t.requires_grad) and t.is_floating_point() for t in leaves]
+            if not any(diff):
+                raise _NotARegion
+            tracer = get_proxy_mode()
             assert tracer is not None
-            forward_names.append({node.name for node in tracer.tracer.graph.nodes})
-            pairs = [
-                (o, c)
-                for o, c in zip(
-                    [o for o, d in zip(outs, diff, strict=False) if d], cots, strict=False
-                )
-            ]
+            forward = {node.name for node in tracer.tracer.graph.nodes}
+            # contiguous, as most backward formulas make a gradient (and as _Apply.backward
+            # hands them in): the copies of the backward are then valid for the cotangents
+            # they read, whose layout the forward cannot know. Made once the outputs are
+            # known (the block runs once)
+            diff_outs = [o for o, d in zip(leaves, diff, strict=True) if d]
+            cots = late_inputs(diff_outs)
             grads = torch.autograd.grad(
-                [o for o, _ in pairs],
-                [primals[i] for i in wrt],
-                [c for _, c in pairs],
-                allow_unused=True,
+                diff_outs, [primals[i] for i in wrt], cots, allow_unused=True
             )
-        present.append([g is not None for g in grads])
-        return [*outs, *[g for g in grads if g is not None]]
+        seen.append(_Seen(len(leaves), spec, diff, forward, [g is not None for g in grads]))
+        return [*leaves, *[g for g in grads if g is not None]]
 
-    inputs = [*probe, *cot_like]
-    gm = make_fx(
-        joint, table, tracing_mode="fake", record_stack_traces=True, _allow_non_fake_inputs=True
-    )(*inputs)
+    try:
+        gm = make_fx(
+            joint, table, tracing_mode="fake", record_stack_traces=True, _allow_non_fake_inputs=True
+        )(*probe)
+    except _NotARegion:
+        return None
+    inputs_first(gm)
+    ((n_leaves, spec, diff, forward_names, present),) = seen
     nodes = list(gm.graph.nodes)
     placeholders = [x for x in nodes if x.op == "placeholder"]
     primals, tangents = placeholders[:n], placeholders[n:]
@@ -411,11 +414,11 @@ def _trace_region(
         return None  # constants baked in (get_attr): traced inline
     if _writes_placeholder(body):  # an input, buffer or parameter written in place
         return None
-    fwd = [x for x in body if x.name in forward_names[0]]
-    bwd = [x for x in body if x.name not in forward_names[0]]
+    fwd = [x for x in body if x.name in forward_names]
+    bwd = [x for x in body if x.name not in forward_names]
     (result,) = [x for x in nodes if x.op == "output"]
     returned = list(result.args[0])
-    outputs, grad_nodes = returned[: len(leaves)], returned[len(leaves) :]
+    outputs, grad_nodes = returned[:n_leaves], returned[n_leaves:]
     if any(not isinstance(o, fx.Node) or o.op != "call_function" for o in outputs):
         return None
     if any(g.op != "call_function" or g not in set(bwd) for g in grad_nodes):
@@ -440,7 +443,7 @@ def _trace_region(
     for g in grad_nodes:  # a gradient that is a forward value (or a primal) is not handled
         if g not in bwd_set:
             return None
-    grad_of = [i for i, p in zip(wrt, present[0], strict=False) if p]
+    grad_of = [i for i, p in zip(wrt, present, strict=False) if p]
     return _Region(
         gm=gm,
         primals=primals,

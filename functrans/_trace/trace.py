@@ -475,7 +475,7 @@ def late_inputs(like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return made
 
 
-def _inputs_first(gm: fx.GraphModule) -> None:
+def inputs_first(gm: fx.GraphModule) -> None:
     """Move the placeholders :func:`late_inputs` made to the end of the others (in place)."""
     first = next(n for n in gm.graph.nodes if n.op != "placeholder")
     for node in list(gm.graph.nodes):
@@ -507,7 +507,7 @@ def trace_module(
         _allow_non_fake_inputs=True,
     )
     gm: fx.GraphModule = run_traced(lambda: traced(*inputs), user_fn)
-    _inputs_first(gm)
+    inputs_first(gm)
     for rewrite in TRACE_PASSES:
         gm = rewrite(gm)
     check_no_input_mutation(gm, input_paths)
