@@ -40,6 +40,7 @@ from .trace import (
     check_inputs,
     flatten_args,
     late_inputs,
+    no_stack_traces,
     refuse_closure_outputs,
     trace,
     trace_module,
@@ -252,7 +253,7 @@ def _joint_function(
             if pairs and wrt:
                 # backward as eager runs it: loss.backward() is called outside autocast (as
                 # torch recommends), so backward ops see no autocast
-                with autocast_off():
+                with autocast_off(), no_stack_traces():
                     grads = torch.autograd.grad(
                         [o for o, _ in pairs], wrt, [t for _, t in pairs], allow_unused=True
                     )

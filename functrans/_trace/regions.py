@@ -49,7 +49,14 @@ from functrans._core.logs import log
 from functrans._core.marks import leave, marked
 from functrans._core.shapes import is_symbolic, shape_env_of
 
-from .trace import TRACE_CONTEXTS, TRACE_PASSES, inputs_first, late_inputs, view_base
+from .trace import (
+    TRACE_CONTEXTS,
+    TRACE_PASSES,
+    inputs_first,
+    late_inputs,
+    no_stack_traces,
+    view_base,
+)
 
 __all__ = ["enabled", "expand", "region", "session", "stats"]
 
@@ -166,29 +173,13 @@ def _bwd_fake(key: int, call: int, inputs: list[torch.Tensor]) -> list[torch.Ten
     return _outputs_like([g for _, g in r.grads], inputs)
 
 
-@contextlib.contextmanager
-def _no_stack_traces() -> Iterator[None]:
-    """The enclosing trace records no stack trace for a region op and its outputs: they are
-    replaced by the copies, which carry the region's own (a stack costs 0.1 ms to record)."""
-    mode = get_proxy_mode()
-    tracer = getattr(mode, "tracer", None)
-    if tracer is None or not tracer.record_stack_traces:
-        yield
-        return
-    tracer.record_stack_traces = False
-    try:
-        yield
-    finally:
-        tracer.record_stack_traces = True
-
-
 class _Apply(torch.autograd.Function):
     """One region call: the forward op, and the backward op autograd runs for it."""
 
     @staticmethod
     def forward(ctx: Any, key: int, call: int, *inputs: torch.Tensor) -> Any:
         r = _lookup(key)
-        with _no_stack_traces():
+        with no_stack_traces():
             got = _FWD(key, call, list(inputs))
         outs, residuals = got[: len(r.outputs)], got[len(r.outputs) :]
         ctx.key, ctx.call = key, call
@@ -204,7 +195,7 @@ class _Apply(torch.autograd.Function):
         # the region's backward was traced with contiguous cotangents: what it gets here is
         # made so (a no-op, and no node, for the usual contiguous gradient)
         cots = [g.contiguous() for g, d in zip(grads, r.differentiable, strict=False) if d]
-        with _no_stack_traces():
+        with no_stack_traces():
             got = _BWD(ctx.key, ctx.call, [*ctx.saved_tensors, *cots])
         out: list[torch.Tensor | None] = [None] * len(r.primals)
         for (i, _), g in zip(r.grads, got, strict=False):
@@ -392,9 +383,10 @@ def _trace_region(
             # known (the block runs once)
             diff_outs = [o for o, d in zip(leaves, diff, strict=True) if d]
             cots = late_inputs(diff_outs)
-            grads = torch.autograd.grad(
-                diff_outs, [primals[i] for i in wrt], cots, allow_unused=True
-            )
+            with no_stack_traces():  # a backward op has no user line: nothing to record
+                grads = torch.autograd.grad(
+                    diff_outs, [primals[i] for i in wrt], cots, allow_unused=True
+                )
         seen.append(_Seen(len(leaves), spec, diff, forward, [g is not None for g in grads]))
         return [*leaves, *[g for g in grads if g is not None]]
 

@@ -454,6 +454,23 @@ def fake_inputs(tensors: Sequence[torch.Tensor], mode: Any) -> list[torch.Tensor
     return [mode.from_tensor(t) for t in tensors]
 
 
+@contextlib.contextmanager
+def no_stack_traces() -> Iterator[None]:
+    """Inside a trace: the nodes made meanwhile record no Python stack (0.1 ms a node). For the
+    backward's ops, whose stacks hold no user line (torch keeps none of them), and for
+    placeholder ops that copies replace."""
+    mode = get_proxy_mode()
+    tracer = getattr(mode, "tracer", None)
+    if tracer is None or not tracer.record_stack_traces:
+        yield
+        return
+    tracer.record_stack_traces = False
+    try:
+        yield
+    finally:
+        tracer.record_stack_traces = True
+
+
 def untraced() -> contextlib.AbstractContextManager[Any]:
     """Inside a trace: tensor ops run on the fake tensors without being recorded."""
     return disable_proxy_modes_tracing()
