@@ -261,7 +261,9 @@ def _joint_function(
             _inner_grad(g if g is not None else torch.zeros_like(w), w)
             for g, w in zip(grads, wrt, strict=True)
         ]
-        return [o.detach() for o in outs] + [g.detach() for g in full]
+        # a detach is a node of the trace (with a stack trace): only where there is a graph
+        detached = [g.detach() if g.requires_grad else g for g in full]
+        return [o.detach() for o in outs] + detached
 
     return joint_fn
 
