@@ -81,10 +81,9 @@ class _Region:
     forward: list[fx.Node]  # call_function nodes the forward ran, in trace order
     backward: list[fx.Node]
     outputs: list[fx.Node]  # the block's output leaves
-    residuals: list[fx.Node]  # forward tensors the backward reads
-    sizes: list[fx.Node]  # forward sizes (SymInts) the backward reads: no op output, they
-    # pass from a call's forward copy to its backward copy in expand()
-    saved_primals: list[int]  # primal positions the backward reads
+    # primals and forward values (tensors and sizes) the backward reads: they pass from a
+    # call's forward copy to its backward copy in expand(), not through the region ops
+    read: list[fx.Node]
     grads: list[tuple[int, fx.Node]]  # (primal position, gradient node)
     differentiable: list[bool]  # per output
     out_spec: pytree.TreeSpec
@@ -164,7 +163,7 @@ def _outputs_like(nodes: list[fx.Node], inputs: list[torch.Tensor]) -> list[torc
 @torch.library.register_fake("functrans::region_fwd")  # type: ignore[untyped-decorator]
 def _fwd_fake(key: int, call: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     r = _lookup(key)
-    return _outputs_like([*r.outputs, *r.residuals], inputs)
+    return _outputs_like(r.outputs, inputs)
 
 
 @torch.library.register_fake("functrans::region_bwd")  # type: ignore[untyped-decorator]
@@ -181,13 +180,11 @@ class _Apply(torch.autograd.Function):
         r = _lookup(key)
         with no_stack_traces():
             got = _FWD(key, call, list(inputs))
-        outs, residuals = got[: len(r.outputs)], got[len(r.outputs) :]
         ctx.key, ctx.call = key, call
-        ctx.save_for_backward(*[inputs[i] for i in r.saved_primals], *residuals)
         ctx.mark_non_differentiable(
-            *[o for o, d in zip(outs, r.differentiable, strict=False) if not d]
+            *[o for o, d in zip(got, r.differentiable, strict=False) if not d]
         )
-        return tuple(outs)
+        return tuple(got)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
@@ -196,7 +193,7 @@ class _Apply(torch.autograd.Function):
         # made so (a no-op, and no node, for the usual contiguous gradient)
         cots = [g.contiguous() for g, d in zip(grads, r.differentiable, strict=False) if d]
         with no_stack_traces():
-            got = _BWD(ctx.key, ctx.call, [*ctx.saved_tensors, *cots])
+            got = _BWD(ctx.key, ctx.call, cots)
         out: list[torch.Tensor | None] = [None] * len(r.primals)
         for (i, _), g in zip(r.grads, got, strict=False):
             out[i] = g
@@ -422,16 +419,10 @@ def _trace_region(
             return None
     fwd_set = set(fwd)
     bwd_set = set(bwd)
-    residuals: list[fx.Node] = []
-    sizes: list[fx.Node] = []
-    saved: list[int] = []
-    prim_pos = {p: i for i, p in enumerate(primals)}
+    read: dict[fx.Node, None] = {}  # ordered
+    outside = fwd_set | set(primals)
     for x in bwd:
-        for a in x.all_input_nodes:
-            if a in fwd_set and a not in residuals and a not in sizes:
-                (residuals if isinstance(a.meta["val"], torch.Tensor) else sizes).append(a)
-            elif a in prim_pos and prim_pos[a] not in saved:
-                saved.append(prim_pos[a])
+        read.update((a, None) for a in x.all_input_nodes if a in outside)
     for g in grad_nodes:  # a gradient that is a forward value (or a primal) is not handled
         if g not in bwd_set:
             return None
@@ -443,9 +434,7 @@ def _trace_region(
         forward=fwd,
         backward=bwd,
         outputs=cast(list[fx.Node], outputs),
-        residuals=residuals,
-        sizes=sizes,
-        saved_primals=sorted(saved),
+        read=list(read),
         grads=list(zip(grad_of, grad_nodes, strict=False)),
         differentiable=diff,
         out_spec=spec,
@@ -732,12 +721,12 @@ def expand(gm: fx.GraphModule) -> fx.GraphModule:
     # the region ops' fake outputs -> the copies' values: the ops that read a region's
     # outputs (views among them) are laid onto the copies' storages too
     moved = _Storages(_fake_mode(gm))
-    sizes: dict[int, list[fx.Node]] = {}  # per call: its forward copy's sizes the backward reads
+    carried: dict[int, dict[fx.Node, fx.Node]] = {}  # per call: what its backward reads
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target is _FWD:
-            env[node] = _copy_forward(graph, node, env, s, moved.mode, sizes)
+            env[node] = _copy_forward(graph, node, env, s, moved.mode, carried)
         elif node.op == "call_function" and node.target is _BWD:
-            env[node] = _copy_backward(graph, node, env, s, moved.mode, sizes)
+            env[node] = _copy_backward(graph, node, env, s, moved.mode, carried)
         elif node.op == "call_function" and _region_item(node):
             env[node] = env[node.args[0]][node.args[1]]
             moved.bind(node.meta.get("val"), env[node].meta.get("val"))
@@ -842,7 +831,7 @@ def _copy_forward(
     env: dict[fx.Node, Any],
     s: _Session,
     mode: FakeTensorMode,
-    sizes: dict[int, list[fx.Node]],
+    carried: dict[int, dict[fx.Node, fx.Node]],
 ) -> list[fx.Node]:
     key, call, inputs = node.args
     r = s.regions[cast(int, key)]
@@ -851,8 +840,8 @@ def _copy_forward(
         p: env[i] for p, i in zip(r.primals, cast(list[fx.Node], inputs), strict=False)
     }
     _paste(graph, r.forward, local, mode)
-    sizes[cast(int, call)] = [local[x] for x in r.sizes]
-    return [local[x] for x in [*r.outputs, *r.residuals]]
+    carried[cast(int, call)] = {x: local[x] for x in r.read}
+    return [local[x] for x in r.outputs]
 
 
 def _copy_backward(
@@ -861,19 +850,13 @@ def _copy_backward(
     env: dict[fx.Node, Any],
     s: _Session,
     mode: FakeTensorMode,
-    sizes: dict[int, list[fx.Node]],
+    carried: dict[int, dict[fx.Node, fx.Node]],
 ) -> list[fx.Node]:
-    key, call, inputs = node.args
+    key, call, cots = node.args
     r = s.regions[cast(int, key)]
     assert r is not None
-    given = [env[i] for i in cast(list[fx.Node], inputs)]
-    n_saved, n_res = len(r.saved_primals), len(r.residuals)
-    local: dict[fx.Node, Any] = {
-        r.primals[i]: v for i, v in zip(r.saved_primals, given, strict=False)
-    }
-    local.update(zip(r.residuals, given[n_saved : n_saved + n_res], strict=False))
-    local.update(zip(r.tangents, given[n_saved + n_res :], strict=False))
-    local.update(zip(r.sizes, sizes[cast(int, call)], strict=True))
+    local: dict[fx.Node, Any] = dict(carried.pop(cast(int, call)))
+    local.update(zip(r.tangents, [env[c] for c in cast(list[fx.Node], cots)], strict=True))
     _paste(graph, r.backward, local, mode)
     return [local[g] for _, g in r.grads]
 
