@@ -34,29 +34,20 @@ import functools
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
-from torch.utils._mode_utils import no_dispatch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from functrans._core.graph import lazy_module
 from functrans._core.logs import log
 from functrans._core.marks import leave, marked
-from functrans._core.shapes import is_symbolic, shape_env_of
 
-from .trace import (
-    TRACE_CONTEXTS,
-    TRACE_PASSES,
-    inputs_first,
-    late_inputs,
-    no_stack_traces,
-    view_base,
-)
+from .region_graph import Region, Storages, copy_backward, copy_forward, trace_region
+from .trace import TRACE_CONTEXTS, TRACE_PASSES, no_stack_traces
 
 __all__ = ["enabled", "expand", "region", "session", "stats"]
 
@@ -72,30 +63,12 @@ _BWD = torch.ops.functrans.region_bwd.default
 
 
 @dataclass
-class _Region:
-    """One traced block: its joint graph split into forward and backward nodes."""
-
-    gm: fx.GraphModule
-    primals: list[fx.Node]  # placeholders of inputs, parameters and buffers, in call order
-    tangents: list[fx.Node]  # one per differentiable output
-    forward: list[fx.Node]  # call_function nodes the forward ran, in trace order
-    backward: list[fx.Node]
-    outputs: list[fx.Node]  # the block's output leaves
-    # primals and forward values (tensors and sizes) the backward reads: they pass from a
-    # call's forward copy to its backward copy in expand(), not through the region ops
-    read: list[fx.Node]
-    grads: list[tuple[int, fx.Node]]  # (primal position, gradient node)
-    differentiable: list[bool]  # per output
-    out_spec: pytree.TreeSpec
-
-
-@dataclass
 class _Session:
     """The regions of one joint trace."""
 
     table: Any
     by_key: dict[Any, int] = field(default_factory=dict)
-    regions: list[_Region | None] = field(default_factory=list)
+    regions: list[Region | None] = field(default_factory=list)
     calls: int = 0
 
 
@@ -139,11 +112,7 @@ def session(table: Any) -> Iterator[None]:
 # The opaque ops: fake kernels give the outputs' metadata; expand() replaces them
 
 
-def _fresh(val: torch.Tensor) -> torch.Tensor:
-    return torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=val.device)
-
-
-def _lookup(key: int) -> _Region:
+def _lookup(key: int) -> Region:
     s = _SESSION.get()
     assert s is not None, "a region op outside its trace"
     r = s.regions[key]
@@ -157,7 +126,7 @@ def _outputs_like(nodes: list[fx.Node], inputs: list[torch.Tensor]) -> list[torc
     layout)."""
     mode = cast(FakeTensor, inputs[0]).fake_mode
     # a functional op's outputs alias neither its inputs nor each other
-    return [_Storages(mode).fresh(n.meta["val"]) for n in nodes]
+    return [Storages(mode).fresh(n.meta["val"]) for n in nodes]
 
 
 @torch.library.register_fake("functrans::region_fwd")  # type: ignore[untyped-decorator]
@@ -314,133 +283,6 @@ def _outside_outer_trace() -> Iterator[None]:
                 torch._C._push_on_torch_function_stack(mode)
 
 
-def _writes_placeholder(body: list[fx.Node]) -> bool:
-    """Whether an op writes to a placeholder or a view of one (in-place ops on the region's
-    own intermediates are functionalized with the whole graph)."""
-    for x in body:
-        target = x.target
-        if not isinstance(target, torch._ops.OpOverload) or not target._schema.is_mutable:
-            continue
-        for i, arg in enumerate(target._schema.arguments):
-            if arg.alias_info is None or not arg.alias_info.is_write:
-                continue
-            value = view_base(x.args[i] if i < len(x.args) else x.kwargs.get(arg.name))
-            if not isinstance(value, fx.Node) or value.op == "placeholder":
-                return True
-    return False
-
-
-def _aliases(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return bool(a.untyped_storage()._cdata == b.untyped_storage()._cdata)
-
-
-class _NotARegion(Exception):
-    """The block returns no tensor to differentiate (or something else than tensors)."""
-
-
-class _Seen(NamedTuple):
-    """What a region's trace learned of the block as it ran it."""
-
-    outputs: int  # flat output leaves
-    spec: pytree.TreeSpec
-    differentiable: list[bool]  # per output
-    forward: set[str]  # names of the nodes the forward made
-    grads: list[bool]  # per differentiated input: whether it got a gradient
-
-
-def _trace_region(
-    call: Callable[[list[torch.Tensor]], Any], metas: list[torch.Tensor], table: Any
-) -> _Region | None:
-    """The joint graph of ``call`` on fresh fakes like ``metas`` (None: not a region)."""
-    # the enclosing trace's shape environment: a symbolic block's sizes are its symbols, and
-    # the guards its trace records are the whole trace's
-    mode = FakeTensorMode(allow_non_fake_inputs=False, shape_env=shape_env_of(metas))
-    with mode:
-        probe = [_fresh(t).requires_grad_(t.requires_grad) for t in metas]
-    wrt = [i for i, t in enumerate(metas) if t.requires_grad]
-    if not wrt:
-        return None
-    n = len(metas)
-    seen: list[_Seen] = []
-
-    def joint(*primals: torch.Tensor) -> list[torch.Tensor]:
-        with torch.enable_grad():
-            leaves, spec = pytree.tree_flatten(call(list(primals)))
-            if not leaves or not all(isinstance(t, torch.Tensor) for t in leaves):
-                raise _NotARegion
-            diff = [bool(t.requires_grad) and t.is_floating_point() for t in leaves]
-            if not any(diff):
-                raise _NotARegion
-            tracer = get_proxy_mode()
-            assert tracer is not None
-            forward = {node.name for node in tracer.tracer.graph.nodes}
-            # contiguous, as most backward formulas make a gradient (and as _Apply.backward
-            # hands them in): the copies of the backward are then valid for the cotangents
-            # they read, whose layout the forward cannot know. Made once the outputs are
-            # known (the block runs once)
-            diff_outs = [o for o, d in zip(leaves, diff, strict=True) if d]
-            cots = late_inputs(diff_outs)
-            with no_stack_traces():  # a backward op has no user line: nothing to record
-                grads = torch.autograd.grad(
-                    diff_outs, [primals[i] for i in wrt], cots, allow_unused=True
-                )
-        seen.append(_Seen(len(leaves), spec, diff, forward, [g is not None for g in grads]))
-        return [*leaves, *[g for g in grads if g is not None]]
-
-    try:
-        gm = make_fx(
-            joint, table, tracing_mode="fake", record_stack_traces=True, _allow_non_fake_inputs=True
-        )(*probe)
-    except _NotARegion:
-        return None
-    inputs_first(gm)
-    ((n_leaves, spec, diff, forward_names, present),) = seen
-    nodes = list(gm.graph.nodes)
-    placeholders = [x for x in nodes if x.op == "placeholder"]
-    primals, tangents = placeholders[:n], placeholders[n:]
-    body = [x for x in nodes if x.op == "call_function"]
-    if any(x.op not in ("placeholder", "call_function", "output") for x in nodes):
-        return None  # constants baked in (get_attr): traced inline
-    if _writes_placeholder(body):  # an input, buffer or parameter written in place
-        return None
-    fwd = [x for x in body if x.name in forward_names]
-    bwd = [x for x in body if x.name not in forward_names]
-    (result,) = [x for x in nodes if x.op == "output"]
-    returned = list(result.args[0])
-    outputs, grad_nodes = returned[:n_leaves], returned[n_leaves:]
-    if any(not isinstance(o, fx.Node) or o.op != "call_function" for o in outputs):
-        return None
-    if any(g.op != "call_function" or g not in set(bwd) for g in grad_nodes):
-        return None
-    vals = [o.meta["val"] for o in outputs]
-    ins = [p.meta["val"] for p in primals]
-    for i, v in enumerate(vals):
-        if any(_aliases(v, p) for p in ins) or any(_aliases(v, w) for w in vals[:i]):
-            return None
-    fwd_set = set(fwd)
-    bwd_set = set(bwd)
-    read: dict[fx.Node, None] = {}  # ordered
-    outside = fwd_set | set(primals)
-    for x in bwd:
-        read.update((a, None) for a in x.all_input_nodes if a in outside)
-    for g in grad_nodes:  # a gradient that is a forward value (or a primal) is not handled
-        if g not in bwd_set:
-            return None
-    grad_of = [i for i, p in zip(wrt, present, strict=False) if p]
-    return _Region(
-        gm=gm,
-        primals=primals,
-        tangents=tangents,
-        forward=fwd,
-        backward=bwd,
-        outputs=cast(list[fx.Node], outputs),
-        read=list(read),
-        grads=list(zip(grad_of, grad_nodes, strict=False)),
-        differentiable=diff,
-        out_spec=spec,
-    )
-
-
 # ---------------------------------------------------------------------------------------------
 # Calling a region
 
@@ -462,7 +304,7 @@ def _call_region(
         s.by_key[key] = rid
         try:
             with _outside_outer_trace():
-                region = _trace_region(call, tensors, s.table)
+                region = trace_region(call, tensors, s.table)
         except _SideEffect:
             region = None
         s.regions.append(region)
@@ -720,13 +562,25 @@ def expand(gm: fx.GraphModule) -> fx.GraphModule:
     env: dict[fx.Node, Any] = {}
     # the region ops' fake outputs -> the copies' values: the ops that read a region's
     # outputs (views among them) are laid onto the copies' storages too
-    moved = _Storages(_fake_mode(gm))
+    moved = Storages(_fake_mode(gm))
     carried: dict[int, dict[fx.Node, fx.Node]] = {}  # per call: what its backward reads
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target is _FWD:
-            env[node] = _copy_forward(graph, node, env, s, moved.mode, carried)
+            key, call, inputs = node.args
+            r = _region(s, key)
+            outs, carried[cast(int, call)] = copy_forward(
+                graph, r, [env[i] for i in cast(list[fx.Node], inputs)], moved.mode
+            )
+            env[node] = outs
         elif node.op == "call_function" and node.target is _BWD:
-            env[node] = _copy_backward(graph, node, env, s, moved.mode, carried)
+            key, call, cots = node.args
+            env[node] = copy_backward(
+                graph,
+                _region(s, key),
+                carried.pop(cast(int, call)),
+                [env[c] for c in cast(list[fx.Node], cots)],
+                moved.mode,
+            )
         elif node.op == "call_function" and _region_item(node):
             env[node] = env[node.args[0]][node.args[1]]
             moved.bind(node.meta.get("val"), env[node].meta.get("val"))
@@ -735,6 +589,12 @@ def expand(gm: fx.GraphModule) -> fx.GraphModule:
             if "val" in node.meta:
                 env[node].meta["val"] = moved.moved(node.meta["val"])
     return lazy_module(gm, graph)
+
+
+def _region(s: _Session, key: Any) -> Region:
+    r = s.regions[cast(int, key)]
+    assert r is not None
+    return r
 
 
 def _region_item(node: fx.Node) -> bool:
@@ -752,113 +612,6 @@ def _fake_mode(gm: fx.GraphModule) -> FakeTensorMode:
         if isinstance(v, FakeTensor):
             return v.fake_mode
     return FakeTensorMode()
-
-
-class _Storages:
-    """Values laid onto new storages: each old storage gets one new storage (or a given one,
-    :meth:`bind`), and each value lies on it as the old value lay on its own. This is how a
-    region's copy gets fresh fake values without running its ops (an ATen call on fake
-    tensors costs about 8x building the fake directly)."""
-
-    def __init__(self, mode: FakeTensorMode) -> None:
-        self.mode = mode
-        self.by_storage: dict[int, torch.Tensor] = {}  # old storages, by identity
-
-    def bind(self, old: Any, new: Any) -> None:
-        """The old value ``old`` is ``new`` here (a region's primal and the call's argument)."""
-        if isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor):
-            self.by_storage.setdefault(old.untyped_storage()._cdata, new)
-
-    def fresh(self, val: Any) -> Any:
-        """A value like ``val`` on the new storages (non-tensors are shared)."""
-        return self._lay(val, fresh=True)
-
-    def moved(self, val: Any) -> Any:
-        """``val`` laid onto the new storage of its storage, where it has one; else itself."""
-        return self._lay(val, fresh=False)
-
-    def _lay(self, val: Any, fresh: bool) -> Any:
-        if isinstance(val, (list, tuple)):
-            return type(val)(self._lay(v, fresh) for v in val)
-        if not isinstance(val, FakeTensor):
-            return val
-        key = val.untyped_storage()._cdata
-        base = self.by_storage.get(key)
-        if base is None and not fresh:
-            return val
-        if is_symbolic(val):  # symbolic sizes go through the fake mode (no set_ takes them)
-            with self.mode:
-                if base is None:
-                    size = val.untyped_storage().nbytes() // val.element_size()
-                    base = torch.empty(size, dtype=val.dtype, device=val.device)
-                    self.by_storage[key] = base
-                elif base.dtype != val.dtype:
-                    base = base.view(-1).view(val.dtype)
-                return torch.as_strided(base, val.shape, val.stride(), val.storage_offset())
-        with no_dispatch():
-            storage = (
-                torch.empty(
-                    val.untyped_storage().nbytes(), dtype=torch.uint8, device="meta"
-                ).untyped_storage()
-                if base is None
-                else base.untyped_storage()
-            )
-            meta = torch.empty(0, dtype=val.dtype, device="meta")
-            meta.set_(storage, val.storage_offset(), val.shape, val.stride())
-        out = FakeTensor(self.mode, meta, val.device)
-        if base is None:
-            self.by_storage[key] = out
-        return out
-
-
-def _paste(
-    graph: fx.Graph, nodes: list[fx.Node], local: dict[fx.Node, Any], mode: FakeTensorMode
-) -> None:
-    """Copy ``nodes`` (a region's) into ``graph``: fresh names, and fresh fake values laid
-    onto storages as the region's lie on its own (its inputs' storages are the call's)."""
-    storages = _Storages(mode)
-    for old, new in local.items():
-        storages.bind(old.meta.get("val"), new.meta.get("val"))
-    for x in nodes:
-        new = graph.node_copy(x, lambda n: local[n])
-        new.meta["val"] = storages.fresh(x.meta.get("val"))
-        local[x] = new
-
-
-def _copy_forward(
-    graph: fx.Graph,
-    node: fx.Node,
-    env: dict[fx.Node, Any],
-    s: _Session,
-    mode: FakeTensorMode,
-    carried: dict[int, dict[fx.Node, fx.Node]],
-) -> list[fx.Node]:
-    key, call, inputs = node.args
-    r = s.regions[cast(int, key)]
-    assert r is not None
-    local: dict[fx.Node, Any] = {
-        p: env[i] for p, i in zip(r.primals, cast(list[fx.Node], inputs), strict=False)
-    }
-    _paste(graph, r.forward, local, mode)
-    carried[cast(int, call)] = {x: local[x] for x in r.read}
-    return [local[x] for x in r.outputs]
-
-
-def _copy_backward(
-    graph: fx.Graph,
-    node: fx.Node,
-    env: dict[fx.Node, Any],
-    s: _Session,
-    mode: FakeTensorMode,
-    carried: dict[int, dict[fx.Node, fx.Node]],
-) -> list[fx.Node]:
-    key, call, cots = node.args
-    r = s.regions[cast(int, key)]
-    assert r is not None
-    local: dict[fx.Node, Any] = dict(carried.pop(cast(int, call)))
-    local.update(zip(r.tangents, [env[c] for c in cast(list[fx.Node], cots)], strict=True))
-    _paste(graph, r.backward, local, mode)
-    return [local[g] for _, g in r.grads]
 
 
 TRACE_CONTEXTS.append(finding_blocks)
