@@ -29,15 +29,17 @@ import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_matrix, hstack
 
 from functrans.extend import CutProblem
 
-from ._peak import SCALE, PeakModel
+from ._peak import SCALE, PeakModel, optimize
+
+if TYPE_CHECKING:
+    from scipy.optimize import LinearConstraint
 
 __all__ = ["IlpResult", "OffloadTerms", "PeakTerms", "quiet_stdout", "solve_ilp"]
 
@@ -137,10 +139,10 @@ def _solve(
     if gap is not None:
         options["mip_rel_gap"] = gap
     with quiet_stdout():
-        result: _MilpResult = milp(
+        result: _MilpResult = optimize().milp(
             c=c,
             integrality=np.ones_like(c) if integrality is None else integrality,
-            bounds=Bounds(np.zeros_like(ub), ub),
+            bounds=optimize().Bounds(np.zeros_like(ub), ub),
             constraints=cons,
             options=options,
         )
@@ -241,7 +243,7 @@ def solve_ilp(
     size = np.array([v.bytes for v in p], dtype=float)
     zeros = np.zeros(n)
     cost = np.array(costs, dtype=float)
-    cons = [LinearConstraint(a.tocsr(), lb, np.inf)]
+    cons = [optimize().LinearConstraint(a.tocsr(), lb, np.inf)]
     ub = [np.array([v.can_save for v in p], float), np.array([v.can_recompute for v in p], float)]
     objectives = [np.concatenate([zeros, cost]), np.concatenate([size, zeros])]
     integrality = np.ones(2 * n)
@@ -260,7 +262,7 @@ def solve_ilp(
     device = np.zeros(width)
     device[:n] = size
     if math.isfinite(max_bytes):
-        cons.append(LinearConstraint(device[None, :], -np.inf, max_bytes))
+        cons.append(optimize().LinearConstraint(device[None, :], -np.inf, max_bytes))
     upper = np.concatenate(ub)
     peak_col = None
     if peak is not None:
@@ -309,7 +311,7 @@ def _widen(c: LinearConstraint, width: int) -> LinearConstraint:
     a = c.A
     extra = width - a.shape[1]
     wide = hstack([coo_matrix(a), coo_matrix((a.shape[0], extra))]).tocsr()
-    return LinearConstraint(wide, c.lb, c.ub)
+    return optimize().LinearConstraint(wide, c.lb, c.ub)
 
 
 def _offload_rows(t: OffloadTerms, size: np.ndarray) -> list[LinearConstraint]:
@@ -318,12 +320,12 @@ def _offload_rows(t: OffloadTerms, size: np.ndarray) -> list[LinearConstraint]:
     rows = []
     host = np.concatenate([np.zeros(2 * n), size, np.zeros(2)])
     if math.isfinite(t.host_bytes):
-        rows.append(LinearConstraint(host[None, :], -np.inf, t.host_bytes))
+        rows.append(optimize().LinearConstraint(host[None, :], -np.inf, t.host_bytes))
     for k, hidden in enumerate((t.hidden_forward, t.hidden_backward)):
         if math.isfinite(hidden):
             row = host.copy()
             row[3 * n + k] = -1.0
-            rows.append(LinearConstraint(row[None, :], -np.inf, hidden))
+            rows.append(optimize().LinearConstraint(row[None, :], -np.inf, hidden))
     return rows
 
 
@@ -347,5 +349,8 @@ def _lexicographic(
             return x, optimal and x is not None
         x, best = result.x, float(result.fun)
         optimal = optimal and result.status == 0
-        cons = [*cons, LinearConstraint(c[None, :], -np.inf, best + slack * max(1.0, abs(best)))]
+        cons = [
+            *cons,
+            optimize().LinearConstraint(c[None, :], -np.inf, best + slack * max(1.0, abs(best))),
+        ]
     return x, optimal

@@ -28,12 +28,15 @@ from __future__ import annotations
 import bisect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 import torch.fx as fx
-from scipy.optimize import LinearConstraint
 from scipy.sparse import coo_matrix
+
+if TYPE_CHECKING:
+    from scipy.optimize import LinearConstraint
 
 from functrans.extend import (
     PHASE,
@@ -53,6 +56,15 @@ __all__ = ["SCALE", "Interval", "PeakModel", "peak_model"]
 
 #: the unit of the model's variables: a MiB
 SCALE = float(1 << 20)
+
+
+def optimize() -> Any:  # scipy is untyped
+    """``scipy.optimize``, imported when a plan first needs it: the import costs 0.4 s, which a
+    process that never plans against a memory budget should not pay at its first partition
+    (every built-in strategy's module is loaded then)."""
+    import scipy.optimize
+
+    return scipy.optimize
 
 
 @dataclass(frozen=True)
@@ -183,10 +195,10 @@ class PeakModel:
             lo.append(-np.inf)
             hi.append(-float(self.before[t]) / SCALE)
         a = coo_matrix((vals, (rows, cols)), shape=(len(lo), total)).tocsr()
-        cons = [LinearConstraint(a, np.array(lo), np.array(hi))]
+        cons = [optimize().LinearConstraint(a, np.array(lo), np.array(hi))]
         bound = np.zeros(total)
         bound[peak] = 1.0
-        cons.append(LinearConstraint(bound[None, :], -np.inf, limit / SCALE))
+        cons.append(optimize().LinearConstraint(bound[None, :], -np.inf, limit / SCALE))
         return cons, total, peak
 
     def evaluate(self, chosen: Sequence[set[int]]) -> tuple[np.ndarray, np.ndarray]:
