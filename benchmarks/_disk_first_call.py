@@ -114,7 +114,7 @@ def _run(
     return result
 
 
-def _root() -> Path:
+def fresh_root() -> Path:
     """A fresh cache root, private, with the real native build folder linked in."""
     from functrans.extend import cache_root
 
@@ -132,7 +132,7 @@ def fresh_first_calls(
     cold and warm against off."""
     rows = []
     for name in names:
-        root = _root()
+        root = fresh_root()
         runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
         try:
             for i in range(repeats):
