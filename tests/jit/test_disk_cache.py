@@ -719,3 +719,25 @@ def test_a_trace_without_a_recorder_calls_no_watcher():
 
     ft.trace(lambda x: x * 2)(torch.ones(2))
     assert TORCH_CALL_WATCHERS == []
+
+
+def test_functrans_digest_is_kept_by_the_files_stats(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from functrans._jit.disk import code_deps
+
+    monkeypatch.setenv("FUNCTRANS_CACHE_DIR", str(tmp_path / "cache"))
+    digest = code_deps.functrans_digest.__wrapped__()  # uncached
+    memo = tmp_path / "cache" / "functrans-digest"
+    stats, _, kept = memo.read_text().partition(" ")
+    assert kept == digest
+    # the same stats: the kept digest is read back, not recomputed
+    memo.write_text(f"{stats} {'0' * 64}")
+    assert code_deps.functrans_digest.__wrapped__() == "0" * 64
+    # other stats (a file changed): hashed again
+    memo.write_text(f"{'1' * 64} {'0' * 64}")
+    assert code_deps.functrans_digest.__wrapped__() == digest
+    # a cache root others can write is not read
+    memo.write_text(f"{stats} {'0' * 64}")
+    os.chmod(tmp_path / "cache", 0o777)
+    assert code_deps.functrans_digest.__wrapped__() == digest
