@@ -18,8 +18,8 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
-from torch.utils._mode_utils import no_dispatch
 
+from functrans._core.fakes import fake_empty
 from functrans._core.shapes import is_symbolic, shape_env_of
 
 from .trace import inputs_first, late_inputs, no_stack_traces, view_base
@@ -208,7 +208,9 @@ class Storages:
         base = self.by_storage.get(key)
         if base is None and not fresh:
             return val
-        if is_symbolic(val):  # symbolic sizes go through the fake mode (no set_ takes them)
+        offset, nbytes = val.storage_offset(), val.untyped_storage().nbytes()
+        if is_symbolic(val) or not isinstance(offset, int) or not isinstance(nbytes, int):
+            # symbolic sizes go through the fake mode (no set_ takes them)
             with self.mode:
                 if base is None:
                     size = val.untyped_storage().nbytes() // val.element_size()
@@ -217,17 +219,16 @@ class Storages:
                 elif base.dtype != val.dtype:
                     base = base.view(-1).view(val.dtype)
                 return torch.as_strided(base, val.shape, val.stride(), val.storage_offset())
-        with no_dispatch():
-            storage = (
-                torch.empty(
-                    val.untyped_storage().nbytes(), dtype=torch.uint8, device="meta"
-                ).untyped_storage()
-                if base is None
-                else base.untyped_storage()
-            )
-            meta = torch.empty(0, dtype=val.dtype, device="meta")
-            meta.set_(storage, val.storage_offset(), val.shape, val.stride())
-        out = FakeTensor(self.mode, meta, val.device)
+        out = fake_empty(
+            self.mode,
+            val.shape,
+            val.stride(),
+            val.dtype,
+            val.device,
+            offset=offset,
+            storage=base,
+            nbytes=nbytes,
+        )
         if base is None:
             self.by_storage[key] = out
         return out

@@ -37,6 +37,7 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
+from functrans._core.fakes import fake_empty
 from functrans._core.graph import (
     PATH,
     PHASE,
@@ -460,12 +461,11 @@ def _fake_input(mode: FakeTensorMode, doc: Any, syms: dict[str, Any] | None = No
         shape, stride = [_unsize(s, syms) for s in shape], [_unsize(s, syms) for s in stride]
         if offset != 0:
             raise CorruptEntry(f"a symbolic value at offset {offset!r}")
-    with mode:
-        if offset == 0:
+    if any(isinstance(s, torch.SymInt) for s in (*shape, *stride)):
+        with mode:
             t = torch.empty_strided(shape, stride, dtype=kind, device=device)
-        else:
-            extent = 1 + offset + sum((s - 1) * st for s, st in zip(shape, stride, strict=True))
-            t = torch.empty(extent, dtype=kind, device=device).as_strided(shape, stride, offset)
+    else:
+        t = fake_empty(mode, shape, stride, kind, device, offset=offset)
     return t.requires_grad_(True) if requires_grad else t
 
 
