@@ -33,8 +33,9 @@ import contextvars
 import functools
 import os
 from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, TypeVar, cast
+from typing import Any, NamedTuple, TypeVar, cast
 
 import torch
 import torch.fx as fx
@@ -47,6 +48,23 @@ from functrans._core.logs import log
 from functrans._core.marks import leave, marked
 
 from .region_graph import Region, Storages, copy_backward, copy_forward, trace_region
+from .region_keys import (
+    PLAIN,
+    Attr,
+    Reads,
+    aliasing,
+    attrs_snapshot,
+    block_state,
+    code_key,
+    global_hooks,
+    has_hooks,
+    matches,
+    not_reading,
+    reading,
+    restore_changed,
+    tensor_key,
+    value_key,
+)
 from .trace import TRACE_CONTEXTS, TRACE_PASSES, no_stack_traces
 
 __all__ = ["enabled", "expand", "region", "session", "stats"]
@@ -62,12 +80,21 @@ _FWD = torch.ops.functrans.region_fwd.default
 _BWD = torch.ops.functrans.region_bwd.default
 
 
+class _Variant(NamedTuple):
+    """One region traced for a key: the attributes its trace read (and their values)."""
+
+    reads: Reads
+    attrs: dict[Attr, Any]
+    rid: int
+
+
 @dataclass
 class _Session:
     """The regions of one joint trace."""
 
     table: Any
-    by_key: dict[Any, int] = field(default_factory=dict)
+    # per key, the regions traced for it and what each trace read
+    by_key: dict[Any, list[_Variant]] = field(default_factory=dict)
     regions: list[Region | None] = field(default_factory=list)
     calls: int = 0
 
@@ -170,96 +197,6 @@ class _Apply(torch.autograd.Function):
 
 
 # ---------------------------------------------------------------------------------------------
-# Keys
-
-
-_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format)
-_MODULE_SLOTS = frozenset(
-    {"_parameters", "_buffers", "_modules", "training", "_non_persistent_buffers_set"}
-)
-
-
-def _value_key(v: Any) -> Any:
-    if isinstance(v, _PLAIN):
-        return (type(v), v)
-    if isinstance(v, (tuple, list, frozenset)) and len(v) < 64:
-        return (type(v), tuple(_value_key(x) for x in v))
-    if isinstance(v, dict) and len(v) < 64 and all(isinstance(k, str) for k in v):
-        return (dict, tuple((k, _value_key(x)) for k, x in v.items()))
-    return ("id", id(v))
-
-
-def _has_hooks(m: torch.nn.Module) -> bool:
-    names = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-    return any(bool(getattr(m, name, None)) for name in names)
-
-
-def _global_hooks() -> bool:
-    mod = torch.nn.modules.module
-    return any(
-        bool(getattr(mod, name, None))
-        for name in (
-            "_global_forward_hooks",
-            "_global_forward_pre_hooks",
-            "_global_backward_hooks",
-            "_global_backward_pre_hooks",
-            "_global_module_registration_hooks",
-            "_global_parameter_registration_hooks",
-            "_global_buffer_registration_hooks",
-        )
-    )
-
-
-def _size_key(s: Any) -> Any:
-    """An int, or a symbolic size by its expression (one trace's symbols mean one thing)."""
-    return ("sym", str(s.node.expr)) if isinstance(s, torch.SymInt) else s
-
-
-def _tensor_key(t: torch.Tensor) -> Any:
-    sizes = tuple(map(_size_key, (*t.shape, "|", *t.stride(), "|", t.storage_offset())))
-    return (sizes, t.dtype, t.device, t.requires_grad)
-
-
-def _code_key(fn: Any) -> Any:
-    code = getattr(fn, "__code__", None)
-    if code is None:
-        return ("id", id(fn))
-    cells = tuple(_value_key(c.cell_contents) for c in fn.__closure__ or ())
-    defaults = _value_key(fn.__defaults__)
-    return (id(code), cells, defaults)
-
-
-def _block_state(m: torch.nn.Module) -> tuple[Any, list[tuple[dict[str, Any], str]]]:
-    """The key of a module's structure and attributes, and its tensor slots in order."""
-    parts: list[Any] = []
-    slots: list[tuple[dict[str, Any], str]] = []
-    for name, sub in m.named_modules(remove_duplicate=False):
-        fwd = sub.__dict__.get("forward", type(sub).forward)
-        attrs = tuple((k, _value_key(v)) for k, v in vars(sub).items() if k not in _MODULE_SLOTS)
-        parts.append((name, type(sub), _code_key(fwd), sub.training, attrs))
-        for table in (sub._parameters, sub._buffers):
-            for k, t in table.items():
-                parts.append((name, k, t is None))
-                if t is not None:
-                    slots.append((table, k))
-    return tuple(parts), slots
-
-
-def _attrs_snapshot(m: torch.nn.Module) -> list[tuple[dict[str, Any], dict[str, Any]]]:
-    return [(sub.__dict__, dict(sub.__dict__)) for sub in m.modules()]
-
-
-def _restore_changed(snap: list[tuple[dict[str, Any], dict[str, Any]]]) -> bool:
-    changed = False
-    for live, before in snap:
-        if live.keys() != before.keys() or any(live[k] is not before[k] for k in before):
-            changed = True
-            live.clear()
-            live.update(before)
-    return changed
-
-
-# ---------------------------------------------------------------------------------------------
 # Tracing one region
 
 
@@ -293,20 +230,27 @@ def _call_region(
     call: Callable[[list[torch.Tensor]], Any],
     eager: Callable[[], _T],
     what: str,
+    block: tuple[torch.nn.Module, dict[Attr, Any]] | None = None,
 ) -> _T | Any:
-    """``call(tensors)`` as a region (``eager()`` where it cannot be one)."""
+    """``call(tensors)`` as a region (``eager()`` where it cannot be one). ``block``: the
+    module called and its attributes' values (a call reuses a region whose trace read the same
+    values; see :mod:`functrans._trace.region_keys`)."""
     s = _SESSION.get()
     assert s is not None
-    key = (key_parts, tuple(_tensor_key(t) for t in tensors), _aliasing(tensors), id(s.table))
-    rid = s.by_key.get(key)
+    key = (key_parts, tuple(tensor_key(t) for t in tensors), aliasing(tensors), id(s.table))
+    attrs = block[1] if block is not None else {}
+    variants = s.by_key.setdefault(key, [])
+    rid = next((v.rid for v in variants if matches(v.attrs, v.reads, attrs)), None)
     if rid is None:
         rid = len(s.regions)
-        s.by_key[key] = rid
+        reads = Reads()
         try:
-            with _outside_outer_trace():
+            with _outside_outer_trace(), reading(block[0]) if block else nullcontext() as seen:
                 region = trace_region(call, tensors, s.table)
+            reads = seen or reads
         except _SideEffect:
             region = None
+        variants.append(_Variant(reads, {a: attrs.get(a) for a in reads.attrs}, rid))
         s.regions.append(region)
         if region is not None:
             stats.traced += 1
@@ -320,12 +264,6 @@ def _call_region(
     s.calls += 1
     outs = _Apply.apply(rid, s.calls, *tensors)  # type: ignore[no-untyped-call]
     return pytree.tree_unflatten(list(outs), region.out_spec)
-
-
-def _aliasing(tensors: list[torch.Tensor]) -> tuple[int, ...]:
-    """Which earlier tensor each one is (the same object), else its own index."""
-    first: dict[int, int] = {}
-    return tuple(first.setdefault(id(t), i) for i, t in enumerate(tensors))
 
 
 def _usable(tensors: list[Any]) -> bool:
@@ -350,8 +288,8 @@ def _split_args(args: Any, kwargs: Any) -> tuple[list[torch.Tensor], Any, Any] |
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
             statics.append(None)
-        elif isinstance(leaf, _PLAIN):
-            statics.append(_value_key(leaf))
+        elif isinstance(leaf, PLAIN):
+            statics.append(value_key(leaf))
         else:
             return None
     return [x for x in leaves if isinstance(x, torch.Tensor)], (spec, tuple(statics)), leaves
@@ -369,13 +307,14 @@ def _module_region(m: torch.nn.Module, original: Callable[..., Any], args: Any, 
     def eager() -> Any:
         return original(m, *args, **kw)
 
-    if _has_hooks_deep(m) or _global_hooks():
+    if has_hooks(m) or global_hooks():
         return eager()
     split = _split_args(args, kw)
     if split is None:
         return eager()
     inputs, statics, leaves = split
-    structure, slots = _block_state(m)
+    state = block_state(m)
+    slots = state.slots
     params = [table[k] for table, k in slots]
     tensors = [*inputs, *params]
     if not _usable(tensors):
@@ -384,27 +323,33 @@ def _module_region(m: torch.nn.Module, original: Callable[..., Any], args: Any, 
 
     def call(flat: list[torch.Tensor]) -> Any:
         a, k = _rebuild(leaves, statics, flat[:n_in])
-        swapped = [(table, name, table[name]) for table, name in slots]
-        snap = _attrs_snapshot(m)
-        for (table, name), t in zip(slots, flat[n_in:], strict=False):
-            table[name] = t
+        with not_reading():  # our bookkeeping is no read of the block's
+            swapped = [(table, name, table[name]) for table, name in slots]
+            snap = attrs_snapshot(m)
+            for (table, name), t in zip(slots, flat[n_in:], strict=False):
+                table[name] = t
         try:
             return original(m, *a, **k)
         finally:
-            for table, name, t in swapped:
-                table[name] = t
-            if _restore_changed(snap):
+            with not_reading():
+                for table, name, t in swapped:
+                    table[name] = t
+                changed = restore_changed(snap)
+            if changed:
                 raise _SideEffect
 
-    return _call_region((type(m), structure, statics), tensors, call, eager, type(m).__qualname__)
+    return _call_region(
+        (type(m), state.structure, statics),
+        tensors,
+        call,
+        eager,
+        type(m).__qualname__,
+        (m, state.attrs),
+    )
 
 
 class _SideEffect(Exception):
     """The block changed its own attributes while traced: it is traced inline."""
-
-
-def _has_hooks_deep(m: torch.nn.Module) -> bool:
-    return any(_has_hooks(sub) for sub in m.modules())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -542,7 +487,7 @@ def region(fn: _F) -> _F:
 
         what = getattr(fn, "__qualname__", repr(fn))
         return _call_region(
-            ("fn", _code_key(fn), statics), tensors, call, lambda: fn(*args, **kwargs), what
+            ("fn", code_key(fn), statics), tensors, call, lambda: fn(*args, **kwargs), what
         )
 
     return cast(_F, wrapper)

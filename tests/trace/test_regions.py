@@ -357,3 +357,55 @@ def test_symbolic_regions_trace_the_unrolled_graph(regions_env: Callable[[bool],
     assert [[r[:4] for r in row] for row in layouts(on_)] == [
         [r[:4] for r in row] for row in layouts(off)
     ]
+
+
+class Indexed(Block):
+    """A block with per-layer attributes, as Hugging Face decoder layers have: ``layer_idx``
+    (read only with a KV cache) and ``scale``."""
+
+    def __init__(self, idx: int, scale: float = 1.0, uses_idx: bool = False) -> None:
+        super().__init__(p=0.0)
+        self.layer_idx, self.scale, self.uses_idx = idx, scale, uses_idx
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x) * self.scale
+        return y + self.layer_idx if self.uses_idx else y
+
+
+@pytest.mark.parametrize(
+    ("blocks", "traced"),
+    [
+        ([Indexed(i) for i in range(4)], 1),  # layer_idx never read: one region
+        ([Indexed(i, scale=1.0 + (i % 2)) for i in range(4)], 2),  # scale read: two
+        ([Indexed(i, uses_idx=True) for i in range(4)], 4),  # layer_idx read: one each
+    ],
+    ids=["unread", "read_scale", "read_idx"],
+)
+def test_a_region_is_keyed_by_the_attributes_its_trace_read(
+    regions_env: Callable[[bool], None], blocks: list[nn.Module], traced: int
+) -> None:
+    torch.manual_seed(0)
+    got = _compare(regions_env, Stack(blocks), _x())
+    assert got == (traced, 4 - traced)
+
+
+def test_a_block_reading_its_attribute_table_is_keyed_by_every_attribute(
+    regions_env: Callable[[bool], None],
+) -> None:
+    class Reflective(Indexed):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x) * len(vars(self))
+
+    torch.manual_seed(0)
+    assert _compare(regions_env, Stack([Reflective(i) for i in range(3)]), _x()) == (3, 0)
+
+
+def test_recording_reads_leaves_the_block_class_as_it_was(
+    regions_env: Callable[[bool], None],
+) -> None:
+    torch.manual_seed(0)
+    model = Stack([Indexed(i) for i in range(3)])
+    regions_env(True)
+    _step(model, _x())
+    assert all(type(b) is Indexed for b in model.blocks)
+    assert type(model.blocks[0].fc) is nn.Linear  # type: ignore[index]
