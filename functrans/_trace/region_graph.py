@@ -22,6 +22,7 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from functrans._core.fakes import fake_empty
 from functrans._core.shapes import is_symbolic, shape_env_of
 
+from .passes import out_of_place
 from .trace import inputs_first, late_inputs, no_stack_traces, view_base
 
 __all__ = ["Region", "Storages", "copy_backward", "copy_forward", "trace_region"]
@@ -67,6 +68,9 @@ def _writes_placeholder(body: list[fx.Node]) -> bool:
 
 def _aliases(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(a.untyped_storage()._cdata == b.untyped_storage()._cdata)
+
+
+_FORWARD = "functrans.region_forward"  # on a region's nodes the forward ran
 
 
 class _NotARegion(Exception):
@@ -130,6 +134,12 @@ def trace_region(
         return None
     inputs_first(gm)
     ((n_leaves, spec, diff, forward_names, present),) = seen
+    for x in gm.graph.nodes:
+        if x.name in forward_names:
+            x.meta[_FORWARD] = True
+    # in-place ops on the region's own buffers (dropout's bernoulli_) made functional once
+    # here, not in every copy: the expanded graph then needs no functionalization pass
+    gm = out_of_place(gm) or gm
     nodes = list(gm.graph.nodes)
     placeholders = [x for x in nodes if x.op == "placeholder"]
     primals, tangents = placeholders[:n], placeholders[n:]
@@ -138,8 +148,9 @@ def trace_region(
         return None  # constants baked in (get_attr): traced inline
     if _writes_placeholder(body):  # an input, buffer or parameter written in place
         return None
-    fwd = [x for x in body if x.name in forward_names]
-    bwd = [x for x in body if x.name not in forward_names]
+    ran_forward = {x for x in body if x.meta.pop(_FORWARD, False)}
+    fwd = [x for x in body if x in ran_forward]
+    bwd = [x for x in body if x not in ran_forward]
     (result,) = [x for x in nodes if x.op == "output"]
     returned = list(result.args[0])
     outputs, grad_nodes = returned[:n_leaves], returned[n_leaves:]
