@@ -14,7 +14,9 @@ and one step). Compilers, side by side in the same run:
 
 functrans runs with its default settings and a cold on-disk trace cache (each process gets an
 empty ``FUNCTRANS_CACHE_DIR``, the native executor's build folder linked in, so the trace is
-recorded and stored as a user's first run does; ``benchmarks.runtime`` measures warm starts).
+recorded and stored as a user's first run does; ``benchmarks.runtime`` measures warm starts);
+torch's compilers get an empty ``TORCHINDUCTOR_CACHE_DIR`` each (their FX-graph and autograd
+caches live there), so neither side reads what an earlier process compiled.
 Each figure is the median of ``--repeats`` processes (3); the processes of one depth run
 interleaved so load on a shared machine spreads over all compilers. Targets: ``ft_regions``
 at 16 blocks at most 0.5x ``aot_eager``'s first call, and its 16-block first call at most 1.5x
@@ -93,6 +95,7 @@ def _run(compiler: str, depth: int) -> dict[str, float]:
     root = _disk_first_call.fresh_root()  # a cold on-disk trace cache
     env = {**os.environ, "FUNCTRANS_CACHE": "1", "OMP_NUM_THREADS": "1"}
     env["FUNCTRANS_CACHE_DIR"] = str(root)
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(root / "inductor")  # torch's caches cold too
     env["FUNCTRANS_REGIONS"] = "0" if compiler == "ft_unrolled" else "1"
     code = f"from benchmarks.compile_time import child; child({compiler!r}, {depth})"
     try:
