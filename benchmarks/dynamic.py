@@ -26,6 +26,7 @@ import argparse
 import os
 import random
 import statistics
+import tempfile
 import sys
 import time
 from collections.abc import Callable
@@ -196,8 +197,10 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     # compile costs alone: with the on-disk trace cache on, the repeated compiles of the
-    # reference (and the warm-up's) would be cache hits (benchmarks.runtime measures the cache)
+    # reference (and the warm-up's) would be cache hits (benchmarks.runtime measures the cache);
+    # Inductor's caches, which persist across processes, start empty too
     os.environ["FUNCTRANS_CACHE"] = "0"
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="ft-dynamic-bench-")
     layers = 2
     data = batches(shapes(10 if args.quick else 30))
     names = ["eager", "jit_static", "jit_auto", "jit_dynamic"]
