@@ -26,8 +26,8 @@ import argparse
 import os
 import random
 import statistics
-import tempfile
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
