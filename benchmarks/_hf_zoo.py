@@ -84,7 +84,7 @@ def _hf_model(
 
     def fn(params: Params, x: Any) -> torch.Tensor:
         out = torch.func.functional_call(module, params, (), hf_kwargs(x))
-        return out.loss  # type: ignore[no-any-return]
+        return out.loss  # type: ignore[no-any-return]  # transformers' outputs are untyped
 
     def make(
         size: str = "small", dtype: torch.dtype = torch.float32, seed: int = 0
@@ -125,7 +125,7 @@ def hf_llama(attn: str = "eager", layers: int = 2) -> Model:
             use_cache=False,
             attn_implementation=attn,
         )
-        return tf.LlamaForCausalLM(cfg)  # type: ignore[no-any-return]
+        return tf.LlamaForCausalLM(cfg)  # type: ignore[no-any-return]  # transformers is untyped
 
     return _hf_model(_suffix("hf_llama", attn, layers), build)
 
@@ -153,7 +153,7 @@ def hf_gpt2(attn: str = "eager", layers: int = 2) -> Model:
             use_cache=False,
             attn_implementation=attn,
         )
-        return tf.GPT2LMHeadModel(cfg)  # type: ignore[no-any-return]
+        return tf.GPT2LMHeadModel(cfg)  # type: ignore[no-any-return]  # transformers is untyped
 
     return _hf_model(_suffix("hf_gpt2", attn, layers), build)
 
@@ -179,7 +179,7 @@ def hf_mistral(
             use_cache=False,
             attn_implementation=attn,
         )
-        return tf.MistralForCausalLM(cfg)  # type: ignore[no-any-return]
+        return tf.MistralForCausalLM(cfg)  # type: ignore[no-any-return]  # transformers is untyped
 
     return _hf_model(_suffix("hf_mistral", attn, layers), build)
 
@@ -213,6 +213,6 @@ def hf_bert(attn: str = "eager", layers: int = 2) -> Model:
             attention_probs_dropout_prob=0.0,
             attn_implementation=attn,
         )
-        return tf.BertForMaskedLM(cfg)  # type: ignore[no-any-return]
+        return tf.BertForMaskedLM(cfg)  # type: ignore[no-any-return]  # transformers is untyped
 
     return _hf_model(_suffix("hf_bert", attn, layers), build, _masked_lm_batch)

@@ -159,7 +159,7 @@ def run_torch_partition(
     in functrans' flattening order); backward placeholders are fed by name, from the forward
     graph's saved outputs and from ``tangents``.
     """
-    leaves: list[Any] = optree.tree_leaves(args, namespace="functrans")  # type: ignore[arg-type]
+    leaves: list[Any] = optree.tree_leaves(args, namespace="functrans")  # type: ignore[arg-type]  # optree's PyTree type is narrower than Any
     primals = [t for t in leaves if isinstance(t, torch.Tensor)]
     fw_vals = list(fw(*primals))
     by_name = {n.name: v for n, v in zip(_outputs(fw), fw_vals, strict=True) if hasattr(n, "name")}

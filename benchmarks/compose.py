@@ -101,7 +101,7 @@ def block_loss(
 # --- measurement ------------------------------------------------------------------------------
 
 
-class PeakBytes(TorchDispatchMode):  # type: ignore[misc]
+class PeakBytes(TorchDispatchMode):  # type: ignore[misc]  # torch's TorchDispatchMode is unannotated
     """Peak of live bytes of the storages ops create while active."""
 
     def __init__(self) -> None:

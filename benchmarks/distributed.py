@@ -129,7 +129,7 @@ def worker(rank: int, world: int, port: int, opts: dict[str, Any], queue: Any) -
     if opts["compile"]:
         m = fsdp(copy.deepcopy(base))
         for block in m.blocks:
-            block.forward = torch.compile(block.forward)  # type: ignore[method-assign]
+            block.forward = torch.compile(block.forward)  # type: ignore[method-assign]  # patched while tracing, restored after
         models["FSDP2 + torch.compile"] = m
     for strategy, options in (("default", {}), ("min_cut", {}), ("memory_budget", {"budget": 0.3})):
         m = ft.distributed.jit_blocks(fsdp(copy.deepcopy(base)), partition=strategy, **options)

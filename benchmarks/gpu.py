@@ -69,7 +69,7 @@ def _sync(device: torch.device) -> None:
 def _step(fn: Fn, params: Any, x: Any) -> None:
     for t in tree_leaves(params):
         t.grad = None
-    fn(params, x).backward()  # type: ignore[no-untyped-call]
+    fn(params, x).backward()  # type: ignore[no-untyped-call]  # the zoo's model functions are unannotated
 
 
 def measure(fn: Fn, params: Any, x: Any, steps: int, device: torch.device) -> dict[str, float]:

@@ -72,8 +72,8 @@ def _torch_wrap(sac: bool) -> Callable[..., torch.Tensor]:
 
     def wrap(block: Fn, p: Any, h: torch.Tensor) -> torch.Tensor:
         if sac:
-            return checkpoint(block, p, h, use_reentrant=False, context_fn=context)  # type: ignore[no-any-return]
-        return checkpoint(block, p, h, use_reentrant=False)  # type: ignore[no-any-return]
+            return checkpoint(block, p, h, use_reentrant=False, context_fn=context)  # type: ignore[no-any-return]  # torch.utils.checkpoint returns Any
+        return checkpoint(block, p, h, use_reentrant=False)  # type: ignore[no-any-return]  # torch.utils.checkpoint returns Any
 
     return wrap
 
@@ -99,7 +99,7 @@ def _budget_backend(budget: float) -> Callable[..., Any]:
 
 def _compiled(fn: Fn, backend: str, budget: float | None = None) -> Fn:
     chosen: Any = backend if budget is None else _budget_backend(budget)
-    return torch.compile(fn, backend=chosen)  # type: ignore[return-value]
+    return torch.compile(fn, backend=chosen)  # type: ignore[return-value]  # torch.compile returns a Callable[..., Any]
 
 
 def _hf_checkpointed(model: zoo.Model, sac: bool) -> Fn:
@@ -121,7 +121,7 @@ def _hf_checkpointed(model: zoo.Model, sac: bool) -> Fn:
         if not bound or bound[0] is not params:
             _bind(module, params)
             bound[:] = [params]
-        return module(**zoo.hf_kwargs(x)).loss  # type: ignore[no-any-return]
+        return module(**zoo.hf_kwargs(x)).loss  # type: ignore[no-any-return]  # transformers' outputs are untyped
 
     return fn
 

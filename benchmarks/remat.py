@@ -129,11 +129,11 @@ def torch_sac(block: Block, policy: Any) -> Block:
     return lambda p, x: checkpoint(block, p, x, use_reentrant=False, context_fn=context_fn)
 
 
-class StorageRecorder(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
+class StorageRecorder(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]  # torch's TorchDispatchMode is unannotated
     """Weak references to the storage of every tensor an op returns while active."""
 
     def __init__(self) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
+        super().__init__()  # type: ignore[no-untyped-call]  # torch's TorchDispatchMode is unannotated
         self.refs: list[weakref.ref[torch.UntypedStorage]] = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -170,7 +170,7 @@ def measure_bytes(fn: Stack, params: list[Params], x: torch.Tensor) -> dict[str,
             alive[s.data_ptr()] = s.nbytes()
     exclude.add(_ptr(loss))
     live = sum(n for ptr, n in alive.items() if ptr not in exclude)
-    loss.backward()  # type: ignore[no-untyped-call]
+    loss.backward()  # type: ignore[no-untyped-call]  # the zoo's model functions are unannotated
     return {"live_bytes": live, "hook_bytes": sum(packed.values())}
 
 
@@ -182,7 +182,7 @@ def _zero(params: list[Params]) -> None:
 def grads(fn: Stack, params: list[Params], x: torch.Tensor) -> list[torch.Tensor]:
     """The parameter gradients of one fwd+bwd step."""
     _zero(params)
-    fn(params, x).backward()  # type: ignore[no-untyped-call]
+    fn(params, x).backward()  # type: ignore[no-untyped-call]  # the zoo's model functions are unannotated
     return [t.grad.clone() for t in tree_leaves(params) if t.grad is not None]
 
 
@@ -200,7 +200,7 @@ def time_steps(
             for name in names[r % len(names) :] + names[: r % len(names)]:
                 _zero(params)
                 t0 = time.perf_counter()
-                variants[name](params, x).backward()  # type: ignore[no-untyped-call]
+                variants[name](params, x).backward()  # type: ignore[no-untyped-call]  # the zoo's model functions are unannotated
                 if r >= 0:
                     times[name].append(time.perf_counter() - t0)
     finally:

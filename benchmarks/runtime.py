@@ -105,7 +105,7 @@ def _zero(params: Any) -> None:
 
 def _grads(fn: Fn, params: Any, x: torch.Tensor) -> list[torch.Tensor]:
     _zero(params)
-    fn(params, x).backward()  # type: ignore[no-untyped-call]
+    fn(params, x).backward()  # type: ignore[no-untyped-call]  # the zoo's model functions are unannotated
     return [t.grad.clone() for t in tree_leaves(params) if t.grad is not None]
 
 
@@ -130,7 +130,7 @@ def interleaved(
                 fn = variants[v]
                 _zero(params)
                 t0 = time.thread_time()
-                fn(params, x).backward()  # type: ignore[no-untyped-call]
+                fn(params, x).backward()  # type: ignore[no-untyped-call]  # the zoo's model functions are unannotated
                 if r >= 0:
                     times[v].append(time.thread_time() - t0)
     finally:
@@ -156,7 +156,7 @@ def steady_state(case: Case, steps: int, warmup: int) -> dict[str, Any]:
         for a, b in zip(got, ref, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=f"{name}/{v} grads")
     ms = interleaved(variants, params, x, steps, warmup)
-    info = variants["jit"].cache_info()  # type: ignore[attr-defined]
+    info = variants["jit"].cache_info()  # type: ignore[attr-defined]  # variants are plain callables; this one is a Jitted
     return {
         "model": name,
         "steps": steps,
@@ -378,7 +378,7 @@ def run_profiles(all_cases: list[Case], steps: int) -> str:
 
         def first(f: Fn = jitted, p: Any = params, xx: torch.Tensor = x) -> None:
             _zero(p)
-            f(p, xx).backward()  # type: ignore[no-untyped-call]
+            f(p, xx).backward()  # type: ignore[no-untyped-call]  # the zoo's model functions are unannotated
 
         def steps_(f: Fn = jitted, p: Any = params, xx: torch.Tensor = x) -> None:
             for _ in range(steps):

@@ -168,7 +168,7 @@ HEAD_DIM = 16
 
 def _block_sizes(size: str) -> tuple[int, int, int]:
     """``(batch, seq, d_model)``: 2 heads at "small", 4 at "bench"."""
-    return pick(size, (1, 8, 32), (2, 32, 64))  # type: ignore[no-any-return]
+    return pick(size, (1, 8, 32), (2, 32, 64))  # type: ignore[no-any-return]  # pick returns the chosen value of a tuple of Any
 
 
 def gpt_layer(params: Params, x: torch.Tensor, head_dim: int = HEAD_DIM) -> torch.Tensor:

@@ -214,7 +214,7 @@ def out_of_place(gm: fx.GraphModule) -> fx.GraphModule | None:
 def _with_defaults(node: fx.Node) -> tuple[Any, ...]:
     """``node``'s positional arguments with the schema's defaults filled in (the functional
     variant may not default them: ``bernoulli_(x)`` means ``bernoulli(x, 0.5)``)."""
-    formals = [a for a in node.target._schema.arguments if not a.kwarg_only]  # type: ignore[union-attr]
+    formals = [a for a in node.target._schema.arguments if not a.kwarg_only]  # type: ignore[union-attr]  # a call_function target here is an OpOverload
     args = list(node.args)
     for formal in formals[len(args) :]:
         if formal.name in node.kwargs or not formal.has_default_value():
@@ -262,7 +262,7 @@ def _functional_variant(op: Any) -> Any:
 def _root(node: fx.Node, functional: dict[fx.Node, Any]) -> fx.Node:
     """The buffer an in-place op's result aliases (through chains of in-place ops)."""
     while node in functional:
-        node = node.args[0]  # type: ignore[assignment]
+        node = node.args[0]  # type: ignore[assignment]  # an in-place op's first argument is a Node
     return node
 
 

@@ -72,10 +72,10 @@ __all__ = ["enabled", "expand", "region", "session", "stats"]
 _T = TypeVar("_T")
 _F = TypeVar("_F", bound=Callable[..., Any])
 
-_LIB = torch.library.Library("functrans", "FRAGMENT")  # type: ignore[no-untyped-call]
+_LIB = torch.library.Library("functrans", "FRAGMENT")  # type: ignore[no-untyped-call]  # torch.library is unannotated
 # ``call`` numbers the calls of one trace: expand() finds a backward's forward by it
-_LIB.define("region_fwd(int key, int call, Tensor[] inputs) -> Tensor[]")  # type: ignore[no-untyped-call]
-_LIB.define("region_bwd(int key, int call, Tensor[] inputs) -> Tensor[]")  # type: ignore[no-untyped-call]
+_LIB.define("region_fwd(int key, int call, Tensor[] inputs) -> Tensor[]")  # type: ignore[no-untyped-call]  # torch.library is unannotated
+_LIB.define("region_bwd(int key, int call, Tensor[] inputs) -> Tensor[]")  # type: ignore[no-untyped-call]  # torch.library is unannotated
 _FWD = torch.ops.functrans.region_fwd.default
 _BWD = torch.ops.functrans.region_bwd.default
 
@@ -156,13 +156,13 @@ def _outputs_like(nodes: list[fx.Node], inputs: list[torch.Tensor]) -> list[torc
     return [Storages(mode).fresh(n.meta["val"]) for n in nodes]
 
 
-@torch.library.register_fake("functrans::region_fwd")  # type: ignore[untyped-decorator]
+@torch.library.register_fake("functrans::region_fwd")  # type: ignore[untyped-decorator]  # torch's decorator is unannotated
 def _fwd_fake(key: int, call: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     r = _lookup(key)
     return _outputs_like(r.outputs, inputs)
 
 
-@torch.library.register_fake("functrans::region_bwd")  # type: ignore[untyped-decorator]
+@torch.library.register_fake("functrans::region_bwd")  # type: ignore[untyped-decorator]  # torch's decorator is unannotated
 def _bwd_fake(key: int, call: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     r = _lookup(key)
     return _outputs_like([g for _, g in r.grads], inputs)
@@ -262,7 +262,7 @@ def _call_region(
     if region is None:
         return eager()
     s.calls += 1
-    outs = _Apply.apply(rid, s.calls, *tensors)  # type: ignore[no-untyped-call]
+    outs = _Apply.apply(rid, s.calls, *tensors)  # type: ignore[no-untyped-call]  # autograd.Function.apply is unannotated
     return pytree.tree_unflatten(list(outs), region.out_spec)
 
 
@@ -423,16 +423,16 @@ def finding_blocks() -> Iterator[None]:
     symbolic = torch.fx._symbolic_trace
     saved = symbolic._orig_module_call
     symbolic._orig_module_call = _patched_call
-    torch.nn.Module.__call__ = _patched_call  # type: ignore[method-assign]
-    torch.nn.ModuleList.__iter__ = _patched_iter  # type: ignore[method-assign]
-    torch.nn.ModuleList.__getitem__ = _patched_getitem  # type: ignore[method-assign]
+    torch.nn.Module.__call__ = _patched_call  # type: ignore[method-assign]  # patched while tracing, restored after
+    torch.nn.ModuleList.__iter__ = _patched_iter  # type: ignore[method-assign]  # patched while tracing, restored after
+    torch.nn.ModuleList.__getitem__ = _patched_getitem  # type: ignore[method-assign]  # patched while tracing, restored after
     try:
         yield
     finally:
         (
-            torch.nn.Module.__call__,  # type: ignore[method-assign]
-            torch.nn.ModuleList.__iter__,  # type: ignore[method-assign]
-            torch.nn.ModuleList.__getitem__,  # type: ignore[method-assign]
+            torch.nn.Module.__call__,  # type: ignore[method-assign]  # patched while tracing, restored after
+            torch.nn.ModuleList.__iter__,  # type: ignore[method-assign]  # patched while tracing, restored after
+            torch.nn.ModuleList.__getitem__,  # type: ignore[method-assign]  # patched while tracing, restored after
         ) = patched
         symbolic._orig_module_call = saved
         _CANDIDATES.reset(token)

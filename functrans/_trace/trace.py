@@ -264,7 +264,7 @@ TRACE_PASSES: list[Callable[[fx.GraphModule], fx.GraphModule]] = []
 
 
 def _requires_grad(args: Any) -> bool:
-    leaves: list[Any] = optree.tree_leaves(list(args), none_is_leaf=True)  # type: ignore[arg-type]
+    leaves: list[Any] = optree.tree_leaves(list(args), none_is_leaf=True)  # type: ignore[arg-type]  # optree's PyTree type is narrower than Any
     return any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves)
 
 

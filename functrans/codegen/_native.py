@@ -209,7 +209,7 @@ class _Builder:
             raise _Unsupported("getitem of a single value")
 
     def _call(self, n: fx.Node) -> None:
-        schema = n.target._schema  # type: ignore[union-attr]
+        schema = n.target._schema  # type: ignore[union-attr]  # a call_function target here is an OpOverload
         positional = [a for a in schema.arguments if not a.kwarg_only]
         if len(n.args) > len(positional) or not set(n.kwargs) <= {a.name for a in schema.arguments}:
             raise _Unsupported(f"{n.name}: arguments its schema does not take")  # gm raises

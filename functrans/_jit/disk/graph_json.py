@@ -522,7 +522,7 @@ def _propagate(graph: fx.Graph, root: torch.nn.Module, vals: list[tuple[fx.Node,
                 args, kwargs = fx.node.map_arg((n.args, n.kwargs), env.__getitem__)
                 try:
                     with mode:
-                        value = n.target(*args, **kwargs)  # type: ignore[operator]
+                        value = n.target(*args, **kwargs)  # type: ignore[operator]  # fx types target as str | Callable; here it is an op
                 except Exception:  # an op fake tensors cannot run (as traced: bernoulli.p)
                     value = _fake_value(mode, stored)
             got = _val(value)
@@ -578,7 +578,7 @@ def _propagate_symbolic(
                 args, kwargs = fx.node.map_arg((n.args, n.kwargs), read)
                 try:
                     with mode:
-                        value = n.target(*args, **kwargs)  # type: ignore[operator]
+                        value = n.target(*args, **kwargs)  # type: ignore[operator]  # fx types target as str | Callable; here it is an op
                 except Exception:  # an op fake tensors cannot run (as traced: bernoulli.p)
                     value = _fake_value(mode, doc, syms())
             done(n, value)
@@ -608,5 +608,5 @@ def _static_fake(mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
     """A fake of a constant in a symbolic mode: static sizes (as tracing gave it)."""
     from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext
 
-    ctx: Any = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.STATIC] * t.dim())  # type: ignore[arg-type]
+    ctx: Any = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.STATIC] * t.dim())
     return mode.from_tensor(t, symbolic_context=ctx)

@@ -144,7 +144,7 @@ class Compiled:
             step(env, device)
             for n in free:
                 del env[n]
-        return list(fx.node.map_arg(self._output.args[0], env.__getitem__))  # type: ignore[arg-type]
+        return list(fx.node.map_arg(self._output.args[0], env.__getitem__))
 
 
 Step = Callable[[dict[fx.Node, Any], torch.device], None]
@@ -162,7 +162,7 @@ def _run_node(node: fx.Node, gm: fx.GraphModule) -> Step:
     def step(env: dict[fx.Node, Any], device: torch.device) -> None:
         args = fx.node.map_arg(node.args, env.__getitem__)
         kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
-        env[node] = node.target(*args, **kwargs)  # type: ignore[operator]
+        env[node] = node.target(*args, **kwargs)  # type: ignore[operator]  # fx types target as str | Callable; here it is an op
 
     return step
 

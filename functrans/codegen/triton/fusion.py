@@ -131,7 +131,7 @@ def _is_reshape(n: fx.Node) -> bool:
 
 def _shares_storage(a: Any, b: Any) -> bool:
     try:
-        return bool(StorageWeakRef(a.untyped_storage()) == StorageWeakRef(b.untyped_storage()))  # type: ignore[no-untyped-call]
+        return bool(StorageWeakRef(a.untyped_storage()) == StorageWeakRef(b.untyped_storage()))  # type: ignore[no-untyped-call]  # torch's StorageWeakRef is unannotated
     except Exception:
         return False
 
@@ -199,7 +199,7 @@ class _Fuser:
             if n not in self.lower:
                 continue
             if n.target is operator.getitem:
-                self.try_merge(n.args[0], n)  # type: ignore[arg-type]
+                self.try_merge(n.args[0], n)
                 continue
             for a in n.all_input_nodes:
                 if a in self.lower:
@@ -331,7 +331,7 @@ def _replay(view: fx.Node, base: Access, want: tuple[int, ...]) -> Access | None
     size = base.offset + (extent if all(base.shape) else 0)
     try:
         t = torch.empty(size, device="meta").as_strided(base.shape, base.strides, base.offset)
-        out = view.target(t, *view.args[1:], **view.kwargs)  # type: ignore[operator]
+        out = view.target(t, *view.args[1:], **view.kwargs)  # type: ignore[operator]  # fx types target as str | Callable; here it is an op
     except (RuntimeError, TypeError, ValueError, IndexError):
         return None
     if not isinstance(out, torch.Tensor) or tuple(out.shape) != want:

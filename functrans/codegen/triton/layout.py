@@ -166,7 +166,7 @@ def layout(nodes: Sequence[fx.Node]) -> Layout | None:
     members = set(nodes)
     reductions = [n for n in nodes if n.target in REDUCTIONS]
     if reductions:
-        space = shape(reductions[0].args[0])  # type: ignore[arg-type]
+        space = shape(reductions[0].args[0])  # type: ignore[arg-type]  # fx types args as Argument; here it is a Node
     else:
         space = max((shape(n) for n in nodes), key=math.prod)
     part: dict[fx.Node, list[int | None]] = {n: [None] * len(shape(n)) for n in nodes}

@@ -68,7 +68,7 @@ def _strides(clone: fx.Node, v: fx.Node, chain: list[fx.Node]) -> list[int] | No
     out = torch.empty_strided(tuple(traced_value(v).shape), cur.stride(), device="meta")
     for view in chain:  # check: replaying the views gives the clone's contiguous layout
         args = [out, *view.args[1:]]
-        out = view.target(*args, **view.kwargs)  # type: ignore[operator]
+        out = view.target(*args, **view.kwargs)  # type: ignore[operator]  # fx types target as str | Callable; here it is an op
     want = traced_value(clone)
     if tuple(out.shape) != tuple(want.shape) or tuple(out.stride()) != tuple(want.stride()):
         return None
@@ -82,7 +82,7 @@ def _alias_views(base: fx.Node) -> None:
     while todo:
         view = todo.pop()
         args = [traced_value(a) if isinstance(a, fx.Node) else a for a in view.args]
-        view.meta["val"] = view.target(*args, **view.kwargs)  # type: ignore[operator]
+        view.meta["val"] = view.target(*args, **view.kwargs)  # type: ignore[operator]  # fx types target as str | Callable; here it is an op
         todo.extend(u for u in view.users if is_view_op(u) and u.args[0] is view)
 
 
@@ -111,8 +111,8 @@ def relayout(gm: fx.GraphModule) -> fx.GraphModule:
             x = graph.call_function(prims.copy_strided.default, (v, strides))
             x.meta = {**c.meta, "val": prims.copy_strided.default(traced_value(v), strides)}
             for view in chain:
-                y = graph.call_function(view.target, (x, *view.args[1:]), dict(view.kwargs))  # type: ignore[arg-type]
-                val = view.target(traced_value(x), *view.args[1:], **view.kwargs)  # type: ignore[operator]
+                y = graph.call_function(view.target, (x, *view.args[1:]), dict(view.kwargs))  # type: ignore[arg-type]  # fx's Argument type does not admit a tuple of Any
+                val = view.target(traced_value(x), *view.args[1:], **view.kwargs)  # type: ignore[operator]  # fx types target as str | Callable; here it is an op
                 y.meta = {**c.meta, "val": val}
                 x = y
         c.replace_all_uses_with(x)

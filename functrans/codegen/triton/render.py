@@ -147,7 +147,7 @@ def value(em: Emitter, n: fx.Node) -> str:
     if n in cache:
         return cache[n]
     if n.target is operator.getitem:  # one output of a reduction
-        name = reduction_parts(em, n.args[0])[int(n.args[1])]  # type: ignore[arg-type, call-overload]
+        name = reduction_parts(em, n.args[0])[int(n.args[1])]  # type: ignore[arg-type]  # getitem's args: a Node and an int
         cache[n] = name
         return name
     low = LOWERINGS[n.target]

@@ -35,7 +35,7 @@ def order(
         elif n in member:
             region_of[n] = member[n]
         elif n.target is operator.getitem and n.args[0] in member:
-            region_of[n] = member[n.args[0]]  # type: ignore[index]
+            region_of[n] = member[n.args[0]]  # type: ignore[index]  # fx types args as Argument; here it is a Node
         elif is_view_op(n) and n in access and access[n].root is not n:
             pass  # read in place by the kernels that use it
         else:

@@ -105,12 +105,12 @@ def unview(gm: fx.GraphModule) -> fx.GraphModule:
         assert isinstance(view, fx.Node)
         src = view.args[0]
         with graph.inserting_before(r):
-            s = graph.call_function(r.target, (src, dims, False), dict(r.kwargs))  # type: ignore[arg-type]
-            s.meta = {**r.meta, "val": r.target(traced_value(src), dims, False, **r.kwargs)}  # type: ignore[operator]
+            s = graph.call_function(r.target, (src, dims, False), dict(r.kwargs))  # type: ignore[arg-type]  # fx's Argument type does not admit a tuple of Any
+            s.meta = {**r.meta, "val": r.target(traced_value(src), dims, False, **r.kwargs)}  # type: ignore[operator]  # fx types target as str | Callable; here it is an op
             shape = list(traced_value(r).shape)
             if list(traced_value(s).shape) != shape:
                 s = graph.call_function(aten.view.default, (s, shape))
-                s.meta = {**r.meta, "val": traced_value(s.args[0]).view(shape)}  # type: ignore[union-attr]
+                s.meta = {**r.meta, "val": traced_value(s.args[0]).view(shape)}
         r.replace_all_uses_with(s)
         graph.erase_node(r)
         if not view.users:
