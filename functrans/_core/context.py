@@ -28,6 +28,7 @@ __all__ = [
     "library_dirs",
     "runs_as_written",
     "user_frame",
+    "user_stacklevel",
 ]
 
 #: The folder of the functrans package (its plugins included, as they live inside it).
@@ -155,3 +156,21 @@ def classify(filename: str) -> str:
     if path.startswith(stdlib):
         return "trusted"
     return "user"
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` that makes a :func:`warnings.warn` issued by the caller name the
+    innermost frame outside torch, functrans and the standard library: the user's line, however
+    deep in functrans the warning is decided.
+
+    >>> def warns():
+    ...     return user_stacklevel()
+    >>> warns()  # warns() is itself outside functrans: level 1 names its own line
+    1
+    """
+    frame = sys._getframe(1)
+    level = 1
+    while frame.f_back is not None and classify(frame.f_code.co_filename) == "trusted":
+        frame = frame.f_back
+        level += 1
+    return level

@@ -54,6 +54,7 @@ __all__ = [
     "GRAD_ON",
     "Builder",
     "GradOn",
+    "Stopped",
     "Target",
     "grad_off",
     "watched",
@@ -84,6 +85,17 @@ class Target:
 
     fn: Callable[..., Any]
     plan: Plan | None = None
+    #: run on the traced graph before anything is partitioned or compiled; a result other
+    #: than None stops the build, which answers it as :class:`Stopped` (jit lifts the
+    #: captured tensors a trace baked in, and traces again with them as inputs)
+    after_trace: Callable[[torch.fx.GraphModule], object] | None = None
+
+
+@dataclass(frozen=True)
+class Stopped:
+    """What :meth:`Builder.build` answers where :attr:`Target.after_trace` stopped it."""
+
+    value: object
 
 
 class _GradTurnedOn(ControlFlow):
@@ -166,7 +178,7 @@ class Builder:
         training: bool,
         disk: Callable[..., DiskKey],
         dims: Dims | None = None,
-    ) -> tuple[Entry, torch.fx.GraphModule] | GradOn:
+    ) -> tuple[Entry, torch.fx.GraphModule] | GradOn | Stopped:
         """The entry for ``example`` (``(diff_leaves, other_leaves)``) and the graph its trace
         made (searched for captured constants), symbolic in ``dims``. The cyclic garbage
         collector waits meanwhile: trace, partition and compile build graphs that stay alive
@@ -182,7 +194,7 @@ class Builder:
         training: bool,
         disk: Callable[..., DiskKey],
         dims: Dims | None,
-    ) -> tuple[Entry, torch.fx.GraphModule] | GradOn:
+    ) -> tuple[Entry, torch.fx.GraphModule] | GradOn | Stopped:
         backend = get_backend(self.options.backend)
         decompositions = self.options.decompositions
         if decompositions == "auto":
@@ -205,6 +217,10 @@ class Builder:
                 )
             except _GradTurnedOn:
                 return GRAD_ON
+            stop = _after_trace(target, g.graph_module)
+            if stop is not None:
+                self._times.trace_s += time.perf_counter() - t0
+                return stop
             t1 = time.perf_counter()
             fwd = backend.compile(g, inputs)
             self._times.trace_s += t1 - t0
@@ -236,10 +252,14 @@ class Builder:
             dims,
         )
         self._times.regions_reused += region_stats.reused - reused
+        stop = _after_trace(target, jg.graph_module)
+        if stop is not None:
+            self._times.trace_s += time.perf_counter() - t0
+            return stop
         if not any(jg.differentiable):  # e.g. a body under torch.no_grad(): nothing to save
             self._times.trace_s += time.perf_counter() - t0
             built = self.build(Target(target.fn), example, False, disk, dims)
-            assert not isinstance(built, GradOn)  # a training call's body is not watched
+            assert not isinstance(built, GradOn | Stopped)  # not watched; the joint was checked
             entry, gm = built
             # its inputs require grad: run it as the body did, with autograd off
             return dataclasses.replace(entry, forward=_without_grad(entry.forward)), gm
@@ -276,6 +296,13 @@ class Builder:
             saved_inputs=saved_inputs(p.forward.graph_module, len(outputs), len(example[0])),
         )
         return entry, jg.graph_module
+
+
+def _after_trace(target: Target, gm: torch.fx.GraphModule) -> Stopped | None:
+    if target.after_trace is None:
+        return None
+    value = target.after_trace(gm)
+    return None if value is None else Stopped(value)
 
 
 def _entry(

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from functrans._core.context import user_stacklevel
 from functrans._core.errors import TraceError
 from functrans._trace.capture import Path, Reader, captured_constants, reach, swapped
 
@@ -145,7 +146,7 @@ class Captures:
             warnings.warn(
                 f"{self._owner} reads {what}{where}; it is compiled in as a constant, so "
                 f"replacing that tensor later will not be seen. {hint}",
-                stacklevel=6,
+                stacklevel=user_stacklevel(),
             )
 
 

@@ -62,7 +62,7 @@ from functrans._trace.trace import ArgPaths, arg_names
 
 from . import plans
 from .apply import Apply, ApplySubclass, Entry, apply_graphs, inner_tensors
-from .build import DISK_STORES, Builder, GradOn, Target, grad_off, watched
+from .build import DISK_STORES, Builder, GradOn, Stopped, Target, grad_off, watched
 from .cache import Cache, CacheInfo, Signature, Slot, leaves_order, rank_key
 from .captures import CAPTURED, Captures, Lifted
 from .dims import build_dynamic, chosen_dims
@@ -441,7 +441,7 @@ class Jitted(Generic[_P, _R]):
             self._builder,
             self._owner,
             self._warn_once,
-            Target(flat_f, plan),
+            Target(flat_f, plan, after_trace=self._captures.lift),
             example,
             training,
             disk,
@@ -450,10 +450,10 @@ class Jitted(Generic[_P, _R]):
         if isinstance(built, GradOn):  # the body turned grad mode on: a training entry
             torch._C._set_grad_enabled(False)  # as the caller had it (watch: grad was off)
             return self._compile(flat, tensors, state, key, True)
-        entry, gm = built
-        lifted = self._captures.lift(gm)
-        if lifted is not None:
-            return lifted
+        if isinstance(built, Stopped):  # the trace baked in captured tensors, now lifted
+            assert isinstance(built.value, Lifted)
+            return built.value
+        entry, _ = built
         if grad_inside and entry.backward is not None:
             entry = dataclasses.replace(entry, enable_grad=True)
         modules = self._module_names if self._given_names is None else self._given_names()

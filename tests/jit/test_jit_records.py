@@ -66,3 +66,31 @@ def test_the_traced_function_carries_records_only_under_the_one_mark() -> None:
     g(torch.randn(2))
     assert seen and not [k for k in vars(f) if k.startswith("__functrans")]
     assert read(f, ArgPaths) is None  # the record is left on jit's flat function, not on f
+
+
+def test_a_trace_that_baked_in_captured_tensors_stops_before_partitioning(monkeypatch) -> None:
+    # the first trace of a function that reads tensors from outside its arguments only finds
+    # them: jit lifts them to inputs and traces again, so the first graph is neither
+    # partitioned nor compiled (a Stopped outcome, not an entry thrown away)
+    import functrans._jit.build as build
+
+    partitioned = []
+    real = build.partition
+    monkeypatch.setattr(build, "partition", lambda *a, **k: partitioned.append(1) or real(*a, **k))
+    held = {"scale": torch.full((3,), 2.0)}
+    w = torch.randn(3, requires_grad=True)
+    f = ft.jit(lambda x: (x * w * held["scale"]).sum())
+    x = torch.randn(3, requires_grad=True)
+    f(x).backward()
+    assert len(partitioned) == 1
+    assert w.grad is not None and x.grad is not None
+    torch.testing.assert_close(w.grad, x.detach() * 2.0)
+    torch.testing.assert_close(x.grad, w.detach() * 2.0)
+
+
+def test_a_captured_tensor_that_stays_a_constant_is_reported_at_the_users_line() -> None:
+    held = (torch.ones(3),)  # inside a tuple: jit cannot swap it, so it stays a constant
+    f = ft.jit(lambda x: x * held[0])
+    with pytest.warns(UserWarning, match=r"held\[0\] \(inside a tuple") as caught:
+        f(torch.ones(3))  # the line the warning names
+    assert caught[0].filename == __file__
