@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +33,8 @@ import torch
 
 from functrans._core.context import user_stacklevel
 from functrans._core.errors import TraceError
-from functrans._trace.capture import Path, Reader, captured_constants, reach, swapped
+from functrans._core.pytree import plain
+from functrans._trace.capture import Path, Reach, Reader, captured_constants, reach, swapped
 
 __all__ = ["CAPTURED", "Captures", "Lifted"]
 
@@ -93,6 +94,34 @@ class Captures:
 
         functools.update_wrapper(target, f, updated=())
         return target
+
+    def prelift(self, found: Reach, given: Sequence[torch.Tensor]) -> Lifted | None:
+        """Before a first trace: lift the registered buffers of the modules the function
+        reaches (``found``), unless they require grad or are among its arguments ``given``.
+
+        A function that calls a module through ``functional_call(model, params, x)`` reads
+        the module's buffers (position ids, rotary frequencies, normalization statistics)
+        from outside its arguments; lifted only after a trace baked them in, it would be
+        traced twice. Lifted first, it is traced once, with the inputs the second trace would
+        have had. A buffer the trace then does not read is an input the graph ignores; any
+        other tensor the trace reads is lifted by :meth:`lift` afterwards, as before."""
+        given_ids = {id(t) for t in given}
+        lifted = {p.steps for p in self.paths}
+        new: list[Path] = []
+        for tid, paths in found.tensors.items():
+            if tid in given_ids or not any(p.steps[-1][0] == "buffer" for p in paths):
+                continue
+            t = paths[0].read(found.root)
+            if not plain(t) or t.requires_grad:
+                continue
+            fresh = [p for p in paths if p.writable and p.steps not in lifted]
+            lifted.update(p.steps for p in fresh)
+            new.extend(fresh)
+        if not new:
+            return None
+        self.paths = (*self.paths, *new)
+        self.reader = Reader(self.paths)
+        return Lifted(tuple(new))
 
     def lift(self, gm: torch.fx.GraphModule) -> Lifted | None:
         """Lift the captured tensors the trace baked into ``gm`` as constants (the result says

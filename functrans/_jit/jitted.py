@@ -57,7 +57,7 @@ from functrans._core.state import (
     no_autocast,
 )
 from functrans._cut.partition import Partition
-from functrans._trace.capture import Reader, reach
+from functrans._trace.capture import Reach, Reader, reach
 from functrans._trace.trace import ArgPaths, arg_names
 
 from . import plans
@@ -117,6 +117,7 @@ class Jitted(Generic[_P, _R]):
         self._captures = Captures(f, self._owner, self._warned)  # lifted to inputs
         self._builder = Builder(options, self._times)
         self._modules: Reader | None = None  # the modules it reaches (None: not walked yet)
+        self._walked: Reach | None = None  # that walk, until a first compile prelifts from it
         self._module_names: tuple[str, ...] = ()
         self._given_names = module_names
         self._reads: tuple[FunctionValues, ...] = ()  # the plain globals f's code reads
@@ -274,7 +275,7 @@ class Jitted(Generic[_P, _R]):
         if reader is None:
             found = reach(self._f)
             reader = Reader([p for p, _ in found.modules]).readable(self._f)
-            self._modules = reader
+            self._modules, self._walked = reader, found
             self._module_names = tuple(p.name for p in reader.paths)
             values = FunctionValues(self._f, found.values)
             self._reads = (values,) if values.names else ()
@@ -293,7 +294,7 @@ class Jitted(Generic[_P, _R]):
         """A captured tensor or module moved: forget the paths and entries, walk again."""
         with self._lock:
             self._captures.forget()
-            self._modules = None
+            self._modules = self._walked = None
             self._cache.clear()
 
     def _lookup(self, tree: Any, state: State) -> tuple[Slot[Entry], list[torch.Tensor]] | Outcome:
@@ -334,6 +335,9 @@ class Jitted(Generic[_P, _R]):
         if slot is None:
             with self._lock:  # one thread compiles; the others wait and then hit
                 slot = self._cache.by_key.get(key)
+                walked, self._walked = self._walked, None
+                if slot is None and walked is not None and self._captures.prelift(walked, tensors):
+                    return REKEY  # the module buffers it reads are inputs now: key again
                 if slot is None:
                     with transform_frame("jit", self._f):
                         compiled = self._compile(flat, tensors, state, key)

@@ -1,0 +1,97 @@
+"""Module buffers a jitted function reads from outside its arguments are inputs from the start.
+
+The torch.func idiom ``functional_call(model, params, x)`` passes the parameters and leaves the
+buffers (position ids, rotary frequencies, normalization statistics) to be read from the module.
+jit lifts them to graph inputs before the first trace, so the function is traced once (not once
+to find them and once more with them as inputs), and a replaced or updated buffer is seen.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch.func import functional_call
+
+import functrans as ft
+
+
+class Scaled(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("scale", torch.full((4,), 2.0))
+        self.register_buffer("unused", torch.zeros(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.scale
+
+
+@pytest.fixture
+def traces(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the joint traces jit makes."""
+    import functrans._jit.build as build
+
+    made: list[int] = []
+    real = build.joint
+
+    def counting(*a: Any, **k: Any) -> Any:
+        traced = real(*a, **k)
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            made.append(1)
+            return traced(*args, **kwargs)
+
+        return run
+
+    monkeypatch.setattr(build, "joint", counting)
+    return made
+
+
+def _loss(model: torch.nn.Module) -> Any:
+    def loss(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return functional_call(model, params, (x,)).pow(2).sum()
+
+    return loss
+
+
+def test_functional_call_is_traced_once_with_eager_gradients(traces: list[int]) -> None:
+    torch.manual_seed(0)
+    model = Scaled()
+    params = {k: v.detach().requires_grad_() for k, v in model.named_parameters()}
+    x = torch.randn(3, 4)
+    f = ft.jit(_loss(model))
+    loss = f(params, x)
+    loss.backward()
+    assert len(traces) == 1  # was 2: one to find the buffer, one with it as an input
+    eager_params = {k: v.detach().requires_grad_() for k, v in model.named_parameters()}
+    expected = _loss(model)(eager_params, x)
+    expected.backward()
+    torch.testing.assert_close(loss, expected)
+    for k in params:
+        torch.testing.assert_close(params[k].grad, eager_params[k].grad)
+
+
+def test_a_replaced_buffer_is_read_on_the_next_call(traces: list[int]) -> None:
+    model = Scaled()
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    x = torch.randn(3, 4)
+    f = ft.jit(_loss(model))
+    f(params, x)
+    model.scale = torch.full((4,), -1.0)  # a new buffer of the same metadata
+    torch.testing.assert_close(f(params, x), _loss(model)(params, x))
+    assert len(traces) == 0  # inference: forward traces only, no joint
+    assert f.cache_info().misses == 1
+
+
+def test_a_buffer_the_forward_updates_in_place_is_refused_by_name() -> None:
+    # BatchNorm in training mode updates its running statistics; under functional_call the
+    # buffers are not arguments, so a compiled step could not hand the update back as eager
+    # does: the error names the buffer (before the buffers were lifted first, it said "a
+    # tensor the function captures")
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    params = {k: v.detach().requires_grad_() for k, v in model.named_parameters()}
+    f = ft.jit(_loss(model))
+    with pytest.raises(ft.TraceError, match=r"mutates input model\.1\.\w+ \(captured\) in place"):
+        f(params, torch.randn(8, 4))
