@@ -95,3 +95,30 @@ def test_a_buffer_the_forward_updates_in_place_is_refused_by_name() -> None:
     f = ft.jit(_loss(model))
     with pytest.raises(ft.TraceError, match=r"mutates input model\.1\.\w+ \(captured\) in place"):
         f(params, torch.randn(8, 4))
+
+
+def test_buffers_passed_as_detached_arguments_alias_the_lifted_originals() -> None:
+    # functional_call(model, {**params, **buffers}) with buffers detached from the module's:
+    # the originals are lifted too (unread, sharing storage with arguments); results, gradients
+    # and a later in-place update of the argument follow eager
+    torch.manual_seed(0)
+    model = Scaled()
+    params = {k: v.detach().requires_grad_() for k, v in model.named_parameters()}
+    bufs = {k: v.detach() for k, v in model.named_buffers()}
+
+    def loss(p: dict[str, torch.Tensor], b: dict[str, torch.Tensor], x: torch.Tensor) -> Any:
+        return functional_call(model, {**p, **b}, (x,)).pow(2).sum()
+
+    f = ft.jit(loss)
+    x = torch.randn(3, 4)
+    out = f(params, bufs, x)
+    out.backward()
+    eager_params = {k: v.detach().requires_grad_() for k, v in model.named_parameters()}
+    expected = loss(eager_params, bufs, x)
+    expected.backward()
+    torch.testing.assert_close(out, expected)
+    for k in params:
+        torch.testing.assert_close(params[k].grad, eager_params[k].grad)
+    bufs["scale"].mul_(3)
+    with torch.no_grad():
+        torch.testing.assert_close(f(params, bufs, x), loss(params, bufs, x))
