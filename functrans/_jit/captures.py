@@ -104,17 +104,25 @@ class Captures:
         from outside its arguments; lifted only after a trace baked them in, it would be
         traced twice. Lifted first, it is traced once, with the inputs the second trace would
         have had. A buffer the trace then does not read is an input the graph ignores; any
-        other tensor the trace reads is lifted by :meth:`lift` afterwards, as before."""
+        other tensor the trace reads is lifted by :meth:`lift` afterwards, as before.
+
+        Buffers of one element are left to :meth:`lift`: flags and counters (``initialized``,
+        ``num_batches_tracked``) that a forward may read as Python values, which a traced
+        input cannot give. A path the walk found that no longer leads to the same tensor (the
+        module changed since) is skipped."""
         given_ids = {id(t) for t in given}
         lifted = {p.steps for p in self.paths}
         new: list[Path] = []
         for tid, paths in found.tensors.items():
             if tid in given_ids or not any(p.steps[-1][0] == "buffer" for p in paths):
                 continue
-            t = paths[0].read(found.root)
-            if not plain(t) or t.requires_grad:
+            current = [p for p in paths if _leads_to(p, found.root, tid)]
+            if not current:
                 continue
-            fresh = [p for p in paths if p.writable and p.steps not in lifted]
+            t = current[0].read(found.root)
+            if not plain(t) or t.requires_grad or t.numel() <= 1:
+                continue
+            fresh = [p for p in current if p.writable and p.steps not in lifted]
             lifted.update(p.steps for p in fresh)
             new.extend(fresh)
         if not new:
@@ -177,6 +185,14 @@ class Captures:
                 f"replacing that tensor later will not be seen. {hint}",
                 stacklevel=user_stacklevel(),
             )
+
+
+def _leads_to(path: Path, root: Any, tid: int) -> bool:
+    """Whether ``path`` still leads from ``root`` to the object of id ``tid``."""
+    try:
+        return id(path.read(root)) == tid
+    except (LookupError, AttributeError, TypeError, ValueError):
+        return False
 
 
 def _describe(t: torch.Tensor) -> str:
