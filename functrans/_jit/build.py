@@ -53,6 +53,7 @@ __all__ = [
     "DISK_STORES",
     "GRAD_ON",
     "Builder",
+    "Built",
     "GradOn",
     "Stopped",
     "Target",
@@ -96,6 +97,10 @@ class Stopped:
     """What :meth:`Builder.build` answers where :attr:`Target.after_trace` stopped it."""
 
     value: object
+
+
+#: What :meth:`Builder.build` answers: the entry, or why there is none yet.
+Built = Entry | GradOn | Stopped
 
 
 class _GradTurnedOn(ControlFlow):
@@ -178,9 +183,9 @@ class Builder:
         training: bool,
         disk: Callable[..., DiskKey],
         dims: Dims | None = None,
-    ) -> tuple[Entry, torch.fx.GraphModule] | GradOn | Stopped:
-        """The entry for ``example`` (``(diff_leaves, other_leaves)``) and the graph its trace
-        made (searched for captured constants), symbolic in ``dims``. The cyclic garbage
+    ) -> Built:
+        """The entry for ``example`` (``(diff_leaves, other_leaves)``), symbolic in ``dims``
+        (or :class:`GradOn`, or :class:`Stopped` by :attr:`Target.after_trace`). The cyclic garbage
         collector waits meanwhile: trace, partition and compile build graphs that stay alive
         until the entry is made, and a collection in between scans them and the whole heap
         (0.17 s once torch is imported) for nothing."""
@@ -194,7 +199,7 @@ class Builder:
         training: bool,
         disk: Callable[..., DiskKey],
         dims: Dims | None,
-    ) -> tuple[Entry, torch.fx.GraphModule] | GradOn | Stopped:
+    ) -> Built:
         backend = get_backend(self.options.backend)
         decompositions = self.options.decompositions
         if decompositions == "auto":
@@ -240,7 +245,7 @@ class Builder:
                 subclass=subclass,
                 dims=dims,
             )
-            return entry, g.graph_module
+            return entry
         reused = region_stats.reused
         jg = self._traced(
             disk,
@@ -260,9 +265,9 @@ class Builder:
             self._times.trace_s += time.perf_counter() - t0
             built = self.build(Target(target.fn), example, False, disk, dims)
             assert not isinstance(built, GradOn | Stopped)  # not watched; the joint was checked
-            entry, gm = built
+            entry = built
             # its inputs require grad: run it as the body did, with autograd off
-            return dataclasses.replace(entry, forward=_without_grad(entry.forward)), gm
+            return dataclasses.replace(entry, forward=_without_grad(entry.forward))
         t1 = time.perf_counter()
         p = partition(jg, self.options.partition, **self.options.partition_options)
         t2 = time.perf_counter()
@@ -295,7 +300,7 @@ class Builder:
             absent=jg.absent_grads(),
             saved_inputs=saved_inputs(p.forward.graph_module, len(outputs), len(example[0])),
         )
-        return entry, jg.graph_module
+        return entry
 
 
 def _after_trace(target: Target, gm: torch.fx.GraphModule) -> Stopped | None:

@@ -31,7 +31,7 @@ from functrans._core.pytree import plain
 from functrans._core.shapes import Dims, DynamicSpecError, EveryInput, JitDynamic, resolve
 
 from .apply import Entry
-from .build import Builder, GradOn, Stopped, Target
+from .build import Builder, Built, Target
 from .cache import Cache, changed_dims, rank_key
 from .disk.store import DiskKey
 
@@ -82,7 +82,7 @@ def build_dynamic(
     training: bool,
     disk: Callable[..., DiskKey],
     dims: Dims | None,
-) -> tuple[Entry, torch.fx.GraphModule] | GradOn | Stopped:
+) -> Built:
     """:meth:`Builder.build` with ``dims`` symbolic; where the backend compiles static shapes
     only, or the symbolic trace fails, a static entry (and a ``dynamic`` log line)."""
     if dims is None:

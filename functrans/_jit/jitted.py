@@ -457,7 +457,7 @@ class Jitted(Generic[_P, _R]):
         if isinstance(built, Stopped):  # the trace baked in captured tensors, now lifted
             assert isinstance(built.value, Lifted)
             return built.value
-        entry, _ = built
+        entry = built
         if grad_inside and entry.backward is not None:
             entry = dataclasses.replace(entry, enable_grad=True)
         modules = self._module_names if self._given_names is None else self._given_names()
