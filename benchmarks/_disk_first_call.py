@@ -99,19 +99,26 @@ def _run(
     env = {**os.environ, "FUNCTRANS_CACHE_DIR": str(root), "FUNCTRANS_CACHE": MODES[mode]}
     prof = None if profile is None else str(profile)
     code = f"from benchmarks._disk_first_call import child; child({name!r}, {threads}, {prof!r})"
+    return child_result(code, env, f"{name} ({mode})")
+
+
+def child_result(
+    code: str, env: dict[str, str], what: str, timeout: float = TIMEOUT_S
+) -> dict[str, Any]:
+    """Run ``code`` in a fresh Python process (the repository root its working directory) and
+    return the JSON of its last ``RESULT`` line; a failed child raises, naming ``what``."""
     done = subprocess.run(
         [sys.executable, "-c", code],
         env=env,
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=TIMEOUT_S,
+        timeout=timeout,
     )
-    if done.returncode != 0:
-        raise RuntimeError(f"{name} ({mode}): {done.stderr[-3000:]}")
-    line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
-    result: dict[str, Any] = json.loads(line[len("RESULT ") :])
-    return result
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"{what}: {done.stderr[-3000:]}")
+    return dict(json.loads(lines[-1][len("RESULT ") :]))
 
 
 def fresh_root() -> Path:

@@ -35,7 +35,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -99,20 +98,9 @@ def _run(compiler: str, depth: int) -> dict[str, float]:
     env["FUNCTRANS_REGIONS"] = "0" if compiler == "ft_unrolled" else "1"
     code = f"from benchmarks.compile_time import child; child({compiler!r}, {depth})"
     try:
-        done = subprocess.run(
-            [sys.executable, "-c", code],
-            env=env,
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=TIMEOUT_S,
-        )
+        return _disk_first_call.child_result(code, env, f"{compiler} at depth {depth}", TIMEOUT_S)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
-    if done.returncode != 0 or not lines:
-        raise RuntimeError(f"{compiler} at depth {depth}: {done.stderr[-3000:]}")
-    return dict(json.loads(lines[-1][len("RESULT ") :]))
 
 
 def measure(depths: tuple[int, ...], compilers: tuple[str, ...], repeats: int) -> dict[str, Any]:
