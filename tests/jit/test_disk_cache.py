@@ -186,6 +186,18 @@ class Block(torch.nn.Module):
         return h.softmax(-1).sum() if self.training else h.tanh().sum()
 
 
+class Scaled(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("scale", torch.full((8,), 2.0))
+
+    def forward(self, x):
+        return (x * self.scale).tanh().sum()
+
+
+scaled = Scaled()
+if "buffer" in changes:
+    scaled.scale.fill_(3.0)  # its value, not its metadata: an input of the stored graph
 block = Block(4 if "attribute" in changes else 2)
 whole = Block(4 if "module" in changes else 2)  # jit(module): parameters are inputs
 if "training" in changes:
@@ -197,6 +209,7 @@ cases = {
     "closure": (closure(3.0 if "closure" in changes else 2.0), {}),
     "attribute": (lambda x: block(x), {}),
     "training": (lambda x: block(x), {}),
+    "buffer": (lambda x: torch.func.functional_call(scaled, {}, (x,)), {}),
     "module": (whole, {}),
     "strategy": (m_code.g, {"partition": "default" if "strategy" in changes else "min_cut"}),
     "dtype": (m_code.h, {}),
@@ -325,6 +338,9 @@ def test_a_fresh_process_hits_and_every_change_misses(tmp_path):
         # the strategy acts after the trace: the stored graph is partitioned its new way
         assert hits == (1 if case == "strategy" else 0), (case, out)
     assert out["strategy"][2] != first["strategy"][2]  # min_cut and default save differently
+    # a module buffer is lifted before the first trace: one stored trace, hit with the new value
+    out = _run(program, cache, "buffer")
+    assert out["buffer"][:2] == [1, True], out
 
     # edit the function, a helper in another file and a helper that runs no torch code
     _write_program(program, k="3", act="cos", rows="4")
