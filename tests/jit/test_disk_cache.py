@@ -737,23 +737,35 @@ def test_a_trace_without_a_recorder_calls_no_watcher():
     assert TORCH_CALL_WATCHERS == []
 
 
-def test_functrans_digest_is_kept_by_the_files_stats(
+def test_functrans_digest_follows_its_files_stats(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from functrans._jit.disk import code_deps
 
-    monkeypatch.setenv("FUNCTRANS_CACHE_DIR", str(tmp_path / "cache"))
-    digest = code_deps.functrans_digest.__wrapped__()  # uncached
-    memo = tmp_path / "cache" / "functrans-digest"
-    stats, _, kept = memo.read_text().partition(" ")
-    assert kept == digest
-    # the same stats: the kept digest is read back, not recomputed
-    memo.write_text(f"{stats} {'0' * 64}")
-    assert code_deps.functrans_digest.__wrapped__() == "0" * 64
-    # other stats (a file changed): hashed again
-    memo.write_text(f"{'1' * 64} {'0' * 64}")
-    assert code_deps.functrans_digest.__wrapped__() == digest
-    # a cache root others can write is not read
-    memo.write_text(f"{stats} {'0' * 64}")
-    os.chmod(tmp_path / "cache", 0o777)
-    assert code_deps.functrans_digest.__wrapped__() == digest
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    (src / "__pycache__").mkdir()
+    (src / "a.py").write_text("x = 1\n")
+    (src / "sub" / "b.cpp").write_text("int x;\n")
+    (src / "__pycache__" / "a.py").write_text("")
+    (src / "notes.txt").write_text("")
+    monkeypatch.setattr(code_deps, "library_dirs", lambda: (("/torch/", f"{src}/"), ()))
+
+    def digest() -> str:
+        return code_deps.functrans_digest.__wrapped__()  # uncached
+
+    first = digest()
+    assert digest() == first
+    # files it does not read: the same digest
+    (src / "notes.txt").write_text("changed")
+    (src / "__pycache__" / "a.py").write_text("changed")
+    assert digest() == first
+    # an edit of the same size: the modification time tells
+    st = os.stat(src / "a.py")
+    (src / "a.py").write_text("x = 2\n")
+    os.utime(src / "a.py", ns=(st.st_atime_ns, st.st_mtime_ns + 1))
+    assert digest() != first
+    os.utime(src / "a.py", ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert digest() == first  # stats alike: the digest alike (as Python's bytecode check)
+    (src / "sub" / "b.cpp").write_text("int xy;\n")  # a C++ file counts too
+    assert digest() != first

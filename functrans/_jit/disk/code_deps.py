@@ -20,24 +20,20 @@ True
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import inspect
 import linecache
 import os
 import sys
-import tempfile
 import threading
 import time
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from functrans._core.context import classify, library_dirs
-from functrans._core.private_dir import cache_root, private_dirs, untrusted
 
 from .fingerprint import Fingerprint, Unhashable, code_names
 
@@ -73,69 +69,42 @@ def file_digest(path: str) -> str | None:
 
 @functools.cache
 def functrans_digest() -> str:
-    """sha256 over functrans' own source files (core, codegen, partitioners). Hashing them
-    costs every process a few milliseconds, so the digest is kept in the cache root beside the
-    files' stat (path, size, mtime, inode): a process whose files stat alike reads it back."""
-    files = _source_files()
-    stats = hashlib.sha256()
-    for name, path in files:
-        st = os.stat(path)
-        stats.update(f"{name}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}".encode())
-    memo = _DigestMemo(stats.hexdigest())
-    found = memo.read()
-    if found is not None:
-        return found
+    """sha256 over the path, size and modification time (in nanoseconds) of functrans' own
+    source files (core, codegen, partitioners; C++ included): how Python itself decides that a
+    module's bytecode is stale, and a few stat calls where hashing the sources cost every
+    process several milliseconds. An edited file changes the digest; a fresh copy of the same
+    sources does too (its entries are traced again: a miss, never a wrong hit).
+
+    >>> len(functrans_digest())
+    64
+    """
     h = hashlib.sha256()
-    for name, path in files:
-        h.update(f"{name}:{file_digest(path)}".encode())
-    memo.write(h.hexdigest())
+    for name, size, mtime in _source_stats():
+        h.update(f"{name}:{size}:{mtime}\n".encode())
     return h.hexdigest()
 
 
-def _source_files() -> list[tuple[str, str]]:
-    """functrans' source files, ``(path relative to its folder, path)``, in a fixed order."""
+def _source_stats() -> list[tuple[str, int, int]]:
+    """``(path relative to functrans' folder, size, mtime in ns)`` of its source files, sorted
+    (a plugin folder inside functrans' is walked once)."""
     trusted, _ = library_dirs()
-    out: list[tuple[str, str]] = []
-    for d in trusted[1:]:
-        for root, dirs, names in sorted(os.walk(d)):
-            dirs[:] = sorted(x for x in dirs if x != "__pycache__")
-            for name in sorted(names):
-                if name.endswith((".py", ".cpp", ".h")):
-                    path = os.path.join(root, name)
-                    out.append((os.path.relpath(path, d), path))
-    return out
+    roots = [d.rstrip(os.sep) for d in trusted[1:]]
+    roots = [d for d in roots if not any(d.startswith(r + os.sep) for r in roots)]
+    out: list[tuple[str, int, int]] = []
 
+    def walk(folder: str, prefix: str) -> None:
+        with os.scandir(folder) as entries:
+            for e in entries:
+                if e.is_dir(follow_symlinks=False):
+                    if e.name != "__pycache__":
+                        walk(e.path, f"{prefix}{e.name}/")
+                elif e.name.endswith((".py", ".cpp", ".h")):
+                    st = e.stat()
+                    out.append((prefix + e.name, st.st_size, st.st_mtime_ns))
 
-@dataclass(frozen=True)
-class _DigestMemo:
-    """The digest of functrans' files as last computed for files with these stats, in the
-    private cache root (never read from a folder another user can write)."""
-
-    stats: str
-
-    @property
-    def path(self) -> Path:
-        return cache_root() / "functrans-digest"
-
-    def read(self) -> str | None:
-        if untrusted(cache_root()) is not None:
-            return None
-        try:
-            stats, _, digest = self.path.read_text().partition(" ")
-        except OSError:
-            return None
-        return digest.strip() if stats == self.stats and len(digest.strip()) == 64 else None
-
-    def write(self, digest: str) -> None:
-        root = cache_root()
-        with contextlib.suppress(OSError):
-            private_dirs(root)
-            if untrusted(root) is not None:
-                return
-            fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=root)
-            with os.fdopen(fd, "w") as f:
-                f.write(f"{self.stats} {digest}")
-            os.replace(tmp, self.path)
+    for i, root in enumerate(roots):
+        walk(root, f"{i}:")
+    return sorted(out)
 
 
 class Recorder:
