@@ -29,18 +29,19 @@ __all__ = ["fake_empty"]
 
 def fake_empty(
     mode: FakeTensorMode,
-    shape: Sequence[int],
-    stride: Sequence[int],
+    shape: Sequence[int | torch.SymInt],
+    stride: Sequence[int | torch.SymInt],
     dtype: torch.dtype,
     device: torch.device | str,
     *,
-    offset: int = 0,
+    offset: int | torch.SymInt = 0,
     storage: torch.Tensor | None = None,
-    nbytes: int | None = None,
+    nbytes: int | torch.SymInt | None = None,
 ) -> FakeTensor:
     """A fake tensor of ``mode`` with these sizes, strides and storage offset, on the storage
     of ``storage`` (a fake tensor) or on a new one of ``nbytes`` bytes (by default, just what
-    the sizes reach). Its values are never read: it is metadata."""
+    the sizes reach). Sizes, strides and offset may be symbolic (a ``SymInt`` of the mode's
+    shape environment). Its values are never read: it is metadata."""
     with no_dispatch():
         if storage is not None:
             untyped = storage.untyped_storage()

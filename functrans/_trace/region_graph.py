@@ -20,7 +20,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 
 from functrans._core.fakes import fake_empty
-from functrans._core.shapes import is_symbolic, shape_env_of
+from functrans._core.shapes import shape_env_of
 
 from .passes import out_of_place
 from .trace import inputs_first, late_inputs, no_stack_traces, view_base
@@ -219,17 +219,9 @@ class Storages:
         base = self.by_storage.get(key)
         if base is None and not fresh:
             return val
+        # sizes, strides and offset may be symbolic: set_ on a meta tensor takes them, and
+        # skips the fake mode's dispatch (half the cost of an as_strided through it)
         offset, nbytes = val.storage_offset(), val.untyped_storage().nbytes()
-        if is_symbolic(val) or not isinstance(offset, int) or not isinstance(nbytes, int):
-            # symbolic sizes go through the fake mode (no set_ takes them)
-            with self.mode:
-                if base is None:
-                    size = val.untyped_storage().nbytes() // val.element_size()
-                    base = torch.empty(size, dtype=val.dtype, device=val.device)
-                    self.by_storage[key] = base
-                elif base.dtype != val.dtype:
-                    base = base.view(-1).view(val.dtype)
-                return torch.as_strided(base, val.shape, val.stride(), val.storage_offset())
         out = fake_empty(
             self.mode,
             val.shape,
