@@ -145,6 +145,9 @@ def _storages(
             )
             continue
         t += 1
+        if node.op == "get_attr":  # a constant the graph module holds: allocated before the step
+            keys[node] = tl.new((tag, node.name), 0, t)
+            continue
         for inp in node.all_input_nodes:
             tl.touch(keys[inp], t)
         keys[node] = _key_of(node, keys, tl, t, tag)
