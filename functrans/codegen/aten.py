@@ -64,7 +64,7 @@ class AtenBackend:
 
     def compile(self, graph: Graph, example_inputs: Sequence[torch.Tensor]) -> Callable[..., Any]:
         if self.executor != "fx":
-            gm = cancel_transposes(copy_module(graph.graph_module))
+            gm = cancel_transposes(graph.graph_module)  # a copy only where it rewrites
             native = native_function(gm) if self.executor == "native" else None
             return native or flat_function(use_fast_calls(gm))
         return Boxed(_boxed_module(graph.graph_module))

@@ -77,6 +77,23 @@ def test_transposes_that_cancel_are_dropped_and_outputs_keep_their_strides():
     torch.testing.assert_close(out[1], args[0])
 
 
+def test_cancel_transposes_copies_only_what_it_rewrites():
+    from functrans.codegen._peephole import cancel_transposes
+
+    plain = ft.trace(lambda x: x.exp() * 2)(torch.ones(2, 3)).graph_module
+    assert cancel_transposes(plain) is plain  # nothing cancels: no copy
+
+    x = torch.randn(2, 3)
+    chain = ft.trace(lambda x: x.t().t().t().t() * 2)(x).graph_module
+    before = [(n.op, n.target, n.args) for n in chain.graph.nodes]
+    out = cancel_transposes(chain)
+    assert out is not chain
+    assert [(n.op, n.target, n.args) for n in chain.graph.nodes] == before  # left as it was
+    calls = [n.target for n in out.graph.nodes if n.op == "call_function"]
+    assert calls == [torch.ops.aten.mul.Tensor]  # four transposes: all gone
+    torch.testing.assert_close(out(x)[0], x * 2)
+
+
 def test_sum_without_dims_keeps_its_overload():
     g = ft.trace(lambda x: torch.ops.aten.sum.dim_IntList(x, None))(torch.ones(2, 3))
     rewritten = _fastcall.use_fast_calls(g.graph_module)
