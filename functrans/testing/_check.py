@@ -102,11 +102,16 @@ _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
 def _reference64(
-    f: Callable[..., Any], args: Sequence[Any], tangents: tuple[torch.Tensor, ...]
+    f: Callable[..., Any],
+    args: Sequence[Any],
+    tangents: tuple[torch.Tensor, ...],
+    *,
+    always: bool = False,
 ) -> tuple[Any, Any] | None:
-    """Outputs and grads of ``f`` computed in float64, for low-precision arguments."""
+    """Outputs and grads of ``f`` computed in float64, for low-precision arguments (for any
+    floating arguments with ``always``)."""
     leaves, _ = flatten(tuple(args))
-    if not any(t.dtype in _LOW_PRECISION for t in leaves):
+    if not always and not any(t.dtype in _LOW_PRECISION for t in leaves):
         return None
 
     def up(x: Any) -> Any:
@@ -381,6 +386,17 @@ def check_dynamic_partition(
         with seeded():
             e_outs, e_grads = eager_vjp(prog, args, tangents)
         context = f"{describe(prog)}\n  strategy {strategy!r} {options or ''} at batch {batch}"
-        assert_close(got, e_outs, "output", context)
-        assert_close(grads, e_grads, "grad", context)
+        try:
+            assert_close(got, e_outs, "output", context)
+            assert_close(grads, e_grads, "grad", context)
+        except AssertionError:
+            # float32 on an ill-conditioned op (layer_norm over 2 elements: gradients that are
+            # rounding noise): float64 is the oracle, and ours passes as accurate as eager's
+            if any(op_class(n) is OpClass.RANDOM for n in jg.ops()):
+                raise
+            with seeded():
+                ref = _reference64(prog, args, tangents, always=True)
+            assert ref is not None
+            assert_close(got, e_outs, "output", context, ref[0])
+            assert_close(grads, e_grads, "grad", context, ref[1])
     return p

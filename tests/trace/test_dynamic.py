@@ -197,11 +197,22 @@ PAD_PINS_THE_BATCH = Program(
     outputs=(1,),
     batch=2,
 )
+# Shrunk by make fuzz: layer_norm over 2 elements under vmap, float32. Its gradients are
+# rounding noise (the output is +-1 whatever the input), so the symbolic graph's op order and
+# eager's differ by 1.5e-4 at batch 3, past float32's tolerance; the float64 oracle shows both
+# as accurate (the check now asks it when float32 disagrees)
+LAYER_NORM_OF_TWO = Program(
+    inputs=(InputSpec((), torch.float32), InputSpec((2, 3, 2), torch.float32)),
+    steps=(Step("layer_norm", (1,), (), (2, 3, 2)),),
+    outputs=(2,),
+    batch=2,
+)
 
 
 @given(programs(batch=True, max_steps=5), st.sampled_from(STRATEGIES))
 @example(SIZE_ONE_STRIDE, "default")
 @example(PAD_PINS_THE_BATCH, "default")
+@example(LAYER_NORM_OF_TWO, "default")
 def test_property_dynamic_batch_partitions(prog: ft.testing.Program, strategy: str) -> None:
     check_dynamic_partition(prog, strategy)
 
