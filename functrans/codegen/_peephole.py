@@ -48,8 +48,8 @@ def permutation(node: fx.Node) -> list[int] | None:
 
 def cancel_transposes(gm: fx.GraphModule) -> fx.GraphModule:
     """``gm`` without transpose pairs that cancel: a rewritten copy, or ``gm`` itself (never
-    changed) where no pair cancels, as in most forward graphs: copying a graph costs about as
-    much per node as compiling it.
+    changed) where no pair cancels, as in most forward graphs (a copy of every graph was a
+    16-block step's largest graph copy at compile time).
 
     >>> import torch, functrans as ft
     >>> g = ft.trace(lambda x: x.exp() * 2)(torch.ones(2, 3))
