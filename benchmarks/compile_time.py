@@ -8,6 +8,8 @@ call: building the compiled model, its forward and its backward (trace, partitio
 and one step). Compilers, side by side in the same run:
 
 - ``ft_regions``: ``ft.jit(model)``, repeated regions on (the default);
+- ``ft_compiled``: the same with ``FUNCTRANS_REGIONS=compiled`` (a region cut and compiled
+  once, called per block: :mod:`functrans._jit.outline`);
 - ``ft_unrolled``: the same with ``FUNCTRANS_REGIONS=0`` (every block traced inline);
 - ``aot_eager``: ``torch.compile(model, backend="aot_eager")``;
 - ``inductor``: ``torch.compile(model)`` (skipped with ``--no-inductor``).
@@ -47,7 +49,9 @@ from benchmarks import _disk_first_call, write_results
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results" / "compile_time.json"
-COMPILERS = ("ft_regions", "ft_unrolled", "aot_eager", "inductor")
+COMPILERS = ("ft_regions", "ft_compiled", "ft_unrolled", "aot_eager", "inductor")
+#: ``FUNCTRANS_REGIONS`` per functrans configuration
+REGIONS = {"ft_regions": "1", "ft_compiled": "compiled", "ft_unrolled": "0"}
 DEPTHS, QUICK_DEPTHS = (1, 2, 4, 8, 16, 32), (1, 2, 16)
 VS_AOT_TARGET = 0.5  # ft_regions / aot_eager at 16 blocks
 DEPTH_TARGET = 1.5  # ft_regions at 16 blocks / at 2 blocks
@@ -95,7 +99,7 @@ def _run(compiler: str, depth: int) -> dict[str, float]:
     env = {**os.environ, "FUNCTRANS_CACHE": "1", "OMP_NUM_THREADS": "1"}
     env["FUNCTRANS_CACHE_DIR"] = str(root)
     env["TORCHINDUCTOR_CACHE_DIR"] = str(root / "inductor")  # torch's caches cold too
-    env["FUNCTRANS_REGIONS"] = "0" if compiler == "ft_unrolled" else "1"
+    env["FUNCTRANS_REGIONS"] = REGIONS.get(compiler, "1")
     code = f"from benchmarks.compile_time import child; child({compiler!r}, {depth})"
     try:
         return _disk_first_call.child_result(code, env, f"{compiler} at depth {depth}", TIMEOUT_S)
@@ -147,6 +151,8 @@ def _ratios(rows: dict[str, dict[str, Any]], compilers: tuple[str, ...]) -> dict
             )
         if "16_vs_2" in out:
             out["met_16_vs_2"] = out["16_vs_2"]["ft_regions"] <= DEPTH_TARGET
+            if "ft_compiled" in compilers:
+                out["met_16_vs_2_compiled"] = out["16_vs_2"]["ft_compiled"] <= DEPTH_TARGET
     return out
 
 
@@ -169,9 +175,11 @@ def format_table(result: dict[str, Any], compilers: tuple[str, ...]) -> str:
             + f" (target for ft_regions <= {DEPTH_TARGET})"
         )
     if "met_vs_aot_eager" in ratios:
+        vs = ratios["vs_aot_eager"]["16"]
         lines.append(
-            "ft_regions vs aot_eager at 16 blocks: "
-            f"{ratios['vs_aot_eager']['16']['ft_regions']:.2f}x (target <= {VS_AOT_TARGET})"
+            "vs aot_eager at 16 blocks: "
+            + ", ".join(f"{c} {v:.2f}x" for c, v in vs.items())
+            + f" (target for ft_regions <= {VS_AOT_TARGET})"
         )
     return "\n".join(lines)
 

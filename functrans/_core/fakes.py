@@ -24,7 +24,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._mode_utils import no_dispatch
 
-__all__ = ["fake_empty"]
+__all__ = ["fake_empty", "trace_as_themselves"]
 
 
 def fake_empty(
@@ -53,3 +53,19 @@ def fake_empty(
         meta = torch.empty(0, dtype=dtype, device="meta")
         meta.set_(untyped, offset, list(shape), list(stride))
     return FakeTensor(mode, meta, torch.device(device))
+
+
+def trace_as_themselves(fakes: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """``fakes``, each remembered by its mode as its own fake: ``make_fx`` (which converts its
+    inputs with ``mode.from_tensor``) then traces them as they are instead of building a fake
+    of each fake (two fakes per parameter, half a millisecond each, on every trace).
+
+    >>> mode = FakeTensorMode()
+    >>> (t,) = trace_as_themselves([mode.from_tensor(torch.ones(2))])
+    >>> mode.from_tensor(t) is t
+    True
+    """
+    for t in fakes:
+        if isinstance(t, FakeTensor):
+            t.fake_mode.fake_tensor_converter.set_tensor_memo(t, t)
+    return list(fakes)

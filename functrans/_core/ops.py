@@ -20,6 +20,7 @@ import torch.fx as fx
 
 __all__ = [
     "COLLECTIVE_NAMESPACES",
+    "COMPUTE_CALLS",
     "COMPUTE_INTENSIVE",
     "RANDOM_UNLESS",
     "OpClass",
@@ -54,6 +55,11 @@ COMPUTE_INTENSIVE: frozenset[Any] = frozenset(
     )
     if hasattr(aten, name)
 )
+
+#: Op packets that run a compiled graph worth saving the results of rather than running again
+#: (an outlined region's forward, :mod:`functrans._jit.outline`): compute-intensive whatever
+#: they hold. Filled by the modules that define them, before any graph holds one.
+COMPUTE_CALLS: set[Any] = set()
 
 
 #: Seeded ops (``torch.Tag.nondeterministic_seeded``) that draw no random numbers, and leave the
@@ -163,7 +169,7 @@ def _class_of(op: torch._ops.OpOverload, *, seeded: bool = True) -> OpClass:
         return OpClass.RANDOM
     if op._schema.is_mutable:
         return OpClass.EFFECTFUL
-    if op.overloadpacket in COMPUTE_INTENSIVE:
+    if op.overloadpacket in COMPUTE_INTENSIVE or op.overloadpacket in COMPUTE_CALLS:
         return OpClass.COMPUTE
     if is_view_op(op):
         return OpClass.VIEW

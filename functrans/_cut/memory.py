@@ -42,7 +42,7 @@ from .cost import nbytes, storage_of
 from .offload import HOST
 from .scratch import scratch_bytes
 
-__all__ = ["MemoryProfile", "MemoryStep", "peak_bytes", "simulate"]
+__all__ = ["MemoryProfile", "MemoryStep", "call_scratch", "peak_bytes", "simulate"]
 
 
 @dataclass(frozen=True)
@@ -260,3 +260,18 @@ def peak_bytes(forward: fx.Graph, backward: fx.Graph) -> int:
     2056
     """
     return simulate(forward, backward).peak_bytes
+
+
+def call_scratch(graph: fx.Graph) -> int:
+    """Bytes a call of ``graph`` holds at its peak beyond its inputs (the caller's, held
+    throughout) and the results it hands back: the scratch of an op that runs the graph.
+
+    >>> import torch, functrans as ft
+    >>> g = ft.trace(lambda x: torch.tanh(x).exp().sum())(torch.ones(256))
+    >>> call_scratch(g.fx_graph)  # tanh and exp live together (2 KiB), less the 4-byte sum
+    2044
+    """
+    tl = _Timeline()
+    t = _storages(graph, tl, 0, {}, "call", inputs_free=True)
+    live = tl.live(t + 1)
+    return max(0, max(live) - live[t + 1])

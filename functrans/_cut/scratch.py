@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -32,7 +32,7 @@ from functrans._core.shapes import hint
 
 from .allocator import cpu_allocations
 
-__all__ = ["SCRATCH_OPS", "scratch_bytes"]
+__all__ = ["CALL_SCRATCH", "SCRATCH_OPS", "scratch_bytes"]
 
 aten = torch.ops.aten
 
@@ -44,6 +44,11 @@ SCRATCH_OPS: dict[Any, str] = {
     aten.native_group_norm_backward.default: "per-group partial sums",
     aten.native_batch_norm_backward.default: "per-channel partial sums",
 }
+
+#: Ops that run a compiled graph (an outlined region, :mod:`functrans._jit.outline`), with
+#: how many bytes a call holds beyond its inputs and outputs: read from the graph's own
+#: simulation, not measured. Filled by the modules that define them.
+CALL_SCRATCH: dict[Any, Callable[[fx.Node], int]] = {}
 
 _MEASURED: dict[tuple[Any, ...], int] = {}
 _LOCK = threading.Lock()
@@ -60,6 +65,9 @@ def scratch_bytes(node: fx.Node) -> int:
     >>> scratch_bytes(conv) >= 4 * 9 * 16 * 4  # a column per output position, on the CPU
     True
     """
+    rule = CALL_SCRATCH.get(node.target) if node.op == "call_function" else None
+    if rule is not None:
+        return rule(node)
     if node.op != "call_function" or not (node.target in SCRATCH_OPS or _casts_inputs(node)):
         return 0
     key = _signature(node)
@@ -117,7 +125,10 @@ def _real(val: Any) -> Any:
     stride = [int(hint(s)) for s in val.stride()]
     span = 1 + sum((n - 1) * s for n, s in zip(shape, stride, strict=True)) if all(shape) else 1
     if val.is_floating_point():
-        base = torch.randn(span, dtype=val.dtype, device=val.device)
+        # a generator of its own: compiling must not move the caller's random numbers (a
+        # compiled step with dropout would draw others than eager on its first call)
+        gen = torch.Generator(device=val.device).manual_seed(0)
+        base = torch.randn(span, dtype=val.dtype, device=val.device, generator=gen)
     else:
         base = torch.zeros(span, dtype=val.dtype, device=val.device)
     return base.as_strided(shape, stride)

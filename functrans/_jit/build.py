@@ -32,6 +32,7 @@ import torch
 from functrans._core.backends import get_backend
 from functrans._core.boxed import boxed
 from functrans._core.dtypes import differentiable
+from functrans._core.graph import JointGraph
 from functrans._core.logs import log
 from functrans._core.pytree import Flat, plain
 from functrans._core.shapes import Dims, ShapeGuard, shape_env_of
@@ -39,6 +40,8 @@ from functrans._core.stack import ControlFlow
 from functrans._cut.partition import Partition, partition
 from functrans._trace.joint import joint
 from functrans._trace.passes import no_gc
+from functrans._trace.regions import deferred as deferred_regions
+from functrans._trace.regions import mode as region_mode
 from functrans._trace.regions import stats as region_stats
 from functrans._trace.trace import trace
 
@@ -47,6 +50,7 @@ from .cache import CacheInfo
 from .disk import store as disk_cache
 from .disk.store import DiskKey
 from .options import Options
+from .outline import LOCAL_STRATEGIES, outline
 from .plans import Plan
 
 __all__ = [
@@ -247,15 +251,19 @@ class Builder:
             )
             return entry
         reused = region_stats.reused
-        jg = self._traced(
-            disk,
-            "joint",
-            decompositions,
-            lambda: joint(target.fn, argnums=0, decompositions=decompositions, dynamic=dims)(
+
+        def traced_joint() -> JointGraph:
+            return joint(target.fn, argnums=0, decompositions=decompositions, dynamic=dims)(
                 *example
-            ),
-            dims,
-        )
+            )
+
+        held = None
+        if self._outlines(dims, subclass):
+            # the trace keeps its region ops, which name this process's regions: not stored
+            with deferred_regions() as held:
+                jg = traced_joint()
+        else:
+            jg = self._traced(disk, "joint", decompositions, traced_joint, dims)
         self._times.regions_reused += region_stats.reused - reused
         stop = _after_trace(target, jg.graph_module)
         if stop is not None:
@@ -269,6 +277,14 @@ class Builder:
             # its inputs require grad: run it as the body did, with autograd off
             return dataclasses.replace(entry, forward=_without_grad(entry.forward))
         t1 = time.perf_counter()
+        if held is not None and held.regions:
+            jg = outline(
+                jg,
+                held.regions,
+                self.options.partition,
+                self.options.partition_options,
+                backend,
+            )
         p = partition(jg, self.options.partition, **self.options.partition_options)
         t2 = time.perf_counter()
         fwd = backend.compile(p.forward, inputs)
@@ -301,6 +317,18 @@ class Builder:
             saved_inputs=saved_inputs(p.forward.graph_module, len(outputs), len(example[0])),
         )
         return entry
+
+    def _outlines(self, dims: Dims | None, subclass: bool) -> bool:
+        """Whether a training step compiles its repeated regions once
+        (``FUNCTRANS_REGIONS=compiled``, :mod:`functrans._jit.outline`)."""
+        strategy = self.options.partition
+        return (
+            region_mode() == "compiled"
+            and dims is None
+            and not subclass
+            and isinstance(strategy, str)
+            and strategy in LOCAL_STRATEGIES
+        )
 
 
 def _after_trace(target: Target, gm: torch.fx.GraphModule) -> Stopped | None:

@@ -17,6 +17,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from functrans._core.dtypes import differentiable
 from functrans._core.errors import TraceError, UnsupportedOpError
+from functrans._core.fakes import trace_as_themselves
 from functrans._core.graph import JointGraph, Role, assign_phases
 from functrans._core.logs import log
 from functrans._core.pytree import (
@@ -151,7 +152,9 @@ def joint(
             fakes = symbolic_fakes(tensors, dims, paths)
         found: list[_Outputs] = []
         joint_fn = _joint_function(f, fn_in, wrt, _outputs_check(f, has_aux, dims), found)
-        inputs = [t.requires_grad_(m) for t, m in zip(fakes, mask, strict=True)]
+        inputs = trace_as_themselves(
+            [t.requires_grad_(m) for t, m in zip(fakes, mask, strict=True)]
+        )
         gm = trace_module(joint_fn, inputs, user_fn=f, table=table, input_paths=paths)
         (outs,) = found
         out_tree, differentiable, fn_out = outs.tree, outs.differentiable, outs.flat

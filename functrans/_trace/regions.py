@@ -67,7 +67,18 @@ from .region_keys import (
 )
 from .trace import TRACE_CONTEXTS, TRACE_PASSES, no_stack_traces
 
-__all__ = ["enabled", "expand", "region", "session", "stats"]
+__all__ = [
+    "BACKWARD_OP",
+    "FORWARD_OP",
+    "Deferred",
+    "deferred",
+    "enabled",
+    "expand",
+    "mode",
+    "region",
+    "session",
+    "stats",
+]
 
 _T = TypeVar("_T")
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -78,6 +89,7 @@ _LIB.define("region_fwd(int key, int call, Tensor[] inputs) -> Tensor[]")  # typ
 _LIB.define("region_bwd(int key, int call, Tensor[] inputs) -> Tensor[]")  # type: ignore[no-untyped-call]  # torch.library is unannotated
 _FWD = torch.ops.functrans.region_fwd.default
 _BWD = torch.ops.functrans.region_bwd.default
+FORWARD_OP, BACKWARD_OP = _FWD, _BWD
 
 
 class _Variant(NamedTuple):
@@ -116,9 +128,44 @@ _INSIDE: contextvars.ContextVar[bool] = contextvars.ContextVar(
 )
 
 
+def mode() -> str:
+    """``"off"`` (``FUNCTRANS_REGIONS=0``: every block traced inline), ``"compiled"``
+    (``FUNCTRANS_REGIONS=compiled``: ``ft.jit`` compiles a region once and calls it, see
+    :mod:`functrans._jit.outline`) or ``"unrolled"`` (the default: regions are traced once and
+    pasted into the step's graph)."""
+    value = os.environ.get("FUNCTRANS_REGIONS", "1").lower()
+    if value in ("0", "false", "off", ""):
+        return "off"
+    return "compiled" if value == "compiled" else "unrolled"
+
+
 def enabled() -> bool:
     """Whether region reuse is on (``FUNCTRANS_REGIONS=0`` turns it off)."""
-    return os.environ.get("FUNCTRANS_REGIONS", "1") not in ("0", "false", "off", "")
+    return mode() != "off"
+
+
+@dataclass
+class Deferred:
+    """The regions of a trace whose region ops :func:`expand` left in place."""
+
+    regions: list[Region | None] = field(default_factory=list)
+
+
+_DEFER: contextvars.ContextVar[Deferred | None] = contextvars.ContextVar(
+    "functrans_regions_deferred", default=None
+)
+
+
+@contextlib.contextmanager
+def deferred() -> Iterator[Deferred]:
+    """Traces inside keep their region ops (``region_fwd``, ``region_bwd``) unexpanded; the
+    regions they call are left in the yielded :class:`Deferred`."""
+    held = Deferred()
+    token = _DEFER.set(held)
+    try:
+        yield held
+    finally:
+        _DEFER.reset(token)
 
 
 @contextlib.contextmanager
@@ -502,6 +549,10 @@ def expand(gm: fx.GraphModule) -> fx.GraphModule:
     returned as it is where it holds none; else a new GraphModule)."""
     s = _SESSION.get()
     if s is None or not any(n.target in (_FWD, _BWD) for n in gm.graph.nodes):
+        return gm
+    held = _DEFER.get()
+    if held is not None:
+        held.regions = list(s.regions)
         return gm
     graph = fx.Graph()
     env: dict[fx.Node, Any] = {}

@@ -1,0 +1,310 @@
+"""Repeated regions compiled once (``FUNCTRANS_REGIONS=compiled``): one block's forward and
+backward compiled once and called for every block, instead of pasted into the step's graph.
+
+By default a stack of identical blocks is traced once (:mod:`functrans._trace.regions`), then
+pasted back into the step's joint graph, block by block: partitioning and code generation
+still pay once per block. Here the step's joint graph keeps one opaque op per block call
+instead:
+
+1. each region (one per structural key) becomes a joint graph of its own, cut with the
+   step's strategy, and its forward and backward graphs are compiled once by the step's
+   backend (:func:`_compile_region`);
+2. in the step's joint graph, a block call's ``region_fwd`` becomes ``outlined_fwd(id,
+   inputs)``, which returns the block's outputs and the values its backward reads (its
+   residuals), and its ``region_bwd`` becomes ``outlined_bwd(id, [*residuals,
+   *cotangents])`` (:func:`outline`); inputs the backward reads are passed in as themselves;
+3. the step is then partitioned as usual: the outlined forward is a compute-intensive op whose
+   FLOPs are the region forward's (a strategy saves its residuals rather than rerun the block,
+   and a block drawing random numbers is never rerun), and compiled as usual: the ops run the
+   region's compiled graphs.
+
+Each block runs the same ATen ops as the unrolled step (recomputation inside a block may be
+chosen differently, which changes no value; random numbers are drawn in the same order), so
+the results are the unrolled step's bit for bit. What the step's plan no longer sees is the
+inside of a block: its cut is the region's own (the same in every block), and the memory
+simulation counts a block call's outputs and residuals, not its temporaries.
+
+Outlining applies to training steps traced with static shapes under strategies that cut a
+block by itself (:data:`LOCAL_STRATEGIES`); anything else is unrolled as before.
+
+>>> import torch, functrans as ft
+>>> ops = [torch.ops.functrans.outlined_fwd.default, torch.ops.functrans.outlined_bwd.default]
+>>> [op.name() for op in ops]
+['functrans::outlined_fwd', 'functrans::outlined_bwd']
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple, cast
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensor
+
+from functrans._core.backends import Backend
+from functrans._core.boxed import boxed
+from functrans._core.flop_formulas import flop_registry
+from functrans._core.graph import PHASE, JointGraph, Phase, Role, assign_phases
+from functrans._core.ops import COMPUTE_CALLS, is_random
+from functrans._core.pytree import flatten
+from functrans._cut.cost import flops, storage_of
+from functrans._cut.memory import call_scratch
+from functrans._cut.offload import Cut
+from functrans._cut.partition import Partition, Strategy, apply_cut, partition
+from functrans._cut.scratch import CALL_SCRATCH
+from functrans._trace.passes import InputSpec, canonicalize
+from functrans._trace.region_graph import Region, Storages
+from functrans._trace.regions import BACKWARD_OP, FORWARD_OP
+
+__all__ = ["LOCAL_STRATEGIES", "Outlined", "outline"]
+
+#: strategies whose cut of a block depends on that block only: a region cut once is the cut
+#: of every call (a memory budget is the whole step's, so ``memory_budget`` is unrolled)
+LOCAL_STRATEGIES = frozenset({"default", "min_cut", "full_remat"})
+
+_LIB = torch.library.Library("functrans", "FRAGMENT")  # type: ignore[no-untyped-call]  # torch.library is unannotated
+_LIB.define("outlined_fwd(int id, Tensor[] inputs) -> Tensor[]")  # type: ignore[no-untyped-call]  # torch.library is unannotated
+# a block that draws random numbers: the tag keeps every strategy from running it again
+_LIB.define(  # type: ignore[no-untyped-call]  # torch.library is unannotated
+    "outlined_fwd_random(int id, Tensor[] inputs) -> Tensor[]",
+    tags=(torch.Tag.nondeterministic_seeded,),
+)
+_LIB.define("outlined_bwd(int id, Tensor[] inputs) -> Tensor[]")  # type: ignore[no-untyped-call]  # torch.library is unannotated
+_OPS = torch.ops.functrans
+FORWARD = _OPS.outlined_fwd.default
+FORWARD_RANDOM = _OPS.outlined_fwd_random.default
+BACKWARD = _OPS.outlined_bwd.default
+
+
+class Residual(NamedTuple):
+    """Where one value the region's backward reads comes from in a call."""
+
+    from_input: bool  # one of the call's inputs (else one of the outlined forward's results)
+    position: int  # the input's position, or the result's
+
+
+@dataclass(frozen=True, eq=False)
+class Outlined:
+    """One region, cut and compiled: what its two ops run."""
+
+    id: int
+    partition: Partition
+    forward: Callable[..., list[Any]]  # (*inputs) -> [*outputs, *saved]
+    backward: Callable[[list[Any]], list[Any]]  # boxed: [*saved, *cotangents] -> gradients
+    kept: tuple[int, ...]  # positions of the forward's results the op returns
+    residuals: tuple[Residual, ...]  # the backward's saved inputs, in its order
+    returned: tuple[torch.Tensor, ...]  # fake values of the forward op's results
+    grads: tuple[torch.Tensor, ...]  # fake values of the backward op's results
+    forward_flops: int
+    random: bool
+    #: bytes a call holds at its peak beyond its inputs and results (the region's graphs
+    #: simulated on their own): its temporaries, which the step's simulation cannot see
+    forward_scratch: int
+    backward_scratch: int
+
+
+#: every outlined region of this process, by id (the compiled step's ops name them by id)
+_OUTLINED: dict[int, Outlined] = {}
+_IDS = itertools.count()
+
+
+def _run_forward(id: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    o = _OUTLINED[id]
+    results = o.forward(*inputs)
+    return [results[i] for i in o.kept]
+
+
+def _run_backward(id: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    return list(_OUTLINED[id].backward(list(inputs)))
+
+
+def _fakes_like(vals: Sequence[torch.Tensor], inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    mode = cast(FakeTensor, inputs[0]).fake_mode
+    return [Storages(mode).fresh(v) for v in vals]
+
+
+def _fake_forward(id: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    return _fakes_like(_OUTLINED[id].returned, inputs)
+
+
+def _fake_backward(id: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    return _fakes_like(_OUTLINED[id].grads, inputs)
+
+
+for _name, _run, _fake in (
+    ("outlined_fwd", _run_forward, _fake_forward),
+    ("outlined_fwd_random", _run_forward, _fake_forward),
+    ("outlined_bwd", _run_backward, _fake_backward),
+):
+    _LIB.impl(_name, _run, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]  # torch.library is unannotated
+    torch.library.register_fake(f"functrans::{_name}", _fake, lib=_LIB)
+
+
+def _forward_flops(id: int, inputs: Any, out_val: Any = None) -> int:
+    """FLOPs of one call of an outlined region's forward (its cut's forward graph)."""
+    return _OUTLINED[id].forward_flops
+
+
+def _scratch(node: fx.Node) -> int:
+    o = _OUTLINED[cast(int, node.args[0])]
+    return o.backward_scratch if node.target is BACKWARD else o.forward_scratch
+
+
+for _packet in (_OPS.outlined_fwd, _OPS.outlined_fwd_random):
+    COMPUTE_CALLS.add(_packet)
+    flop_registry[_packet] = _forward_flops
+for _op in (FORWARD, FORWARD_RANDOM, BACKWARD):
+    CALL_SCRATCH[_op] = _scratch
+
+
+def _region_joint(r: Region) -> JointGraph:
+    """The region's own joint graph, as :func:`functrans.joint` would give it."""
+    specs = [InputSpec(f"primals_{i + 1}", Role.PRIMAL, f"[{i}]") for i in range(len(r.primals))]
+    specs += [
+        InputSpec(f"tangents_{i + 1}", Role.TANGENT, f"tangent of output[{i}]")
+        for i in range(len(r.tangents))
+    ]
+    gm = canonicalize(r.gm, specs)
+    assign_phases(gm.graph)
+    primals = [p.meta["val"] for p in r.primals]
+    tangents = [t.meta["val"] for t in r.tangents]
+    outs = [o.meta["val"] for o in r.outputs]
+    grads = [g.meta["val"] for _, g in r.grads]
+    return JointGraph(
+        gm,
+        flatten(((tuple(primals), tuple(tangents)), {}))[1],
+        flatten((outs, grads))[1],
+        fn_in=flatten((tuple(primals), {}))[1],
+        fn_out=flatten(outs)[1],
+        grads_flat=flatten(grads)[1],
+        num_outputs=len(outs),
+        argnums=(0,),
+        differentiable=tuple(r.differentiable),
+    )
+
+
+def _compile_region(
+    r: Region, strategy: str | Strategy, options: dict[str, Any], backend: Backend
+) -> Outlined:
+    jg = _region_joint(r)
+    p = _inputs_not_views(partition(jg, strategy, **options))
+    primals = jg.primals()
+    n_out = jg.num_outputs
+    kept, residuals = list(range(n_out)), []
+    for i, s in enumerate(p.saved):
+        if s.node in primals:
+            residuals.append(Residual(True, primals.index(s.node)))
+        else:
+            residuals.append(Residual(False, len(kept)))
+            kept.append(n_out + i)
+    results = [n.meta["val"] for n in p.forward.output_nodes()]
+    examples = [n.meta["val"] for n in primals]
+    o = Outlined(
+        id=next(_IDS),
+        partition=p,
+        forward=backend.compile(p.forward, examples),
+        backward=boxed(backend.compile(p.backward, [])),
+        kept=tuple(kept),
+        residuals=tuple(residuals),
+        returned=tuple(results[i] for i in kept),
+        grads=tuple(n.meta["val"] for n in p.backward.output_nodes()),
+        forward_flops=sum(flops(n) for n in p.forward.ops()),
+        random=any(is_random(n) for n in p.forward.ops()),
+        forward_scratch=call_scratch(p.forward.fx_graph),
+        backward_scratch=call_scratch(p.backward.fx_graph),
+    )
+    _OUTLINED[o.id] = o
+    return o
+
+
+def _inputs_not_views(p: Partition) -> Partition:
+    """``p`` with each saved view of an input saved as the input, the view redone in the
+    backward. Unrolled, a saved view of a parameter is free (it aliases the caller's); handed
+    out of an outlined call it would count as a tensor of its own, and the step's memory
+    simulation would hold it against the step."""
+    views = [s.node for s in p.saved if s.is_input and s.node.op != "placeholder"]
+    if not views:
+        return p
+    bases = [storage_of(v)[0] for v in views]
+    host = [s.node for s in p.offloaded]
+    saved = [s.node for s in p.saved if s.node not in views and s.node not in host] + bases
+    return apply_cut(p.joint, Cut(tuple(dict.fromkeys(saved)), tuple(host)), p.strategy)
+
+
+def outline(
+    jg: JointGraph,
+    regions: Sequence[Region | None],
+    strategy: str | Strategy,
+    options: dict[str, Any],
+    backend: Backend,
+) -> JointGraph:
+    """``jg`` (traced with its region ops kept, :func:`functrans._trace.regions.deferred`)
+    with each region call turned into calls of that region's compiled forward and backward
+    (see the module docstring). Rewrites ``jg``'s graph in place and returns ``jg``."""
+    compiled: dict[int, Outlined] = {}
+    graph = jg.fx_graph
+    forward_of: dict[int, tuple[fx.Node, list[fx.Node], Outlined]] = {}  # by call
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in (FORWARD_OP, BACKWARD_OP):
+            continue
+        key, call, args = cast(tuple[int, int, list[fx.Node]], node.args)
+        if key not in compiled:
+            region = regions[key]
+            assert region is not None, "a region op without its region"
+            compiled[key] = _compile_region(region, strategy, options, backend)
+        o = compiled[key]
+        if node.target is FORWARD_OP:
+            op = FORWARD_RANDOM if o.random else FORWARD
+            new = _replace(graph, node, op, (o.id, args), list(o.returned))
+            forward_of[call] = (new, args, o)
+            continue
+        fwd, inputs, o = forward_of.pop(call)
+        saved = [
+            inputs[r.position] if r.from_input else _result(graph, fwd, r.position)
+            for r in o.residuals
+        ]
+        _replace(graph, node, BACKWARD, (o.id, [*saved, *args]), list(o.grads))
+    graph.lint()
+    jg.graph_module.recompile()
+    return jg
+
+
+def _replace(
+    graph: fx.Graph, node: fx.Node, op: Any, args: tuple[Any, ...], vals: list[torch.Tensor]
+) -> fx.Node:
+    """A call of ``op`` in ``node``'s place (its users and meta), returning values like
+    ``vals``."""
+    with graph.inserting_before(node):
+        new = graph.call_function(op, args)
+    new.meta.update(node.meta)
+    # the region op's results keep their values (and their getitems); residuals get fresh ones
+    old = cast(list[Any], node.meta["val"])
+    storages = Storages(_fake_mode(node))
+    new.meta["val"] = [*old, *(storages.fresh(v) for v in vals[len(old) :])]
+    node.replace_all_uses_with(new)
+    graph.erase_node(node)
+    return new
+
+
+def _result(graph: fx.Graph, fwd: fx.Node, index: int) -> fx.Node:
+    """The ``index``-th result of the outlined forward ``fwd`` (a getitem node after it)."""
+    for user in fwd.users:
+        if user.target is operator.getitem and user.args[1] == index:
+            return user
+    with graph.inserting_after(fwd):
+        item = graph.call_function(operator.getitem, (fwd, index))
+    item.meta["val"] = cast(list[Any], fwd.meta["val"])[index]
+    item.meta[PHASE] = Phase.FORWARD
+    return item
+
+
+def _fake_mode(node: fx.Node) -> Any:
+    for a in node.all_input_nodes:
+        v = a.meta.get("val")
+        if isinstance(v, FakeTensor):
+            return v.fake_mode
+    raise AssertionError("a region op without fake inputs")

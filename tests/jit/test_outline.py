@@ -1,0 +1,214 @@
+"""Repeated regions compiled once (``FUNCTRANS_REGIONS=compiled``): a stack of identical blocks
+is one region, cut and compiled once, called per block; the step's results are the unrolled
+step's bit for bit, its memory report matches what the allocator measures, and what the
+outlining does not cover (a whole-step memory budget, symbolic shapes) is unrolled."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import functrans as ft
+from functrans._jit import outline
+from functrans.testing import measure_peak
+
+OUTLINED = (outline.FORWARD, outline.FORWARD_RANDOM, outline.BACKWARD)
+
+
+class Block(nn.Module):
+    def __init__(self, d: int = 16, p: float = 0.1) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(self.out(F.gelu(self.fc(self.ln(x)))))
+
+
+class Stack(nn.Module):
+    def __init__(self, n: int = 4, d: int = 16, p: float = 0.1) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(d, p) for _ in range(n)])
+        self.head = nn.Linear(d, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x).square().mean()
+
+
+@pytest.fixture
+def regions() -> Iterator[Any]:
+    before = os.environ.get("FUNCTRANS_REGIONS")
+
+    def set_to(value: str) -> None:
+        os.environ["FUNCTRANS_REGIONS"] = value
+
+    yield set_to
+    if before is None:
+        os.environ.pop("FUNCTRANS_REGIONS", None)
+    else:
+        os.environ["FUNCTRANS_REGIONS"] = before
+
+
+def _x(d: int = 16) -> torch.Tensor:
+    return torch.randn(2, 5, d, generator=torch.Generator().manual_seed(1)).requires_grad_()
+
+
+def _step(model: nn.Module, x: torch.Tensor, **options: Any) -> tuple[Any, ...]:
+    model.zero_grad(set_to_none=True)
+    x.grad = None
+    f = ft.jit(model, **options)
+    torch.manual_seed(0)  # dropout draws the same numbers in both steps
+    loss = f(x)
+    loss.backward()
+    grads = [p.grad for p in model.parameters()] + [x.grad]
+    return loss.detach(), grads, f.partitions()[0]
+
+
+def _calls(p: Any) -> list[torch.fx.Node]:
+    graphs = (p.forward.fx_graph, p.backward.fx_graph)
+    return [n for g in graphs for n in g.nodes if n.target in OUTLINED]
+
+
+def _compare(regions: Any, model: nn.Module, **options: Any) -> Any:
+    """Unrolled vs compiled regions: equal loss and gradients (torch.equal); the compiled
+    step's partition."""
+    x = _x()
+    regions("1")
+    loss, grads, unrolled = _step(model, x, **options)
+    assert not _calls(unrolled)
+    regions("compiled")
+    loss_c, grads_c, p = _step(model, x, **options)
+    assert torch.equal(loss_c, loss)
+    for a, b in zip(grads_c, grads, strict=True):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert torch.equal(a, b)
+    return p
+
+
+@pytest.mark.parametrize("strategy", ["min_cut", "default", "full_remat"])
+def test_a_stack_is_one_region_called_per_block_bitwise(regions: Any, strategy: str) -> None:
+    torch.manual_seed(0)
+    p = _compare(regions, Stack(), partition=strategy)
+    calls = _calls(p)
+    forwards = [n for n in calls if n.target is not outline.BACKWARD]
+    backwards = [n for n in calls if n.target is outline.BACKWARD]
+    assert len(forwards) == len(backwards) == 4
+    assert len({n.args[0] for n in calls}) == 1  # one compiled region
+    # dropout draws random numbers: the block is never run again, whatever the strategy
+    assert {n.target for n in forwards} == {outline.FORWARD_RANDOM}
+    assert all(n.meta.get("functrans.recomputed") is None for n in forwards)
+    # a block hands out its residuals, never a view of a parameter (free unrolled, a tensor
+    # of its own once out of the call): the backward takes the parameter and redoes the view
+    saved = [s for s in p.saved if s.op == "getitem"]
+    assert saved and not any(s.is_input for s in saved)
+    weights = {(16, 64), (64, 16)}  # and the tokens: 10, the activations' rows
+    assert not weights & {s.shape for s in saved}, p.report()
+
+
+def test_a_deterministic_block_may_be_rerun_in_backward(regions: Any) -> None:
+    # full_remat saves the inputs only: each block's forward runs again in the backward (the
+    # per-block checkpoint), which changes no value
+    torch.manual_seed(0)
+    p = _compare(regions, Stack(p=0.0), partition="full_remat")
+    rerun = [n for n in p.recomputed if n.target is outline.FORWARD]
+    assert len(rerun) == 4
+    # min_cut saves each block's residuals: an outlined forward is compute-intensive
+    p = _compare(regions, Stack(p=0.0), partition="min_cut")
+    assert not [n for n in p.recomputed if n.target is outline.FORWARD]
+
+
+def test_the_gpt_of_the_compile_benchmark_bitwise(regions: Any) -> None:
+    from benchmarks.dynamic import GPT, SEQ, VOCAB
+
+    gen = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, VOCAB, (2, SEQ), generator=gen)
+    tgt = torch.randint(0, VOCAB, (2, SEQ), generator=gen)
+    torch.manual_seed(0)
+    model = GPT(layers=3)
+    results = []
+    for value in ("1", "compiled"):
+        regions(value)
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(1)
+        loss = ft.jit(model)(idx, tgt)
+        loss.backward()
+        results.append((loss.detach(), [q.grad for q in model.parameters()]))
+    (loss, grads), (loss_c, grads_c) = results
+    assert torch.equal(loss, loss_c)
+    assert all(torch.equal(a, b) for a, b in zip(grads, grads_c, strict=True))
+
+
+def test_the_reported_peak_is_the_measured_one(regions: Any) -> None:
+    # a block's temporaries are inside its call: the report counts them from the region's own
+    # simulation (the outlined ops' scratch), so the step's peak is still what a profiler sees
+    regions("compiled")
+    torch.manual_seed(0)
+    model, x = Stack(n=3, d=64, p=0.0), torch.randn(4, 32, 64)
+    f = ft.jit(model)
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        f(x).backward()
+
+    step()
+    (p,) = f.partitions()
+    assert _calls(p)
+    measured = measure_peak(step).peak_bytes
+    assert abs(measured - p.peak_bytes) <= 0.05 * measured, (measured, p.peak_bytes)
+
+
+def test_what_is_not_outlined_is_unrolled(regions: Any) -> None:
+    regions("compiled")
+    torch.manual_seed(0)
+    model, x = Stack(), _x()
+    # a memory budget is the whole step's: a block's cut depends on the others
+    f = ft.jit(model, partition="memory_budget", budget=0.5)
+    f(x).backward()
+    assert not _calls(f.partitions()[0])
+    # symbolic shapes: unrolled
+    f = ft.jit(model, dynamic=True)
+    f(x).backward()
+    assert not _calls(f.partitions()[0])
+
+
+def test_hf_llama_layers_bitwise(regions: Any) -> None:
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    results = []
+    for value in ("1", "compiled"):
+        regions(value)
+        model.zero_grad(set_to_none=True)
+        f = ft.jit(lambda i: model(input_ids=i, labels=i, use_cache=False).loss)
+        loss = f(ids)
+        loss.backward()
+        results.append((loss.detach(), [q.grad for q in model.parameters()], f.partitions()[0]))
+    (loss, grads, _), (loss_c, grads_c, p) = results
+    assert len({n.args[0] for n in _calls(p)}) == 1
+    assert torch.equal(loss, loss_c)
+    for a, b in zip(grads, grads_c, strict=True):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert torch.equal(a, b)
