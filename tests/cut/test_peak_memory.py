@@ -17,6 +17,7 @@ from typing import Any
 import optree
 import pytest
 import torch
+import torch.nn.functional as F
 import torch.utils.checkpoint as torch_checkpoint
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
@@ -321,6 +322,24 @@ def test_scratch_counts_the_cpu_casts_of_mixed_dtype_inputs():
     mul, eq = list(g.ops())
     assert scratch_bytes(mul) >= 64 * 4
     assert scratch_bytes(eq) == 0
+
+
+def test_measuring_scratch_leaves_the_callers_random_numbers_alone():
+    """The peak figures measure a scratch op on made-up values; drawing them from the global
+    generator moved it, so asking for a report between ``manual_seed`` and a step with dropout
+    changed the step's numbers (found when outlined regions, which read their graphs' scratch
+    at compile time, drew other dropout masks than the unrolled step)."""
+    from functrans._cut import scratch
+
+    scratch._MEASURED.clear()  # measured afresh here, whatever ran before
+    w, b = torch.ones(16), torch.zeros(16)
+    norm = lambda x: F.layer_norm(x, (16,), w, b).square().sum()  # noqa: E731
+    jg = ft.joint(norm, decompositions="minimal")(torch.ones(4, 16))
+    p = ft.partition(jg, "default")
+    before = torch.get_rng_state()
+    assert p.peak_bytes > 0
+    assert scratch._MEASURED  # the layer norm's backward was measured
+    assert torch.equal(torch.get_rng_state(), before)
 
 
 # -- properties over random programs --------------------------------------------------------
