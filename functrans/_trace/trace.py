@@ -60,6 +60,7 @@ from functrans._core.validate import (
     check_static_argnums,
     check_static_range,
 )
+from functrans._core.zero_tensors import views_reach_fake_modes
 
 from .decomp import Decompositions, decomposition_table
 from .passes import InputSpec, canonicalize, identifier, out_of_place
@@ -83,6 +84,9 @@ _DATA_DEPENDENT = (
     DataDependentOutputException,
     DynamicOutputShapeException,
 )
+
+# a view of forward mode's zero tangent must stay a fake tensor in every trace (and retrace)
+views_reach_fake_modes()
 
 
 @dataclass(frozen=True)

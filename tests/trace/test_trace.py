@@ -81,6 +81,21 @@ def test_core_decompositions_by_default_and_opt_out():
     assert ops(ft.trace(f, decompositions=None)(torch.ones(2))) == ["aten.silu.default"]
 
 
+def test_views_of_forward_mode_zero_tangents_stay_on_the_inputs_device():
+    # the outer tangent of 2 * one is a ZeroTensor; torch's own kernels for the views of one
+    # ran ahead of the fake tensors, and the reshape came out of the trace on 'meta'
+    f = lambda x: (2 * x).reshape(-1)  # noqa: E731
+    one = torch.tensor(1.0, dtype=torch.float64)
+    d2 = lambda x: ft.jvp(lambda y: ft.jvp(f, (y,), (one,))[1], (x,), (one,))[1]  # noqa: E731
+    graph = ft.trace(d2)(one)
+    vals = [n.meta.get("val") for n in graph.graph_module.graph.nodes]
+    assert {v.device.type for v in vals if isinstance(v, torch.Tensor)} == {"cpu"}
+    assert ft.eval_shape(d2, one).device == torch.device("cpu")
+    x = torch.tensor(3.0, dtype=torch.float64)
+    expected = torch.func.jvp(lambda y: torch.func.jvp(f, (y,), (one,))[1], (x,), (one,))[1]
+    torch.testing.assert_close(graph(x), expected)  # zeros, on the CPU
+
+
 def test_inplace_on_intermediates_is_functionalized():
     def f(x):
         y = x * 2
