@@ -247,6 +247,9 @@ class JointGraph(Graph):
             vals = [getattr(n, "meta", {}).get("val") for n in self.forward_outputs()]
             differentiable = tuple(is_differentiable(v) for v in vals)
         self.differentiable = differentiable
+        #: the traced regions its region ops call, where the trace kept them
+        #: (``FUNCTRANS_REGIONS=compiled``, :mod:`functrans._jit.outline`); else empty
+        self.regions: tuple[Any, ...] = ()
 
     def primals(self) -> list[fx.Node]:
         return [n for n in self.placeholders() if n.meta[ROLE] is Role.PRIMAL]

@@ -257,11 +257,15 @@ class Builder:
                 *example
             )
 
-        held = None
-        if self._outlines(dims, subclass):
-            # the trace keeps its region ops, which name this process's regions: not stored
+        def traced_keeping_regions() -> JointGraph:
             with deferred_regions() as held:
                 jg = traced_joint()
+            jg.regions = tuple(held.regions)
+            return jg
+
+        outlines = self._outlines(dims, subclass)
+        if outlines:  # its region ops kept, the regions stored beside it
+            jg = self._traced(disk, "joint-regions", decompositions, traced_keeping_regions, dims)
         else:
             jg = self._traced(disk, "joint", decompositions, traced_joint, dims)
         self._times.regions_reused += region_stats.reused - reused
@@ -277,13 +281,9 @@ class Builder:
             # its inputs require grad: run it as the body did, with autograd off
             return dataclasses.replace(entry, forward=_without_grad(entry.forward))
         t1 = time.perf_counter()
-        if held is not None and held.regions:
+        if outlines and jg.regions:
             jg = outline(
-                jg,
-                held.regions,
-                self.options.partition,
-                self.options.partition_options,
-                backend,
+                jg, jg.regions, self.options.partition, self.options.partition_options, backend
             )
         p = partition(jg, self.options.partition, **self.options.partition_options)
         t2 = time.perf_counter()

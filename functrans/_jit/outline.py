@@ -49,7 +49,7 @@ from functrans._core.backends import Backend
 from functrans._core.boxed import boxed
 from functrans._core.flop_formulas import flop_registry
 from functrans._core.graph import PHASE, JointGraph, Phase, Role, assign_phases
-from functrans._core.ops import COMPUTE_CALLS, is_random
+from functrans._core.ops import COMPUTE_CALLS, is_getitem, is_random
 from functrans._core.pytree import flatten
 from functrans._cut.cost import flops, storage_of
 from functrans._cut.memory import call_scratch
@@ -191,13 +191,15 @@ def _compile_region(
     r: Region, strategy: str | Strategy, options: dict[str, Any], backend: Backend
 ) -> Outlined:
     jg = _region_joint(r)
-    p = _inputs_not_views(partition(jg, strategy, **options))
-    primals = jg.primals()
+    p = _bases_not_views(partition(jg, strategy, **options))
+    primals, outputs = jg.primals(), jg.forward_outputs()
     n_out = jg.num_outputs
     kept, residuals = list(range(n_out)), []
     for i, s in enumerate(p.saved):
         if s.node in primals:
             residuals.append(Residual(True, primals.index(s.node)))
+        elif s.node in outputs:  # handed out once, as the output
+            residuals.append(Residual(False, outputs.index(s.node)))
         else:
             residuals.append(Residual(False, len(kept)))
             kept.append(n_out + i)
@@ -221,18 +223,31 @@ def _compile_region(
     return o
 
 
-def _inputs_not_views(p: Partition) -> Partition:
-    """``p`` with each saved view of an input saved as the input, the view redone in the
-    backward. Unrolled, a saved view of a parameter is free (it aliases the caller's); handed
-    out of an outlined call it would count as a tensor of its own, and the step's memory
-    simulation would hold it against the step."""
-    views = [s.node for s in p.saved if s.is_input and s.node.op != "placeholder"]
-    if not views:
+def _bases_not_views(p: Partition) -> Partition:
+    """``p`` with each saved view saved as the value it views (an input, an output, another
+    saved value or a value of its own), the view redone in the backward. The results of an
+    outlined call are tensors of their own to the step's memory simulation: a saved view of a
+    parameter (free unrolled) would count as one, and a saved value and its view twice. A
+    view keeps its base alive anyway, so saving the base costs nothing more."""
+    host = {s.node for s in p.offloaded}
+    swaps = {}
+    for s in p.saved:
+        base = _base(s.node)
+        if base is not s.node and s.node not in host:
+            swaps[s.node] = base
+    if not swaps:
         return p
-    bases = [storage_of(v)[0] for v in views]
-    host = [s.node for s in p.offloaded]
-    saved = [s.node for s in p.saved if s.node not in views and s.node not in host] + bases
+    saved = [swaps.get(s.node, s.node) for s in p.saved if s.node not in host]
     return apply_cut(p.joint, Cut(tuple(dict.fromkeys(saved)), tuple(host)), p.strategy)
+
+
+def _base(node: fx.Node) -> fx.Node:
+    """The node whose value holds ``node``'s storage (``node`` itself, if it allocates it)."""
+    root, index = storage_of(node)
+    if index is None:
+        return root
+    # one output of a multi-output op: its getitem
+    return next((u for u in root.users if is_getitem(u) and u.args[1] == index), node)
 
 
 def outline(

@@ -148,7 +148,7 @@ def trace_region(
         return None  # constants baked in (get_attr): traced inline
     if _writes_placeholder(body):  # an input, buffer or parameter written in place
         return None
-    ran_forward = {x for x in body if x.meta.pop(_FORWARD, False)}
+    ran_forward = {x for x in nodes if x.meta.pop(_FORWARD, False)}  # placeholders too
     fwd = [x for x in body if x in ran_forward]
     bwd = [x for x in body if x not in ran_forward]
     (result,) = [x for x in nodes if x.op == "output"]

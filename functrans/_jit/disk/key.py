@@ -41,7 +41,8 @@ class DiskKey:
     """What decides one trace of a jitted function (everything its disk key must cover)."""
 
     fn: Callable[..., Any]  # the user's function (what jit wraps)
-    kind: str  # "forward" (inference entry: trace) or "joint" (training entry: joint)
+    kind: str  # "forward" (inference: trace), "joint" (training: joint), "joint-regions"
+    # (a joint trace that kept its region ops: FUNCTRANS_REGIONS=compiled)
     options: Any  # jit's _Options (strategy, backend, static_argnums, decompositions, ...)
     state: Any  # functrans._core.state.State at the call
     flat: Any  # the call's Flat (structure and static leaves)

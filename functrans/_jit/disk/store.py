@@ -94,6 +94,7 @@ from functrans._core.private_dir import cache_root, private_dirs, untrusted
 
 from . import graph_json as graph_json
 from . import key as disk_key
+from . import region_json
 from . import shapes as disk_shapes
 from .code_deps import (
     Recorder,
@@ -275,6 +276,8 @@ def _load(path: Path, digest: str, key: DiskKey) -> Any:
             return None
         if key.dims is None:
             g: Any = graph_json.load(doc["graph"], key.fn, verify=not signed)
+            if "regions" in doc:
+                g.regions = tuple(region_json.load(doc["regions"], verify=not signed))
         else:
             g = disk_shapes.load(doc, key)
             if g is None:
@@ -393,6 +396,8 @@ def _store(
         entry: dict[str, Any] = {"format": FORMAT, "key": digest, "kind": key.kind}
         entry["created"], entry["deps"] = time.time(), deps
         entry["graph"] = graph_json.dump(g, key.fn, symbolic=key.dims is not None)
+        if getattr(g, "regions", ()):  # a joint trace that kept its region ops
+            entry["regions"] = region_json.dump(list(g.regions))
         # a symbolic trace per set of guards: each branch of an `if` on a size is an entry
         which_doc: Any = deps
         if key.dims is not None:
@@ -402,6 +407,8 @@ def _store(
         path = folder / f"{digest}-{which}.json"
         text = json.dumps(entry, separators=(",", ":"))
         graph_json.check_round_trip(json.loads(text)["graph"], g)
+        if "regions" in entry:
+            region_json.check_round_trip(entry["regions"], list(g.regions))
     except (Unhashable, graph_json.NotStorable) as e:
         _say(key, f"not stored: {e}")
         return
