@@ -81,6 +81,7 @@ bench: $(STAMP)
 	$(VPY) -m benchmarks.compose
 	$(VPY) -m benchmarks.distributed
 	$(VPY) -m benchmarks.compile_time
+	$(VPY) -m benchmarks.regions_step
 
 bench-quick: $(STAMP)
 	$(VPY) -m benchmarks.partition_quality --quick
