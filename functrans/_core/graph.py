@@ -42,6 +42,9 @@ PHASE = "functrans.phase"  # node phase in a joint graph: Phase
 RECOMPUTED = "functrans.recomputed"  # True on forward nodes re-emitted in a backward graph
 SOURCE = "functrans.source"  # "file:line: code" of the user line that produced the node
 PATH = "functrans.path"  # placeholder: the user's argument path, e.g. "x" or "params['w']"
+#: on a result of an outlined block call (:mod:`functrans._jit.outline`): the op that made the
+#: value inside the block, for reports ("aten.addmm.default")
+MADE_BY = "functrans.made_by"
 
 
 def lazy_module(root: torch.nn.Module, graph: fx.Graph) -> fx.GraphModule:

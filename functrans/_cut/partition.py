@@ -18,7 +18,7 @@ import torch.fx as fx
 
 from functrans._core.errors import FunctransError, InvalidArgumentError, InvalidPartitionError
 from functrans._core.format import format_value_type, op_name
-from functrans._core.graph import SOURCE, Graph, JointGraph
+from functrans._core.graph import MADE_BY, SOURCE, Graph, JointGraph
 from functrans._core.logs import log
 from functrans._core.shapes import hint, is_symbolic, legend
 from functrans._core.strategies import registered_strategy, strategy_names
@@ -97,7 +97,9 @@ class SavedValue:
         root, index = storage_of(node)
         return cls(
             node=node,
-            op="input" if node.op == "placeholder" else op_name(node.target),
+            op="input"
+            if node.op == "placeholder"
+            else node.meta.get(MADE_BY, op_name(node.target)),
             shape=tuple(hint(s) for s in tensor.shape) if tensor is not None else (),
             dtype=tensor.dtype if tensor is not None else None,
             nbytes=nbytes(val),

@@ -48,7 +48,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 from functrans._core.backends import Backend
 from functrans._core.boxed import boxed
 from functrans._core.flop_formulas import flop_registry
-from functrans._core.graph import PHASE, JointGraph, Phase, Role, assign_phases
+from functrans._core.format import op_name
+from functrans._core.graph import MADE_BY, PHASE, SOURCE, JointGraph, Phase, Role, assign_phases
 from functrans._core.ops import COMPUTE_CALLS, is_getitem, is_random
 from functrans._core.pytree import flatten
 from functrans._cut.cost import flops, storage_of
@@ -101,6 +102,8 @@ class Outlined:
     grads: tuple[torch.Tensor, ...]  # fake values of the backward op's results
     forward_flops: int
     random: bool
+    #: per result of the forward op: the op that made it in the block, and its source line
+    made_by: tuple[tuple[str, str | None], ...]
     #: bytes a call holds at its peak beyond its inputs and results (the region's graphs
     #: simulated on their own): its temporaries, which the step's simulation cannot see
     forward_scratch: int
@@ -212,6 +215,7 @@ def _compile_region(
         backward=boxed(backend.compile(p.backward, [])),
         kept=tuple(kept),
         residuals=tuple(residuals),
+        made_by=tuple(_made_by(p.forward.output_nodes()[i]) for i in kept),
         returned=tuple(results[i] for i in kept),
         grads=tuple(n.meta["val"] for n in p.backward.output_nodes()),
         forward_flops=sum(flops(n) for n in p.forward.ops()),
@@ -283,6 +287,7 @@ def outline(
             for r in o.residuals
         ]
         _replace(graph, node, BACKWARD, (o.id, [*saved, *args]), list(o.grads))
+        _say_made_by(fwd, o)
     graph.lint()
     jg.graph_module.recompile()
     return jg
@@ -315,6 +320,26 @@ def _result(graph: fx.Graph, fwd: fx.Node, index: int) -> fx.Node:
     item.meta["val"] = cast(list[Any], fwd.meta["val"])[index]
     item.meta[PHASE] = Phase.FORWARD
     return item
+
+
+def _made_by(node: fx.Node) -> tuple[str, str | None]:
+    """The op that made ``node`` (``aten.native_layer_norm.default[1]`` for one output of a
+    multi-output op) and its source line."""
+    src = node.args[0] if is_getitem(node) else None
+    if isinstance(src, fx.Node) and src.op == "call_function":
+        return f"{op_name(src.target)}[{node.args[1]}]", node.meta.get(SOURCE)
+    return op_name(node.target), node.meta.get(SOURCE)
+
+
+def _say_made_by(fwd: fx.Node, o: Outlined) -> None:
+    """Each result of the outlined forward ``fwd`` says which op of the block made it, and
+    where: what a report shows for a saved block output or residual."""
+    for user in fwd.users:
+        if user.target is operator.getitem:
+            op, source = o.made_by[cast(int, user.args[1])]
+            user.meta[MADE_BY] = f"{op} (in a block)"
+            if source is not None:
+                user.meta.setdefault(SOURCE, source)
 
 
 def _fake_mode(node: fx.Node) -> Any:

@@ -109,8 +109,12 @@ def test_a_stack_is_one_region_called_per_block_bitwise(regions: Any, strategy: 
     assert all(n.meta.get("functrans.recomputed") is None for n in forwards)
     # a block hands out its residuals, never a view of a parameter (free unrolled, a tensor
     # of its own once out of the call): the backward takes the parameter and redoes the view
-    saved = [s for s in p.saved if s.op == "getitem"]
+    calls = (outline.FORWARD, outline.FORWARD_RANDOM)
+    saved = [s for s in p.saved if s.node.op != "placeholder" and s.node.args[0].target in calls]
     assert saved and not any(s.is_input for s in saved)
+    # the report says which op of the block made each one, and the line
+    assert all(s.op.startswith("aten.") and s.op.endswith(" (in a block)") for s in saved)
+    assert all("self.drop(self.out(" in (s.source or "") for s in saved), p.report()
     weights = {(16, 64), (64, 16)}  # and the tokens: 10, the activations' rows
     assert not weights & {s.shape for s in saved}, p.report()
 
