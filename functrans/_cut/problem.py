@@ -52,7 +52,6 @@ sub pointwise False True
 from __future__ import annotations
 
 import functools
-import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -421,9 +420,7 @@ def _build(joint: JointGraph) -> CutProblem:
     return problem
 
 
-_CACHE: weakref.WeakKeyDictionary[JointGraph, tuple[tuple[object, ...], CutProblem]] = (
-    weakref.WeakKeyDictionary()
-)
+_DERIVED = "functrans.cut_problem"  # its key in JointGraph.derived: (stamp, problem)
 
 
 def cut_problem(joint: JointGraph) -> CutProblem:
@@ -436,9 +433,10 @@ def cut_problem(joint: JointGraph) -> CutProblem:
     True
     """
     stamp = (planned_sizes(), *(policy_of(n) for n in joint.fx_graph.nodes))
-    found = _CACHE.get(joint)
+    found = joint.derived.get(_DERIVED)
     if found is not None and found[0] == stamp:
-        return found[1]
+        problem: CutProblem = found[1]
+        return problem
     problem = _build(joint)
-    _CACHE[joint] = (stamp, problem)
+    joint.derived[_DERIVED] = (stamp, problem)
     return problem

@@ -114,3 +114,18 @@ def test_backends_leave_their_graphs_unchanged(
     for graph in (ft.trace(tagged)(*args), p.forward, p.backward):
         what = f"{backend!r} backend's compile"
         _check(graph, what, lambda g: compiler.compile(g, _zeros_like_inputs(g)))
+
+
+def test_a_partitioned_joint_graph_is_freed_with_its_last_reference():
+    """The cut problem is derived once per graph and kept on it: a module-level cache keyed
+    weakly by the graph, whose value referred to the graph, kept every partitioned graph (and
+    its fake tensors) alive for the rest of the process."""
+    import gc
+    import weakref
+
+    jg = ft.joint(lambda x: torch.tanh(x).exp().sum())(torch.ones(8))
+    ft.partition(jg, "min_cut")
+    alive = weakref.ref(jg)
+    del jg
+    gc.collect()
+    assert alive() is None
