@@ -253,6 +253,8 @@ class JointGraph(Graph):
         #: the traced regions its region ops call, where the trace kept them
         #: (``FUNCTRANS_REGIONS=compiled``, :mod:`functrans._jit.outline`); else empty
         self.regions: tuple[Any, ...] = ()
+        #: those regions cut and compiled, once its region calls were rewritten to call them
+        self.outlined: tuple[Any, ...] = ()
         #: values derived from this graph, by who derived them (the cut problem): they live and
         #: die with it (a module-level cache keyed weakly by the graph, whose value refers to
         #: the graph, would keep every graph alive)

@@ -282,9 +282,7 @@ class Builder:
             return dataclasses.replace(entry, forward=_without_grad(entry.forward))
         t1 = time.perf_counter()
         if outlines and jg.regions:
-            jg = outline(
-                jg, jg.regions, self.options.partition, self.options.partition_options, backend
-            )
+            jg = outline(jg, self.options.partition, self.options.partition_options, backend)
         p = partition(jg, self.options.partition, **self.options.partition_options)
         t2 = time.perf_counter()
         fwd = backend.compile(p.forward, inputs)

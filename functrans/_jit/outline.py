@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import itertools
 import operator
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, cast
@@ -110,8 +111,9 @@ class Outlined:
     backward_scratch: int
 
 
-#: every outlined region of this process, by id (the compiled step's ops name them by id)
-_OUTLINED: dict[int, Outlined] = {}
+#: the outlined regions alive in this process, by id (the compiled step's ops name them by id;
+#: the step's joint graph, which its entry keeps, holds them: ``JointGraph.outlined``)
+_OUTLINED: weakref.WeakValueDictionary[int, Outlined] = weakref.WeakValueDictionary()
 _IDS = itertools.count()
 
 
@@ -256,14 +258,15 @@ def _base(node: fx.Node) -> fx.Node:
 
 def outline(
     jg: JointGraph,
-    regions: Sequence[Region | None],
     strategy: str | Strategy,
     options: dict[str, Any],
     backend: Backend,
 ) -> JointGraph:
-    """``jg`` (traced with its region ops kept, :func:`functrans._trace.regions.deferred`)
-    with each region call turned into calls of that region's compiled forward and backward
-    (see the module docstring). Rewrites ``jg``'s graph in place and returns ``jg``."""
+    """``jg`` (traced with its region ops kept, :func:`functrans._trace.regions.deferred`,
+    its regions in ``jg.regions``) with each region call turned into calls of that region's
+    compiled forward and backward (see the module docstring). Rewrites ``jg``'s graph in place
+    and returns ``jg``, which holds the compiled regions (``jg.outlined``) as long as it
+    lives."""
     compiled: dict[int, Outlined] = {}
     graph = jg.fx_graph
     forward_of: dict[int, tuple[fx.Node, list[fx.Node], Outlined]] = {}  # by call
@@ -272,7 +275,7 @@ def outline(
             continue
         key, call, args = cast(tuple[int, int, list[fx.Node]], node.args)
         if key not in compiled:
-            region = regions[key]
+            region = jg.regions[key]
             assert region is not None, "a region op without its region"
             compiled[key] = _compile_region(region, strategy, options, backend)
         o = compiled[key]
@@ -290,6 +293,7 @@ def outline(
         _say_made_by(fwd, o)
     graph.lint()
     jg.graph_module.recompile()
+    jg.outlined = tuple(compiled.values())
     return jg
 
 

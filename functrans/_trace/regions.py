@@ -43,6 +43,7 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import _disable_current_modes
 
+from functrans._core.errors import InvalidArgumentError
 from functrans._core.graph import lazy_module
 from functrans._core.logs import log
 from functrans._core.marks import leave, marked
@@ -133,10 +134,22 @@ def mode() -> str:
     (``FUNCTRANS_REGIONS=compiled``: ``ft.jit`` compiles a region once and calls it, see
     :mod:`functrans._jit.outline`) or ``"unrolled"`` (the default: regions are traced once and
     pasted into the step's graph)."""
-    value = os.environ.get("FUNCTRANS_REGIONS", "1").lower()
-    if value in ("0", "false", "off", ""):
-        return "off"
-    return "compiled" if value == "compiled" else "unrolled"
+    raw = os.environ.get("FUNCTRANS_REGIONS", "1")
+    found = _MODES.get(raw.strip().lower())
+    if found is None:
+        raise InvalidArgumentError(
+            f"FUNCTRANS_REGIONS={raw!r} is not accepted; it must be 1 (regions traced once, the "
+            "default), compiled (also cut and compiled once) or 0 (every block traced inline)"
+        )
+    return found
+
+
+#: what each accepted value of ``FUNCTRANS_REGIONS`` means
+_MODES = {
+    **dict.fromkeys(("0", "false", "off", ""), "off"),
+    **dict.fromkeys(("1", "true", "on", "unrolled"), "unrolled"),
+    "compiled": "compiled",
+}
 
 
 def enabled() -> bool:

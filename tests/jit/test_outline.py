@@ -272,3 +272,45 @@ def test_a_fresh_process_loads_the_trace_and_its_regions(tmp_path: Any) -> None:
     # the unrolled step (its own entry: another kind of trace) computes them too
     unrolled = _child(tmp_path / "cache", "1")
     assert unrolled == [0, loss, grads, 0]
+
+
+def test_a_compiled_region_lives_as_long_as_its_entry(regions: Any) -> None:
+    # the step's ops name their region by id; the entry's joint graph holds the region, so
+    # an entry dropped (evicted, or its function gone) frees its compiled region
+    import gc
+
+    regions("compiled")
+    torch.manual_seed(0)
+    model = Stack()
+    f = ft.jit(model)
+    f(_x()).backward()
+    (rid,) = {n.args[0] for n in _calls(f.partitions()[0])}
+    gc.collect()
+    assert rid in outline._OUTLINED  # alive with its entry
+    del f
+    gc.collect()
+    assert rid not in outline._OUTLINED
+
+
+def test_an_unknown_regions_setting_is_refused_by_name(regions: Any) -> None:
+    regions("compile")  # a typo: not silently the default
+    with pytest.raises(ft.InvalidArgumentError, match=r"FUNCTRANS_REGIONS='compile'.*compiled"):
+        ft.jit(Stack())(_x())
+
+
+@pytest.mark.parametrize("backend", ["inductor", "triton"])
+def test_other_backends_run_the_outlined_calls(regions: Any, backend: str) -> None:
+    # the region's graphs are compiled by the step's backend and the calls go through the
+    # dispatcher: a backend that fuses (Inductor, our Triton code generator) runs them too
+    x = _x()
+    results = []
+    for value in ("1", "compiled"):
+        regions(value)
+        torch.manual_seed(0)
+        model = Stack(p=0.0)
+        f = ft.jit(model, backend=backend)
+        f(x).backward()
+        results.append(([q.grad for q in model.parameters()], len(_calls(f.partitions()[0]))))
+    (grads, none), (grads_c, calls) = results
+    assert (none, calls) == (0, 8)
+    torch.testing.assert_close(grads_c, grads)
