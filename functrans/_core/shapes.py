@@ -42,11 +42,11 @@ from torch.fx.experimental.symbolic_shapes import (
     ShapeEnv,
     StatelessSymbolicContext,
     free_unbacked_symbols,
-    optimization_hint,
 )
 
 from .errors import InvalidArgumentError, TraceError
 from .guard_text import check_guard_text
+from .torch_compat import optimization_hint
 
 __all__ = [
     "Dims",

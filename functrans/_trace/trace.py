@@ -22,7 +22,6 @@ import torch.fx.traceback as fx_traceback
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
-    FakeTensorDeviceMismatchError,
 )
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import (
@@ -54,6 +53,7 @@ from functrans._core.shapes import (
 )
 from functrans._core.stack import current_stack, describe_stack
 from functrans._core.state import autocast_off
+from functrans._core.torch_compat import anchor_stack_traces, is_device_mismatch
 from functrans._core.validate import (
     check_bool,
     check_callable,
@@ -279,7 +279,7 @@ def run_traced(fn: Callable[..., Any], user_fn: Callable[..., Any]) -> Any:
         target = getattr(fn_or_wrapper, "forward", fn_or_wrapper)
         code = getattr(target, "__code__", None)
         if code is not None and not code.co_filename.startswith(LIBRARY_DIRS):
-            torch.fx.proxy._STACK_TRACE_ANCHORS.add((code.co_filename, code.co_name))
+            anchor_stack_traces(code)
         fn_or_wrapper = getattr(fn_or_wrapper, "__wrapped__", None)
     token = _TRACING.set(True)
     owner = lambda: getattr(user_fn, "__qualname__", repr(user_fn))  # noqa: E731
@@ -303,17 +303,17 @@ def run_traced(fn: Callable[..., Any], user_fn: Callable[..., Any]) -> Any:
             raise seeded_then_drew(owner, seeding)
     except _DATA_DEPENDENT as e:
         raise _data_dependent_error(user_fn, e) from e
-    except FakeTensorDeviceMismatchError as e:  # eager would fail too, on the same op
-        fr = user_frame(e)
-        where = f" at {fr.filename}:{fr.lineno}: `{(fr.line or '').strip()}`" if fr else ""
-        name = getattr(user_fn, "__qualname__", repr(user_fn))
-        raise TraceError(
-            f"{name}: {e}{where}{culprit(e)}. Put every input, parameter and buffer on one "
-            "device; a model built on the 'meta' device has no data yet: materialize it first "
-            "(module.to_empty(device=...), then load or initialize its weights)"
-        ) from e
-    except RuntimeError as e:  # C++ read the data of a fake tensor: a value-dependent op
-        if "data is not allocated yet" not in str(e):
+    except RuntimeError as e:
+        if is_device_mismatch(e):  # eager would fail too, on the same op
+            fr = user_frame(e)
+            where = f" at {fr.filename}:{fr.lineno}: `{(fr.line or '').strip()}`" if fr else ""
+            name = getattr(user_fn, "__qualname__", repr(user_fn))
+            raise TraceError(
+                f"{name}: {e}{where}{culprit(e)}. Put every input, parameter and buffer on one "
+                "device; a model built on the 'meta' device has no data yet: materialize it "
+                "first (module.to_empty(device=...), then load or initialize its weights)"
+            ) from e
+        if "data is not allocated yet" not in str(e):  # C++ read the data of a fake tensor
             raise
         raise _data_dependent_error(user_fn, e) from e
     finally:
