@@ -17,7 +17,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from functrans._core.dtypes import differentiable
 from functrans._core.errors import TraceError, UnsupportedOpError
-from functrans._core.fakes import trace_as_themselves
+from functrans._core.fakes import fakes_of, trace_as_themselves
 from functrans._core.graph import JointGraph, Role, assign_phases
 from functrans._core.logs import log
 from functrans._core.pytree import (
@@ -147,7 +147,7 @@ def joint(
         fakes: list[torch.Tensor]
         if dims is None:
             mode = FakeTensorMode(allow_non_fake_inputs=True)
-            fakes = [mode.from_tensor(t.detach()) for t in tensors]
+            fakes = fakes_of(mode, tensors)
         else:
             fakes = symbolic_fakes(tensors, dims, paths)
         found: list[_Outputs] = []
