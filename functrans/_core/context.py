@@ -28,6 +28,7 @@ __all__ = [
     "library_dirs",
     "runs_as_written",
     "user_frame",
+    "user_line",
     "user_stacklevel",
 ]
 
@@ -84,6 +85,19 @@ def user_frame(exc: BaseException, *, cells: bool = False) -> traceback.FrameSum
         fr for fr in traceback.extract_tb(exc.__traceback__) if not fr.filename.startswith(skip)
     ]
     return frames[-1] if frames else None
+
+
+def user_line(exc: BaseException, *, cells: bool = False) -> str:
+    """Where :func:`user_frame` is, for an error message: `` at file:line: `code` ``, or empty.
+
+    >>> try:
+    ...     raise ValueError("x")
+    ... except ValueError as e:
+    ...     user_line(e), user_line(e, cells=True).startswith(" at <doctest")
+    ('', True)
+    """
+    fr = user_frame(exc, cells=cells)
+    return f" at {fr.filename}:{fr.lineno}: `{(fr.line or '').strip()}`" if fr else ""
 
 
 def culprit(exc: BaseException) -> str:

@@ -2,9 +2,9 @@
 
 A fake tensor made by an op under a ``FakeTensorMode`` (``torch.empty_strided`` included) goes
 through the mode's dispatch: about 0.2 ms. Code that only needs a value with given sizes,
-strides and dtype on a given storage (a copied node, a node read back from disk) builds the
-meta tensor directly and wraps it, about 8x cheaper. Static sizes only: a symbolic size needs
-the mode's shape environment, so callers make those under the mode.
+strides and dtype on a given storage (a copied node, a node read back from disk, a trace's
+inputs) builds the meta tensor directly and wraps it, about 8x cheaper. Sizes may be symbolic
+(``SymInt``s of the mode's shape environment).
 
 >>> from torch._subclasses.fake_tensor import FakeTensorMode
 >>> mode = FakeTensorMode()
@@ -73,7 +73,8 @@ def trace_as_themselves(fakes: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 
 def _plain(t: torch.Tensor) -> bool:
     """A dense tensor that is its own base, with nothing :func:`fake_empty` would drop (a
-    subclass, a view, a conjugate or negative bit, a sparse or quantized layout)."""
+    subclass, a view, a conjugate or negative bit, a sparse or quantized layout, inference
+    mode's mark)."""
     return (
         type(t) in (torch.Tensor, torch.nn.Parameter)
         and t.layout is torch.strided
@@ -81,6 +82,7 @@ def _plain(t: torch.Tensor) -> bool:
         and not t.is_quantized
         and not t.is_conj()
         and not t.is_neg()
+        and not t.is_inference()  # from_tensor keeps the flag: autograd refuses such a tensor
         and t.device.type in ("cpu", "cuda")
     )
 

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from .context import culprit, user_frame
+from .context import culprit, user_line
 from .errors import FunctransError
 from .marks import leave, marked
 
@@ -141,9 +141,7 @@ def _name(e: Exception, frames: tuple[Frame, ...]) -> Exception:
             e.add_note(stack)
         leave(e, Named())
         return e
-    fr = user_frame(e, cells=True)
-    where = f" at {fr.filename}:{fr.lineno}: `{(fr.line or '').strip()}`" if fr else ""
-    head = f"{stack}: {type(e).__name__}{culprit(e)}{where}"
+    head = f"{stack}: {type(e).__name__}{culprit(e)}{user_line(e, cells=True)}"
     named = e
     try:
         e.__class__ = _error_class(type(e))  # a user's exception class: renamed in place

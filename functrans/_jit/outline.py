@@ -38,7 +38,7 @@ from __future__ import annotations
 import itertools
 import operator
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple, cast
 
@@ -59,7 +59,7 @@ from functrans._cut.offload import Cut
 from functrans._cut.partition import Partition, Strategy, apply_cut, partition
 from functrans._cut.scratch import CALL_SCRATCH
 from functrans._trace.passes import InputSpec, canonicalize
-from functrans._trace.region_graph import Region, Storages
+from functrans._trace.region_graph import Region, Storages, results_like
 from functrans._trace.regions import BACKWARD_OP, FORWARD_OP
 
 __all__ = ["LOCAL_STRATEGIES", "Outlined", "outline"]
@@ -127,17 +127,12 @@ def _run_backward(id: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     return list(_OUTLINED[id].backward(list(inputs)))
 
 
-def _fakes_like(vals: Sequence[torch.Tensor], inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-    mode = cast(FakeTensor, inputs[0]).fake_mode
-    return [Storages(mode).fresh(v) for v in vals]
-
-
 def _fake_forward(id: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-    return _fakes_like(_OUTLINED[id].returned, inputs)
+    return results_like(_OUTLINED[id].returned, inputs)
 
 
 def _fake_backward(id: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-    return _fakes_like(_OUTLINED[id].grads, inputs)
+    return results_like(_OUTLINED[id].grads, inputs)
 
 
 for _name, _run, _fake in (
@@ -317,7 +312,7 @@ def _replace(
 def _result(graph: fx.Graph, fwd: fx.Node, index: int) -> fx.Node:
     """The ``index``-th result of the outlined forward ``fwd`` (a getitem node after it)."""
     for user in fwd.users:
-        if user.target is operator.getitem and user.args[1] == index:
+        if is_getitem(user) and user.args[1] == index:
             return user
     with graph.inserting_after(fwd):
         item = graph.call_function(operator.getitem, (fwd, index))
@@ -339,7 +334,7 @@ def _say_made_by(fwd: fx.Node, o: Outlined) -> None:
     """Each result of the outlined forward ``fwd`` says which op of the block made it, and
     where: what a report shows for a saved block output or residual."""
     for user in fwd.users:
-        if user.target is operator.getitem:
+        if is_getitem(user):
             op, source = o.made_by[cast(int, user.args[1])]
             user.meta[MADE_BY] = f"{op} (in a block)"
             if source is not None:

@@ -9,7 +9,7 @@ laid onto storages as the region's lie on its own (:class:`Storages`), without r
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, cast
 
@@ -25,7 +25,14 @@ from functrans._core.shapes import shape_env_of
 from .passes import out_of_place
 from .trace import inputs_first, late_inputs, no_stack_traces, view_base
 
-__all__ = ["Region", "Storages", "copy_backward", "copy_forward", "trace_region"]
+__all__ = [
+    "Region",
+    "Storages",
+    "copy_backward",
+    "copy_forward",
+    "results_like",
+    "trace_region",
+]
 
 
 @dataclass
@@ -235,6 +242,14 @@ class Storages:
         if base is None:
             self.by_storage[key] = out
         return out
+
+
+def results_like(vals: Sequence[Any], inputs: Sequence[torch.Tensor]) -> list[Any]:
+    """The fake results of an opaque functional op (a region call) that returns values like
+    ``vals``: in its inputs' fake mode, each on a storage of its own (such an op's results
+    alias neither its inputs nor each other), built directly."""
+    mode = cast(FakeTensor, inputs[0]).fake_mode
+    return [Storages(mode).fresh(v) for v in vals]
 
 
 def _paste(

@@ -48,7 +48,14 @@ from functrans._core.graph import lazy_module
 from functrans._core.logs import log
 from functrans._core.marks import leave, marked
 
-from .region_graph import Region, Storages, copy_backward, copy_forward, trace_region
+from .region_graph import (
+    Region,
+    Storages,
+    copy_backward,
+    copy_forward,
+    results_like,
+    trace_region,
+)
 from .region_keys import (
     PLAIN,
     Attr,
@@ -207,25 +214,16 @@ def _lookup(key: int) -> Region:
     return r
 
 
-def _outputs_like(nodes: list[fx.Node], inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Fakes like ``nodes``' values, in the inputs' fake mode, each on a storage of its own
-    (built directly: these are placeholders for :func:`expand`, whose copies get their real
-    layout)."""
-    mode = cast(FakeTensor, inputs[0]).fake_mode
-    # a functional op's outputs alias neither its inputs nor each other
-    return [Storages(mode).fresh(n.meta["val"]) for n in nodes]
-
-
 @torch.library.register_fake("functrans::region_fwd")  # type: ignore[untyped-decorator]  # torch's decorator is unannotated
 def _fwd_fake(key: int, call: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     r = _lookup(key)
-    return _outputs_like(r.outputs, inputs)
+    return results_like([n.meta["val"] for n in r.outputs], inputs)
 
 
 @torch.library.register_fake("functrans::region_bwd")  # type: ignore[untyped-decorator]  # torch's decorator is unannotated
 def _bwd_fake(key: int, call: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     r = _lookup(key)
-    return _outputs_like([g for _, g in r.grads], inputs)
+    return results_like([g.meta["val"] for _, g in r.grads], inputs)
 
 
 class _Apply(torch.autograd.Function):

@@ -32,7 +32,14 @@ from torch.fx.experimental.proxy_tensor import (
 )
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
-from functrans._core.context import _TRACING, LIBRARY_DIRS, culprit, is_tracing, user_frame
+from functrans._core.context import (
+    _TRACING,
+    LIBRARY_DIRS,
+    culprit,
+    is_tracing,
+    user_frame,
+    user_line,
+)
 from functrans._core.describe import check_numpy_leaves
 from functrans._core.dynamo_skip import inline_compiled
 from functrans._core.errors import InvalidArgumentError, TraceError, UnsupportedOpError
@@ -174,15 +181,23 @@ def check_inputs(f: Callable[..., Any], tensors: Sequence[torch.Tensor], flat: F
 
 
 def _data_dependent_error(fn: Callable[..., Any], exc: BaseException) -> TraceError:
-    fr = user_frame(exc)
-    where = f" at {fr.filename}:{fr.lineno}: `{(fr.line or '').strip()}`" if fr else ""
     name = getattr(fn, "__qualname__", repr(fn))
     return TraceError(
-        f"{name} depends on the value of a tensor{where}{culprit(exc)}.\n"
+        f"{name} depends on the value of a tensor{user_line(exc)}{culprit(exc)}.\n"
         "Tracing records one straight-line graph and cannot follow Python control flow (or "
         "output shapes) that depend on tensor values. Compute both branches and pick with "
         "torch.where(cond, a, b), or pass the value as a Python scalar marked static with "
         "static_argnums=(...)."
+    )
+
+
+def _device_error(fn: Callable[..., Any], exc: BaseException) -> TraceError:
+    """An op's inputs on two devices (eager would fail too, on the same op)."""
+    name = getattr(fn, "__qualname__", repr(fn))
+    return TraceError(
+        f"{name}: {exc}{user_line(exc)}{culprit(exc)}. Put every input, parameter and buffer on "
+        "one device; a model built on the 'meta' device has no data yet: materialize it first "
+        "(module.to_empty(device=...), then load or initialize its weights)"
     )
 
 
@@ -304,15 +319,8 @@ def run_traced(fn: Callable[..., Any], user_fn: Callable[..., Any]) -> Any:
     except _DATA_DEPENDENT as e:
         raise _data_dependent_error(user_fn, e) from e
     except RuntimeError as e:
-        if is_device_mismatch(e):  # eager would fail too, on the same op
-            fr = user_frame(e)
-            where = f" at {fr.filename}:{fr.lineno}: `{(fr.line or '').strip()}`" if fr else ""
-            name = getattr(user_fn, "__qualname__", repr(user_fn))
-            raise TraceError(
-                f"{name}: {e}{where}{culprit(e)}. Put every input, parameter and buffer on one "
-                "device; a model built on the 'meta' device has no data yet: materialize it "
-                "first (module.to_empty(device=...), then load or initialize its weights)"
-            ) from e
+        if is_device_mismatch(e):
+            raise _device_error(user_fn, e) from e
         if "data is not allocated yet" not in str(e):  # C++ read the data of a fake tensor
             raise
         raise _data_dependent_error(user_fn, e) from e

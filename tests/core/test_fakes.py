@@ -13,7 +13,15 @@ from functrans._core.torch_compat import is_device_mismatch
 
 
 def _layout(t: torch.Tensor) -> tuple[object, ...]:
-    return (tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, t.device, t.requires_grad)
+    return (
+        tuple(t.shape),
+        t.stride(),
+        t.storage_offset(),
+        t.dtype,
+        t.device,
+        t.requires_grad,
+        t.is_inference(),
+    )
 
 
 def test_fakes_of_plain_tensors_match_from_tensor() -> None:
@@ -46,6 +54,17 @@ def test_a_view_among_the_inputs_goes_through_from_tensor_for_all() -> None:
     fb, fv = fakes_of(FakeTensorMode(), [base, view])
     assert (fv.shape, fv.storage_offset()) == ((3, 4), 4)
     assert fb.untyped_storage()._cdata == fv.untyped_storage()._cdata  # still one storage
+
+
+def test_an_inference_tensor_keeps_its_mark() -> None:
+    # autograd refuses a tensor made under torch.inference_mode(): its fake must say so too
+    with torch.inference_mode():
+        made = torch.randn(3)
+    tensors = [torch.randn(3), made]
+    ours = fakes_of(FakeTensorMode(), tensors)
+    theirs = [FakeTensorMode().from_tensor(t.detach()) for t in tensors]
+    assert [_layout(a) for a in ours] == [_layout(b) for b in theirs]
+    assert ours[1].is_inference()
 
 
 def test_tied_weights_get_eager_gradients_through_jit() -> None:

@@ -6,7 +6,7 @@ outlining does not cover (a whole-step memory budget, symbolic shapes) is unroll
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -45,17 +45,9 @@ class Stack(nn.Module):
 
 
 @pytest.fixture
-def regions() -> Iterator[Any]:
-    before = os.environ.get("FUNCTRANS_REGIONS")
-
-    def set_to(value: str) -> None:
-        os.environ["FUNCTRANS_REGIONS"] = value
-
-    yield set_to
-    if before is None:
-        os.environ.pop("FUNCTRANS_REGIONS", None)
-    else:
-        os.environ["FUNCTRANS_REGIONS"] = before
+def regions(monkeypatch: pytest.MonkeyPatch) -> Callable[[str], None]:
+    """Sets ``FUNCTRANS_REGIONS`` for the rest of the test (restored after it)."""
+    return lambda value: monkeypatch.setenv("FUNCTRANS_REGIONS", value)
 
 
 def _x(d: int = 16) -> torch.Tensor:
@@ -88,11 +80,16 @@ def _compare(regions: Any, model: nn.Module, **options: Any) -> Any:
     regions("compiled")
     loss_c, grads_c, p = _step(model, x, **options)
     assert torch.equal(loss_c, loss)
-    for a, b in zip(grads_c, grads, strict=True):
+    _assert_equal_grads(grads_c, grads)
+    return p
+
+
+def _assert_equal_grads(got: list[Any], want: list[Any]) -> None:
+    """Bit for bit, and None where the other is None."""
+    for a, b in zip(got, want, strict=True):
         assert (a is None) == (b is None)
         if a is not None:
             assert torch.equal(a, b)
-    return p
 
 
 @pytest.mark.parametrize("strategy", ["min_cut", "default", "full_remat"])
@@ -149,7 +146,7 @@ def test_the_gpt_of_the_compile_benchmark_bitwise(regions: Any) -> None:
         results.append((loss.detach(), [q.grad for q in model.parameters()]))
     (loss, grads), (loss_c, grads_c) = results
     assert torch.equal(loss, loss_c)
-    assert all(torch.equal(a, b) for a, b in zip(grads, grads_c, strict=True))
+    _assert_equal_grads(grads_c, grads)
 
 
 @pytest.mark.parametrize("strategy", ["min_cut", "default", "full_remat"])
@@ -220,16 +217,13 @@ def test_hf_llama_layers_bitwise(regions: Any) -> None:
     (loss, grads, _), (loss_c, grads_c, p) = results
     assert len({n.args[0] for n in _calls(p)}) == 1
     assert torch.equal(loss, loss_c)
-    for a, b in zip(grads, grads_c, strict=True):
-        assert (a is None) == (b is None)
-        if a is not None:
-            assert torch.equal(a, b)
+    _assert_equal_grads(grads_c, grads)
 
 
 _CHILD = """
 import json, sys, torch
 sys.path.insert(0, {tests!r})
-from test_outline import Stack, _x
+from test_outline import OUTLINED, Stack, _x
 import functrans as ft
 torch.manual_seed(0)
 model = Stack()
@@ -238,7 +232,7 @@ torch.manual_seed(1)
 loss = f(_x())
 loss.backward()
 calls = [n for g in (f.partitions()[0].forward, f.partitions()[0].backward)
-         for n in g.fx_graph.nodes if "outlined" in str(n.target)]
+         for n in g.fx_graph.nodes if n.target in OUTLINED]
 grads = [p.grad.double().sum().item() for p in model.parameters()]
 print("RESULT " + json.dumps([f.cache_info().disk_hits, loss.item(), grads, len(calls)]))
 """

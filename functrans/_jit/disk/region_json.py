@@ -82,11 +82,14 @@ def load(docs: list[Any], *, verify: bool = True) -> list[Region | None]:
         gm = graph_json.load(doc["graph"], None, verify=verify).graph_module
         by_name = {n.name: n for n in gm.graph.nodes}
 
-        def nodes(key: str, by_name: dict[str, fx.Node] = by_name, doc: Any = doc) -> list[Any]:
+        def node(name: Any, by_name: dict[str, fx.Node] = by_name) -> fx.Node:
             try:
-                return [by_name[str(name)] for name in doc[key]]
+                return by_name[str(name)]
             except KeyError as e:
                 raise CorruptEntry(f"a region names a node it does not hold: {e}") from e
+
+        def nodes(key: str, doc: Any = doc) -> list[fx.Node]:
+            return [node(name) for name in doc[key]]
 
         regions.append(
             Region(
@@ -97,7 +100,7 @@ def load(docs: list[Any], *, verify: bool = True) -> list[Region | None]:
                 backward=nodes("backward"),
                 outputs=nodes("outputs"),
                 read=nodes("read"),
-                grads=[(int(i), by_name[str(g)]) for i, g in doc["grads"]],
+                grads=[(int(i), node(g)) for i, g in doc["grads"]],
                 differentiable=[bool(d) for d in doc["differentiable"]],
                 out_spec=pytree.treespec_loads(str(doc["out_spec"])),
             )
