@@ -1,5 +1,6 @@
-"""The training step of a stack compiled once (``FUNCTRANS_REGIONS=compiled``) against the
-unrolled step (``FUNCTRANS_REGIONS=1``, the default) and eager: step time and peak memory.
+"""The training step of a stack compiled once (``FUNCTRANS_REGIONS=compiled``, the default)
+against the unrolled step (``FUNCTRANS_REGIONS=unrolled``) and eager: step time and peak
+memory.
 
 The model is ``benchmarks.dynamic.GPT`` (width 64, 4 heads, dropout 0.1) with ``--depth``
 blocks (16), batch 2 of 32 tokens, float32, one intra-op thread. For each strategy
@@ -36,7 +37,7 @@ from functrans.testing import measure_peak
 
 RESULTS = Path(__file__).resolve().parent / "results" / "regions_step.json"
 STRATEGIES = ("min_cut", "default", "full_remat")
-VARIANTS = {"unrolled": "1", "compiled": "compiled"}
+VARIANTS = {"unrolled": "unrolled", "compiled": "compiled"}
 
 
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:

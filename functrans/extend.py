@@ -24,6 +24,9 @@ Every class and function here documents itself with an example. The other names:
 - ``HOST``: node meta key, True on a value that lives in host memory (an offloaded copy and the
   backward input that receives it); ``OFFLOAD_OPS``: the ops that copy a value out, copy it
   back and wait for the copy (``functrans::to_host``, ``to_device``, ``wait_copy``);
+- ``HANDOVER_OPS``: ops (a compiled region's calls) a backend's program may run by calling a
+  boxed function with their inputs handed over (:func:`handover_call` gives it for a node), so
+  inputs whose last use they are die inside them;
 - ``STRATEGY_GROUP`` and ``BACKEND_GROUP``: the entry point groups installed strategies and
   backends are discovered in (the registries are the core's; ``functrans.partitioners`` and
   ``functrans.codegen`` fill them and re-export these functions under shorter names).
@@ -65,6 +68,9 @@ Every class and function here documents itself with an example. The other names:
 >>> from functrans.extend import SHARED, segments
 >>> SHARED in segments(plain).index.values()
 False
+>>> from functrans.extend import HANDOVER_OPS
+>>> sorted(op.name() for op in HANDOVER_OPS)  # an outlined block's forward and backward
+['functrans::outlined_bwd', 'functrans::outlined_fwd', 'functrans::outlined_fwd_random']
 >>> from functrans.extend import BACKEND_GROUP, STRATEGY_GROUP
 >>> STRATEGY_GROUP, BACKEND_GROUP
 ('functrans.partitioners', 'functrans.backends')
@@ -75,9 +81,11 @@ from ._core.backends import Backend as Backend
 from ._core.backends import backend_names as backend_names
 from ._core.backends import get_backend as get_backend
 from ._core.backends import register_backend as register_backend
+from ._core.boxed import HANDOVER_OPS as HANDOVER_OPS
 from ._core.boxed import Boxed as Boxed
 from ._core.boxed import BoxedCallable as BoxedCallable
 from ._core.boxed import boxed as boxed
+from ._core.boxed import handover_call as handover_call
 from ._core.errors import FunctransError as FunctransError
 from ._core.errors import InvalidArgumentError as InvalidArgumentError
 from ._core.errors import InvalidPartitionError as InvalidPartitionError

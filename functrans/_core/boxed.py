@@ -11,14 +11,24 @@ convention, which Inductor's compiled graphs follow too).
 A backend returns a :class:`BoxedCallable` (anything with ``call_boxed(args)``; :class:`Boxed`
 wraps a function) to take part; a plain callable still works, run through :func:`boxed`, which
 empties the list before calling it (its arguments then live until it returns).
+
+The same holds inside a graph. An op that runs a compiled graph of its own (an outlined
+region, :mod:`functrans._jit.outline`) gets its inputs through the dispatcher, whose argument
+stack holds each of them until the op returns. An op registered in :data:`HANDOVER_OPS` may
+instead be run by calling its boxed function (:func:`handover_call`) with a list that holds
+the only references to the inputs whose last use it is: they die inside the call, after
+their last reader there.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol, final, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, final, runtime_checkable
 
-__all__ = ["Boxed", "BoxedCallable", "boxed"]
+if TYPE_CHECKING:
+    import torch.fx as fx
+
+__all__ = ["HANDOVER_OPS", "Boxed", "BoxedCallable", "boxed", "handover_call"]
 
 
 @runtime_checkable
@@ -92,3 +102,29 @@ def boxed(compiled: Callable[..., Any]) -> Callable[[list[Any]], list[Any]]:
         return list(compiled(*values))
 
     return call
+
+
+#: Ops of schema ``(int id, Tensor[] inputs) -> Tensor[]`` that an executor may run by calling
+#: a boxed function directly, handing it the ``inputs`` list: by op, what gives the function
+#: for one call node. Filled by the modules that define the ops.
+HANDOVER_OPS: dict[Any, Callable[[fx.Node], Callable[[list[Any]], list[Any]]]] = {}
+
+
+def handover_call(node: fx.Node) -> Callable[[list[Any]], list[Any]] | None:
+    """The boxed function that runs ``node``'s op on its ``inputs`` list (its second
+    argument), taking the list over, or None where the op is not in :data:`HANDOVER_OPS`.
+
+    An executor that calls it must hold no reference of its own to an input whose last use
+    this node is: the list it passes is then the only one, and the function frees each input
+    after its last use inside it (the step's memory report counts on that).
+
+    >>> import torch, functrans as ft
+    >>> from functrans.extend import handover_call
+    >>> g = ft.trace(lambda x: x.sin())(torch.ones(2))
+    >>> handover_call(next(g.ops())) is None  # aten.sin: run through the dispatcher
+    True
+    """
+    if node.op != "call_function":
+        return None
+    make = HANDOVER_OPS.get(node.target)
+    return None if make is None else make(node)

@@ -45,6 +45,10 @@ PATH = "functrans.path"  # placeholder: the user's argument path, e.g. "x" or "p
 #: on a result of an outlined block call (:mod:`functrans._jit.outline`): the op that made the
 #: value inside the block, for reports ("aten.addmm.default")
 MADE_BY = "functrans.made_by"
+#: on a call of a compiled graph of its own (an outlined block): True where the backend's
+#: program hands the call its inputs (:data:`functrans.extend.HANDOVER_OPS`), so those whose
+#: last use it is die inside it; else the dispatcher holds them until it returns
+HANDED_OVER = "functrans.handed_over"
 
 
 def lazy_module(root: torch.nn.Module, graph: fx.Graph) -> fx.GraphModule:

@@ -20,7 +20,10 @@ the zoo; ``tests/cut/test_peak_memory.py``). The model follows what ``jit`` and 
   their copy back: their bytes count in :attr:`MemoryProfile.host_peak_bytes`, not on the device.
 
 - an op's scratch memory (a convolution's column buffer, :mod:`functrans._cut.scratch`, measured
-  once per signature) is live while the op runs.
+  once per signature) is live while the op runs;
+- an op that runs a compiled graph of its own (an outlined region) holds that graph's
+  temporaries while it runs (:data:`functrans._cut.scratch.CALL_SCRATCH`); where the backend
+  hands it its inputs, those whose last use it is are freed inside it, at their last use there.
 
 What it does not see: a few bytes of scratch in other ops (Python scalars wrapped into
 tensors), and the allocator's rounding (a CUDA caching allocator rounds each block up to 512
@@ -32,15 +35,15 @@ Works on any pair of FX graphs whose nodes carry ``meta["val"]`` (ours, or torch
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch.fx as fx
 
-from functrans._core.graph import RECOMPUTED
+from functrans._core.graph import HANDED_OVER, RECOMPUTED
 
 from .cost import nbytes, storage_of
 from .offload import HOST
-from .scratch import scratch_bytes
+from .scratch import CALL_SCRATCH, scratch_bytes
 
 __all__ = ["MemoryProfile", "MemoryStep", "call_scratch", "peak_bytes", "simulate"]
 
@@ -104,6 +107,8 @@ class _Timeline:
         self.start: dict[Any, int] = {}
         self.end: dict[Any, int] = {}
         self.host: set[Any] = set()
+        #: calls of graphs of their own (CALL_SCRATCH ops): the node, its time, its list's keys
+        self.calls: list[tuple[fx.Node, int, list[Any]]] = []
 
     def new(self, key: Any, size: int, t: int, host: bool = False) -> Any:
         self.size[key], self.start[key], self.end[key] = size, t, t
@@ -151,6 +156,10 @@ def _storages(
         for inp in node.all_input_nodes:
             tl.touch(keys[inp], t)
         keys[node] = _key_of(node, keys, tl, t, tag)
+        if node.target in CALL_SCRATCH:  # its scratch depends on which inputs die in it
+            items = node.args[1] if len(node.args) > 1 else ()
+            tl.calls.append((node, t, [keys[a] for a in cast(list[fx.Node], items)]))
+            continue
         scratch = scratch_bytes(node)
         if scratch:  # working memory inside the op: live while it runs
             tl.new((tag, node.name, "scratch"), scratch, t)
@@ -160,6 +169,29 @@ def _storages(
     env.clear()
     env.update({n.name: k for n, k in keys.items()})
     return t
+
+
+def _settle_calls(tl: _Timeline) -> None:
+    """Once every use is known: each call of a graph of its own holds its scratch while it
+    runs; one whose inputs are handed over (:data:`~functrans._core.graph.HANDED_OVER`) frees
+    those whose last use it is inside itself (they leave the timeline as it starts, and count
+    in its scratch until their last use in its graph)."""
+    for node, t, keys in tl.calls:
+        owned = frozenset(
+            i
+            for i, k in enumerate(keys)
+            if node.meta.get(HANDED_OVER)
+            and not isinstance(k, list)
+            and tl.end[k] == t
+            and tl.size[k] > 0
+            and k not in tl.host
+            and keys.count(k) == 1
+        )
+        for i in owned:
+            tl.end[keys[i]] = t - 1
+        scratch = CALL_SCRATCH[node.target](node, owned)
+        if scratch:
+            tl.new((id(node), "scratch"), scratch, t)
 
 
 def _key_of(node: fx.Node, keys: dict[fx.Node, Any], tl: _Timeline, t: int, tag: str) -> Any:
@@ -203,6 +235,7 @@ def simulate(
     for n in backward.nodes:  # tangents: held by autograd (or the caller) for the whole call
         if n.op == "placeholder" and n.name not in fwd_env:
             tl.touch(env[n.name], _FOREVER)
+    _settle_calls(tl)
     for k in tl.end:
         tl.end[k] = min(tl.end[k], t_end)
     device, host = tl.live(t_end), tl.live(t_end, host=True)
@@ -262,16 +295,25 @@ def peak_bytes(forward: fx.Graph, backward: fx.Graph) -> int:
     return simulate(forward, backward).peak_bytes
 
 
-def call_scratch(graph: fx.Graph) -> int:
-    """Bytes a call of ``graph`` holds at its peak beyond its inputs (the caller's, held
-    throughout) and the results it hands back: the scratch of an op that runs the graph.
+def call_scratch(graph: fx.Graph, owned: frozenset[int] = frozenset()) -> int:
+    """Bytes a call of ``graph`` holds at its peak beyond the results it hands back and the
+    inputs the caller holds throughout: the scratch of an op that runs the graph. The inputs
+    at the positions ``owned`` are the call's own (handed over): they count until their last
+    use in ``graph``.
 
     >>> import torch, functrans as ft
-    >>> g = ft.trace(lambda x: torch.tanh(x).exp().sum())(torch.ones(256))
-    >>> call_scratch(g.fx_graph)  # tanh and exp live together (2 KiB), less the 4-byte sum
+    >>> g = ft.trace(lambda x: (torch.tanh(x) + x).exp().sum())(torch.ones(256))
+    >>> call_scratch(g.fx_graph)  # tanh and the sum live together (2 KiB), less the 4-byte sum
     2044
+    >>> call_scratch(g.fx_graph, frozenset({0}))  # and x (1 KiB), until the add has read it
+    3068
     """
     tl = _Timeline()
-    t = _storages(graph, tl, 0, {}, "call", inputs_free=True)
+    env: dict[str, Any] = {}
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    for i in owned:
+        p = placeholders[i]
+        env[p.name] = tl.new(("call", p.name), nbytes(p.meta.get("val")), 0)
+    t = _storages(graph, tl, 0, env, "call", inputs_free=True)
     live = tl.live(t + 1)
     return max(0, max(live) - live[t + 1])

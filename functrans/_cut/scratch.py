@@ -47,8 +47,10 @@ SCRATCH_OPS: dict[Any, str] = {
 
 #: Ops that run a compiled graph (an outlined region, :mod:`functrans._jit.outline`), with
 #: how many bytes a call holds beyond its inputs and outputs: read from the graph's own
-#: simulation, not measured. Filled by the modules that define them.
-CALL_SCRATCH: dict[Any, Callable[[fx.Node], int]] = {}
+#: simulation, not measured. The rule also gets the positions of the inputs the call owns
+#: (handed over, :data:`functrans.extend.HANDOVER_OPS`: they die inside it, and count in its
+#: bytes until their last use there). Filled by the modules that define the ops.
+CALL_SCRATCH: dict[Any, Callable[[fx.Node, frozenset[int]], int]] = {}
 
 _MEASURED: dict[tuple[Any, ...], int] = {}
 _LOCK = threading.Lock()
@@ -67,7 +69,7 @@ def scratch_bytes(node: fx.Node) -> int:
     """
     rule = CALL_SCRATCH.get(node.target) if node.op == "call_function" else None
     if rule is not None:
-        return rule(node)
+        return rule(node, frozenset())
     if node.op != "call_function" or not (node.target in SCRATCH_OPS or _casts_inputs(node)):
         return 0
     key = _signature(node)

@@ -39,7 +39,7 @@ import itertools
 import operator
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple, cast
 
 import torch
@@ -47,10 +47,19 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
 
 from functrans._core.backends import Backend
-from functrans._core.boxed import boxed
+from functrans._core.boxed import HANDOVER_OPS, boxed
 from functrans._core.flop_formulas import flop_registry
 from functrans._core.format import op_name
-from functrans._core.graph import MADE_BY, PHASE, SOURCE, JointGraph, Phase, Role, assign_phases
+from functrans._core.graph import (
+    HANDED_OVER,
+    MADE_BY,
+    PHASE,
+    SOURCE,
+    JointGraph,
+    Phase,
+    Role,
+    assign_phases,
+)
 from functrans._core.ops import COMPUTE_CALLS, is_getitem, is_random
 from functrans._core.pytree import flatten
 from functrans._cut.cost import flops, storage_of
@@ -95,7 +104,7 @@ class Outlined:
 
     id: int
     partition: Partition
-    forward: Callable[..., list[Any]]  # (*inputs) -> [*outputs, *saved]
+    forward: Callable[[list[Any]], list[Any]]  # boxed: [*inputs] -> [*outputs, *saved]
     backward: Callable[[list[Any]], list[Any]]  # boxed: [*saved, *cotangents] -> gradients
     kept: tuple[int, ...]  # positions of the forward's results the op returns
     residuals: tuple[Residual, ...]  # the backward's saved inputs, in its order
@@ -106,9 +115,26 @@ class Outlined:
     #: per result of the forward op: the op that made it in the block, and its source line
     made_by: tuple[tuple[str, str | None], ...]
     #: bytes a call holds at its peak beyond its inputs and results (the region's graphs
-    #: simulated on their own): its temporaries, which the step's simulation cannot see
-    forward_scratch: int
-    backward_scratch: int
+    #: simulated on their own): its temporaries, which the step's simulation cannot see; by
+    #: (backward, positions of the inputs the call owns), filled as asked
+    _scratch: dict[tuple[bool, frozenset[int]], int] = field(
+        default_factory=dict, repr=False, compare=False
+    )
+
+    def scratch(self, backward: bool, owned: frozenset[int]) -> int:
+        """Bytes a call of the forward or ``backward`` graph holds beyond its results and
+        the inputs its caller keeps; the inputs at positions ``owned`` die inside it."""
+        key = (backward, owned)
+        if key not in self._scratch:
+            graph = self.partition.backward if backward else self.partition.forward
+            self._scratch[key] = call_scratch(graph.fx_graph, owned)
+        return self._scratch[key]
+
+    def run_forward(self, inputs: list[Any]) -> list[Any]:
+        """The forward op's results: ``inputs`` (a list this call empties) through the
+        compiled forward, the results the op returns picked out."""
+        results = self.forward(inputs)
+        return [results[i] for i in self.kept]
 
 
 #: the outlined regions alive in this process, by id (the compiled step's ops name them by id;
@@ -118,9 +144,7 @@ _IDS = itertools.count()
 
 
 def _run_forward(id: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-    o = _OUTLINED[id]
-    results = o.forward(*inputs)
-    return [results[i] for i in o.kept]
+    return _OUTLINED[id].run_forward(list(inputs))
 
 
 def _run_backward(id: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -149,9 +173,18 @@ def _forward_flops(id: int, inputs: Any, out_val: Any = None) -> int:
     return _OUTLINED[id].forward_flops
 
 
-def _scratch(node: fx.Node) -> int:
+def _scratch(node: fx.Node, owned: frozenset[int]) -> int:
     o = _OUTLINED[cast(int, node.args[0])]
-    return o.backward_scratch if node.target is BACKWARD else o.forward_scratch
+    return o.scratch(node.target is BACKWARD, owned)
+
+
+def _handover(node: fx.Node) -> Callable[[list[Any]], list[Any]]:
+    """The function an executor calls for ``node`` with its inputs handed over (see
+    :data:`functrans.extend.HANDOVER_OPS`): the region's compiled graph, run boxed, which frees
+    each input after its last use in the block (a block's residuals die in its backward as the
+    unrolled step frees them; through the dispatcher they would live until it returns)."""
+    o = _OUTLINED[cast(int, node.args[0])]
+    return o.backward if node.target is BACKWARD else o.run_forward
 
 
 for _packet in (_OPS.outlined_fwd, _OPS.outlined_fwd_random):
@@ -159,6 +192,7 @@ for _packet in (_OPS.outlined_fwd, _OPS.outlined_fwd_random):
     flop_registry[_packet] = _forward_flops
 for _op in (FORWARD, FORWARD_RANDOM, BACKWARD):
     CALL_SCRATCH[_op] = _scratch
+    HANDOVER_OPS[_op] = _handover
 
 
 def _region_joint(r: Region) -> JointGraph:
@@ -208,7 +242,7 @@ def _compile_region(
     o = Outlined(
         id=next(_IDS),
         partition=p,
-        forward=backend.compile(p.forward, examples),
+        forward=boxed(backend.compile(p.forward, examples)),
         backward=boxed(backend.compile(p.backward, [])),
         kept=tuple(kept),
         residuals=tuple(residuals),
@@ -217,8 +251,6 @@ def _compile_region(
         grads=tuple(n.meta["val"] for n in p.backward.output_nodes()),
         forward_flops=sum(flops(n) for n in p.forward.ops()),
         random=any(is_random(n) for n in p.forward.ops()),
-        forward_scratch=call_scratch(p.forward.fx_graph),
-        backward_scratch=call_scratch(p.backward.fx_graph),
     )
     _OUTLINED[o.id] = o
     return o
@@ -263,6 +295,7 @@ def outline(
     and returns ``jg``, which holds the compiled regions (``jg.outlined``) as long as it
     lives."""
     compiled: dict[int, Outlined] = {}
+    handed_over = bool(getattr(backend, "hands_over", False))
     graph = jg.fx_graph
     forward_of: dict[int, tuple[fx.Node, list[fx.Node], Outlined]] = {}  # by call
     for node in list(graph.nodes):
@@ -277,6 +310,7 @@ def outline(
         if node.target is FORWARD_OP:
             op = FORWARD_RANDOM if o.random else FORWARD
             new = _replace(graph, node, op, (o.id, args), list(o.returned))
+            new.meta[HANDED_OVER] = handed_over
             forward_of[call] = (new, args, o)
             continue
         fwd, inputs, o = forward_of.pop(call)
@@ -284,7 +318,8 @@ def outline(
             inputs[r.position] if r.from_input else _result(graph, fwd, r.position)
             for r in o.residuals
         ]
-        _replace(graph, node, BACKWARD, (o.id, [*saved, *args]), list(o.grads))
+        bwd = _replace(graph, node, BACKWARD, (o.id, [*saved, *args]), list(o.grads))
+        bwd.meta[HANDED_OVER] = handed_over
         _say_made_by(fwd, o)
     graph.lint()
     jg.graph_module.recompile()

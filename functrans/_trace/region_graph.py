@@ -23,7 +23,7 @@ from functrans._core.fakes import fake_empty
 from functrans._core.shapes import shape_env_of
 
 from .passes import out_of_place
-from .trace import inputs_first, late_inputs, no_stack_traces, view_base
+from .trace import in_traced_function, inputs_first, late_inputs, no_stack_traces, view_base
 
 __all__ = [
     "Region",
@@ -135,7 +135,11 @@ def trace_region(
 
     try:
         gm = make_fx(
-            joint, table, tracing_mode="fake", record_stack_traces=True, _allow_non_fake_inputs=True
+            in_traced_function(joint),
+            table,
+            tracing_mode="fake",
+            record_stack_traces=True,
+            _allow_non_fake_inputs=True,
         )(*probe)
     except _NotARegion:
         return None

@@ -22,8 +22,10 @@ that alias its inputs, or that mutates an input, a buffer or one of its attribut
 is traced inline as before (a block whose forward changed an attribute gets it back).
 
 Blocks are found in ``nn.ModuleList`` and ``nn.Sequential`` (a member with a sibling of the
-same class) and where :func:`region` marks a function or module. ``FUNCTRANS_REGIONS=0``
-traces every block inline (for A/B comparisons).
+same class) and where :func:`region` marks a function or module. ``ft.jit`` goes further
+where it can and cuts and compiles a region once (:mod:`functrans._jit.outline`);
+``FUNCTRANS_REGIONS=unrolled`` pastes the copies instead, and ``FUNCTRANS_REGIONS=0`` traces
+every block inline (both for A/B comparisons).
 """
 
 from __future__ import annotations
@@ -137,16 +139,18 @@ _INSIDE: contextvars.ContextVar[bool] = contextvars.ContextVar(
 
 
 def mode() -> str:
-    """``"off"`` (``FUNCTRANS_REGIONS=0``: every block traced inline), ``"compiled"``
-    (``FUNCTRANS_REGIONS=compiled``: ``ft.jit`` compiles a region once and calls it, see
-    :mod:`functrans._jit.outline`) or ``"unrolled"`` (the default: regions are traced once and
-    pasted into the step's graph)."""
+    """``"compiled"`` (the default, ``FUNCTRANS_REGIONS=1``: ``ft.jit`` cuts and compiles a
+    region once and calls it per block where it can, see :mod:`functrans._jit.outline`; regions
+    are traced once everywhere), ``"unrolled"`` (``FUNCTRANS_REGIONS=unrolled``: traced once,
+    pasted into the step's graph) or ``"off"`` (``FUNCTRANS_REGIONS=0``: every block traced
+    inline)."""
     raw = os.environ.get("FUNCTRANS_REGIONS", "1")
     found = _MODES.get(raw.strip().lower())
     if found is None:
         raise InvalidArgumentError(
-            f"FUNCTRANS_REGIONS={raw!r} is not accepted; it must be 1 (regions traced once, the "
-            "default), compiled (also cut and compiled once) or 0 (every block traced inline)"
+            f"FUNCTRANS_REGIONS={raw!r} is not accepted; it must be 1 or compiled (a region "
+            "traced, cut and compiled once: the default), unrolled (traced once, pasted into "
+            "the step) or 0 (every block traced inline)"
         )
     return found
 
@@ -154,8 +158,8 @@ def mode() -> str:
 #: what each accepted value of ``FUNCTRANS_REGIONS`` means
 _MODES = {
     **dict.fromkeys(("0", "false", "off", ""), "off"),
-    **dict.fromkeys(("1", "true", "on", "unrolled"), "unrolled"),
-    "compiled": "compiled",
+    **dict.fromkeys(("1", "true", "on", "compiled"), "compiled"),
+    "unrolled": "unrolled",
 }
 
 
@@ -242,6 +246,11 @@ class _Apply(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        with _no_torch_functions():
+            return _Apply._backward(ctx, *grads)
+
+    @staticmethod
+    def _backward(ctx: Any, *grads: torch.Tensor) -> Any:
         r = _lookup(ctx.key)
         # the region's backward was traced with contiguous cotangents: what it gets here is
         # made so (a no-op, and no node, for the usual contiguous gradient)
@@ -282,6 +291,14 @@ def _outside_outer_trace() -> Iterator[None]:
 # Calling a region
 
 
+def _no_torch_functions() -> contextlib.AbstractContextManager[Any]:
+    """No torch-function handling (modes, subclasses) meanwhile: a region call is one op of the
+    trace, recorded by the dispatch-level tracer; the torch-function modes of the trace (and
+    the disk cache's watch of the user's code) would otherwise see each of the few hundred
+    metadata reads and internal calls the region op makes, about 4 ms a block."""
+    return torch._C.DisableTorchFunction()
+
+
 def _call_region(
     key_parts: Any,
     tensors: list[torch.Tensor],
@@ -295,7 +312,8 @@ def _call_region(
     values; see :mod:`functrans._trace.region_keys`)."""
     s = _SESSION.get()
     assert s is not None
-    key = (key_parts, tuple(tensor_key(t) for t in tensors), aliasing(tensors), id(s.table))
+    with _no_torch_functions():  # metadata reads: no mode needs to see them
+        key = (key_parts, tuple(tensor_key(t) for t in tensors), aliasing(tensors), id(s.table))
     attrs = block[1] if block is not None else {}
     variants = s.by_key.setdefault(key, [])
     rid = next((v.rid for v in variants if matches(v.attrs, v.reads, attrs)), None)
@@ -320,7 +338,8 @@ def _call_region(
     if region is None:
         return eager()
     s.calls += 1
-    outs = _Apply.apply(rid, s.calls, *tensors)  # type: ignore[no-untyped-call]  # autograd.Function.apply is unannotated
+    with _no_torch_functions():
+        outs = _Apply.apply(rid, s.calls, *tensors)  # type: ignore[no-untyped-call]  # autograd.Function.apply is unannotated
     return pytree.tree_unflatten(list(outs), region.out_spec)
 
 

@@ -38,6 +38,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from functrans.extend import handover_call
+
 from ._cache import cache_root
 from ._native_build import cached_build
 from ._pycode import _attr
@@ -176,6 +178,8 @@ class _Builder:
                 self.program.constant_register(self.reg[n], _attr(self.gm, str(n.target)))
             elif n.op == "call_function" and n.target is operator.getitem:
                 self._getitem(n)
+            elif (fn := handover_call(n)) is not None:
+                self._pycall(n, fn)
             elif n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
                 self._call(n)
             elif n.op == "call_function" and n.target in _ARITH:
@@ -243,6 +247,18 @@ class _Builder:
             self.multi[n] = outs
         call = (schema.name, schema.overload_name, n.name, specs, outs)
         self.steps.append(("call", call, reads, outs))
+
+    def _pycall(self, n: fx.Node, fn: Callable[[list[Any]], list[Any]]) -> None:
+        """A call of ``fn`` on a list of the node's inputs, handed over: the inputs whose last
+        use it is are freed inside ``fn`` (:func:`functrans.extend.handover_call`)."""
+        inputs = n.args[1] if len(n.args) == 2 and not n.kwargs else None
+        if not isinstance(inputs, (list, tuple)) or not all(
+            isinstance(a, fx.Node) and a in self.reg for a in inputs
+        ):
+            raise _Unsupported(f"{n.name}: a handed-over call's inputs are not single values")
+        regs = [self.reg[a] for a in inputs]
+        self.lists[n] = out = self.new()
+        self.steps.append(("pycall", (fn, regs, out, n.name), regs, [out]))
 
     def _arith(self, n: fx.Node) -> None:
         """Integer arithmetic on sizes (a graph with symbolic shapes)."""

@@ -6,7 +6,9 @@ visible share of a training step. Here every call target and constant is bound o
 global of the generated function, ``getitem`` is plain indexing, and each value is deleted
 right after its last use, inputs included: the function takes its inputs as one list, which it
 empties (the boxed convention of :mod:`functrans.extend`'s ``Boxed``), so a backward frees each
-saved value as soon as its last reader ran.
+saved value as soon as its last reader ran. An op run by a function that takes its inputs over
+(:func:`functrans.extend.handover_call`) gets them in a list of its own, their names deleted
+first where it is their last use.
 
 >>> import torch, functrans as ft
 >>> g = ft.trace(lambda x: (x.sin() * 2).sum())(torch.ones(3))
@@ -35,6 +37,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch.fx as fx
+
+from functrans.extend import handover_call
 
 __all__ = ["FlatFunction", "flat_function"]
 
@@ -115,6 +119,13 @@ def flat_function(gm: fx.GraphModule) -> FlatFunction:
         e.names[n] = f"v{i}"
         if n.op == "get_attr":
             body.append(f"v{i} = {e.bind(_attr(gm, str(n.target)), 'c')}")
+        elif (fn := handover_call(n)) is not None:  # its dying inputs die inside the call
+            body.append(f"l{i} = {e.arg(n.args[1])}")
+            dead = [e.names[a] for a in dies.get(n, [])]
+            body += [f"del {', '.join(dead)}"] if dead else []
+            body.append(f"v{i} = {e.bind(fn, 'h')}(l{i})")
+            body.append(f"del l{i}")
+            continue
         elif n.op == "call_function" and n.target is operator.getitem and not n.kwargs:
             body.append(f"v{i} = {e.arg(n.args[0])}[{e.arg(n.args[1])}]")
         elif n.op == "call_function":

@@ -56,6 +56,15 @@ class AtenBackend:
     #: (``gelu_backward``, ``native_layer_norm_backward``) beat their decompositions run op by op
     decompositions: str = "minimal"
 
+    @property
+    def hands_over(self) -> bool:
+        """Whether its programs run ops that take their inputs over
+        (:func:`functrans.extend.handover_call`: a compiled region, whose inputs then die
+        inside it) by calling their function with the only references (the native and Python
+        executors; ``"fx"`` calls them through the dispatcher, which holds each input until
+        the op returns)."""
+        return self.executor != "fx"
+
     def __post_init__(self) -> None:
         if self.executor not in _EXECUTORS:
             raise ValueError(

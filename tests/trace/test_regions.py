@@ -46,7 +46,7 @@ def regions_env() -> Iterator[Callable[[bool], None]]:
     before = os.environ.get("FUNCTRANS_REGIONS")
 
     def set_to(on: bool) -> None:
-        os.environ["FUNCTRANS_REGIONS"] = "1" if on else "0"
+        os.environ["FUNCTRANS_REGIONS"] = "unrolled" if on else "0"
 
     yield set_to
     if before is None:

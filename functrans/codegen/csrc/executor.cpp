@@ -5,7 +5,9 @@
 // same boxed arguments, defaults filled in from the schema), so results are bit for bit the
 // Python executor's; only the per-op cost of parsing Python arguments is gone. Values live in
 // numbered registers; a register is cleared after its last use, as the Python executor's
-// `del` does. Built and loaded by `functrans.codegen._native`.
+// `del` does. An op whose call is a Python function taking its inputs over (a compiled region,
+// `functrans.extend.handover_call`) is a "pycall" step: the list it gets holds the only
+// references to the inputs whose last use it is. Built and loaded by `functrans.codegen._native`.
 #include <torch/extension.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
@@ -63,6 +65,7 @@ struct Step {
   std::string name;        // the FX node, for error messages
   bool numbers = false;    // numbers may stand for tensors (also in kernels it redispatches to)
   char arith = 0;          // no op: integer arithmetic on sizes (+ - * / % n(eg) <(min) >(max))
+  py::object fn;           // set: a pycall, fn(list of the registers in args[0].items) -> list
 };
 
 // Python's integer semantics (floor division and modulo round towards -infinity)
@@ -227,6 +230,27 @@ class Program {
     steps_.push_back(std::move(step));
   }
 
+  // out = fn([regs...]) for a Python function that takes its list over: the registers in
+  // `frees` are cleared before the call, so the list holds their only references
+  void pycall(py::object fn, const std::vector<int>& regs, int out, const std::string& node,
+              std::vector<int> frees) {
+    Step step;
+    step.fn = std::move(fn);
+    Arg arg;
+    arg.kind = Arg::kTensors;
+    for (int r : regs) {
+      Source src;
+      src.reg = r;
+      arg.items.push_back(std::move(src));
+    }
+    step.args.push_back(std::move(arg));
+    step.outs = {out};
+    step.frees = std::move(frees);
+    step.name = node;
+    check(step);
+    steps_.push_back(std::move(step));
+  }
+
   // A value placed in `reg` before every run (get_attr nodes)
   void constant_register(int reg, py::handle value) {
     constants_.emplace_back(reg, from_python(value));
@@ -322,7 +346,7 @@ class Program {
         }
       }
     }
-    if (!s.op && !s.arith) {
+    if (!s.op && !s.arith && !s.fn) {
       check_register(s.args.at(0).one.reg, s.name.c_str());
     }
     for (int r : s.outs) {
@@ -367,6 +391,9 @@ class Program {
         int64_t a = s.args[0].one.get(regs).toInt();
         int64_t b = s.arith == 'n' ? 0 : s.args[1].one.get(regs).toInt();
         regs[s.outs[0]] = arithmetic(s.arith, a, b);
+      } else if (s.fn) {
+        run_pycall(s, regs);  // clears its frees itself, before the call
+        continue;
       } else if (!s.op) {
         regs[s.outs[0]] = regs[s.args[0].one.reg].toListRef().at(s.index);
       } else {
@@ -391,6 +418,26 @@ class Program {
         regs[r] = c10::IValue();
       }
     }
+  }
+
+  static void run_pycall(const Step& s, std::vector<c10::IValue>& regs) {
+    py::gil_scoped_acquire gil;
+    const auto& items = s.args[0].items;
+    py::list args(items.size());
+    for (size_t i = 0; i < items.size(); ++i) {
+      args[i] = py::reinterpret_steal<py::object>(THPVariable_Wrap(regs[items[i].reg].toTensor()));
+    }
+    for (int r : s.frees) {
+      regs[r] = c10::IValue();
+    }
+    py::object result = s.fn(args);  // empties `args`: each input dies after its last use
+    c10::List<at::Tensor> out;
+    for (auto v : result) {
+      TORCH_CHECK(THPVariable_Check(v.ptr()), "functrans: node ", s.name,
+                  " returned a non-tensor: ", py::str(v.get_type()));
+      out.push_back(THPVariable_Unpack(v.ptr()));
+    }
+    regs[s.outs[0]] = std::move(out);
   }
 
   static void push(const Arg& a, const std::vector<c10::IValue>& regs, torch::jit::Stack& stack) {
@@ -446,6 +493,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("call", &Program::call)
       .def("item", &Program::item)
       .def("arith", &Program::arith)
+      .def("pycall", &Program::pycall)
       .def("constant_register", &Program::constant_register)
       .def("set_outputs", &Program::set_outputs)
       .def("set_fallback", &Program::set_fallback)
