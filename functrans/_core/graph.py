@@ -255,7 +255,7 @@ class JointGraph(Graph):
             differentiable = tuple(is_differentiable(v) for v in vals)
         self.differentiable = differentiable
         #: the traced regions its region ops call, where the trace kept them
-        #: (``FUNCTRANS_REGIONS=compiled``, :mod:`functrans._jit.outline`); else empty
+        #: (``ft.jit``'s default, :mod:`functrans._jit.outline`); else empty
         self.regions: tuple[Any, ...] = ()
         #: those regions cut and compiled, once its region calls were rewritten to call them
         self.outlined: tuple[Any, ...] = ()

@@ -318,7 +318,7 @@ class Builder:
 
     def _outlines(self, dims: Dims | None, subclass: bool) -> bool:
         """Whether a training step compiles its repeated regions once
-        (``FUNCTRANS_REGIONS=compiled``, :mod:`functrans._jit.outline`)."""
+        (the default, :mod:`functrans._jit.outline`)."""
         strategy = self.options.partition
         return (
             region_mode() == "compiled"

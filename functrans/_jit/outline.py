@@ -1,10 +1,10 @@
-"""Repeated regions compiled once (``FUNCTRANS_REGIONS=compiled``): one block's forward and
+"""Repeated regions compiled once (``ft.jit``'s default): one block's forward and
 backward compiled once and called for every block, instead of pasted into the step's graph.
 
-By default a stack of identical blocks is traced once (:mod:`functrans._trace.regions`), then
-pasted back into the step's joint graph, block by block: partitioning and code generation
-still pay once per block. Here the step's joint graph keeps one opaque op per block call
-instead:
+A stack of identical blocks is traced once (:mod:`functrans._trace.regions`); pasted back
+into the step's joint graph block by block (``FUNCTRANS_REGIONS=unrolled``, and what
+:func:`functrans.joint` gives), partitioning and code generation would still pay once per
+block. Here the step's joint graph keeps one opaque op per block call instead:
 
 1. each region (one per structural key) becomes a joint graph of its own, cut with the
    step's strategy, and its forward and backward graphs are compiled once by the step's
@@ -16,13 +16,16 @@ instead:
 3. the step is then partitioned as usual: the outlined forward is a compute-intensive op whose
    FLOPs are the region forward's (a strategy saves its residuals rather than rerun the block,
    and a block drawing random numbers is never rerun), and compiled as usual: the ops run the
-   region's compiled graphs.
+   region's compiled graphs. The ``aten`` backend's executors call them with their inputs
+   handed over (:data:`functrans.extend.HANDOVER_OPS`), so an input whose last use a call is
+   dies inside it; other backends call them through the dispatcher.
 
 Each block runs the same ATen ops as the unrolled step (recomputation inside a block may be
 chosen differently, which changes no value; random numbers are drawn in the same order), so
 the results are the unrolled step's bit for bit. What the step's plan no longer sees is the
 inside of a block: its cut is the region's own (the same in every block), and the memory
-simulation counts a block call's outputs and residuals, not its temporaries.
+simulation counts a block call's outputs and residuals, and its temporaries (with the inputs
+handed to it) as the op's scratch, read from the region's graphs simulated alone.
 
 Outlining applies to training steps traced with static shapes under strategies that cut a
 block by itself (:data:`LOCAL_STRATEGIES`); anything else is unrolled as before.

@@ -42,7 +42,7 @@ class DiskKey:
 
     fn: Callable[..., Any]  # the user's function (what jit wraps)
     kind: str  # "forward" (inference: trace), "joint" (training: joint), "joint-regions"
-    # (a joint trace that kept its region ops: FUNCTRANS_REGIONS=compiled)
+    # (a joint trace that kept its region ops: ft.jit's default)
     options: Any  # jit's _Options (strategy, backend, static_argnums, decompositions, ...)
     state: Any  # functrans._core.state.State at the call
     flat: Any  # the call's Flat (structure and static leaves)

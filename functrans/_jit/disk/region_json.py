@@ -1,5 +1,5 @@
 """Traced regions as JSON: what a stored joint trace whose region ops were kept
-(``FUNCTRANS_REGIONS=compiled``, :mod:`functrans._jit.outline`) needs to compile them again.
+(``ft.jit``'s default, :mod:`functrans._jit.outline`) needs to compile them again.
 
 A :class:`~functrans._trace.region_graph.Region` is its joint graph (stored as a graph,
 :mod:`functrans._jit.disk.graph_json`) and lists of that graph's nodes, stored by name, with
