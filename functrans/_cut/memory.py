@@ -34,6 +34,7 @@ Works on any pair of FX graphs whose nodes carry ``meta["val"]`` (ours, or torch
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -177,8 +178,9 @@ def _settle_calls(tl: _Timeline) -> None:
     those whose last use it is inside itself (they leave the timeline as it starts, and count
     in its scratch until their last use in its graph)."""
     for node, t, keys in tl.calls:
-        owned = frozenset(
-            i
+        # each with the bytes of its storage (a slice keeps its whole base alive)
+        candidates = tuple(
+            (i, tl.size[k])
             for i, k in enumerate(keys)
             if node.meta.get(HANDED_OVER)
             and not isinstance(k, list)
@@ -187,11 +189,11 @@ def _settle_calls(tl: _Timeline) -> None:
             and k not in tl.host
             and keys.count(k) == 1
         )
-        for i in owned:
+        memory = CALL_SCRATCH[node.target](node, candidates)
+        for i in memory.owned:
             tl.end[keys[i]] = t - 1
-        scratch = CALL_SCRATCH[node.target](node, owned)
-        if scratch:
-            tl.new((id(node), "scratch"), scratch, t)
+        if memory.scratch:
+            tl.new((id(node), "scratch"), memory.scratch, t)
 
 
 def _key_of(node: fx.Node, keys: dict[fx.Node, Any], tl: _Timeline, t: int, tag: str) -> Any:
@@ -199,8 +201,14 @@ def _key_of(node: fx.Node, keys: dict[fx.Node, Any], tl: _Timeline, t: int, tag:
     if root is not node:  # a view, or one output of a multi-output op: an existing storage
         return keys[root] if index is None else keys[root][index]
     val = node.meta.get("val")
-    if isinstance(val, (tuple, list)):
-        return [tl.new((tag, node.name, i), nbytes(v), t) for i, v in enumerate(val)]
+    if isinstance(val, (tuple, list)):  # one storage per result; a result given twice, one
+        made: list[Any] = []
+        for i, v in enumerate(val):
+            again = next((j for j in range(i) if val[j] is v), None) if v is not None else None
+            made.append(
+                made[again] if again is not None else tl.new((tag, node.name, i), nbytes(v), t)
+            )
+        return made
     return tl.new((tag, node.name), nbytes(val), t, bool(node.meta.get(HOST)))
 
 
@@ -295,25 +303,24 @@ def peak_bytes(forward: fx.Graph, backward: fx.Graph) -> int:
     return simulate(forward, backward).peak_bytes
 
 
-def call_scratch(graph: fx.Graph, owned: frozenset[int] = frozenset()) -> int:
+def call_scratch(graph: fx.Graph, owned: Mapping[int, int] | None = None) -> int:
     """Bytes a call of ``graph`` holds at its peak beyond the results it hands back and the
-    inputs the caller holds throughout: the scratch of an op that runs the graph. The inputs
-    at the positions ``owned`` are the call's own (handed over): they count until their last
-    use in ``graph``.
+    inputs the caller holds throughout: the scratch of an op that runs the graph. ``owned``
+    maps the positions of the inputs that are the call's own (handed over) to the bytes of
+    their storages: they count until their last use in ``graph``.
 
     >>> import torch, functrans as ft
     >>> g = ft.trace(lambda x: (torch.tanh(x) + x).exp().sum())(torch.ones(256))
     >>> call_scratch(g.fx_graph)  # tanh and the sum live together (2 KiB), less the 4-byte sum
     2044
-    >>> call_scratch(g.fx_graph, frozenset({0}))  # and x (1 KiB), until the add has read it
+    >>> call_scratch(g.fx_graph, {0: 1024})  # and x (1 KiB), until the add has read it
     3068
     """
     tl = _Timeline()
     env: dict[str, Any] = {}
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    for i in owned:
-        p = placeholders[i]
-        env[p.name] = tl.new(("call", p.name), nbytes(p.meta.get("val")), 0)
+    for i, size in (owned or {}).items():
+        env[placeholders[i].name] = tl.new(("call", placeholders[i].name), size, 0)
     t = _storages(graph, tl, 0, env, "call", inputs_free=True)
     live = tl.live(t + 1)
     return max(0, max(live) - live[t + 1])

@@ -23,7 +23,7 @@ import contextlib
 import threading
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.fx as fx
@@ -32,7 +32,7 @@ from functrans._core.shapes import hint
 
 from .allocator import cpu_allocations
 
-__all__ = ["CALL_SCRATCH", "SCRATCH_OPS", "scratch_bytes"]
+__all__ = ["CALL_SCRATCH", "SCRATCH_OPS", "CallMemory", "scratch_bytes"]
 
 aten = torch.ops.aten
 
@@ -45,12 +45,21 @@ SCRATCH_OPS: dict[Any, str] = {
     aten.native_batch_norm_backward.default: "per-channel partial sums",
 }
 
+
+class CallMemory(NamedTuple):
+    """What a call of a compiled graph holds while it runs, beyond its inputs and results."""
+
+    scratch: int  # bytes at its peak: temporaries, and the inputs it owns until their last use
+    owned: frozenset[int]  # positions of the inputs that die inside it
+
+
 #: Ops that run a compiled graph (an outlined region, :mod:`functrans._jit.outline`), with
-#: how many bytes a call holds beyond its inputs and outputs: read from the graph's own
-#: simulation, not measured. The rule also gets the positions of the inputs the call owns
-#: (handed over, :data:`functrans.extend.HANDOVER_OPS`: they die inside it, and count in its
-#: bytes until their last use there). Filled by the modules that define the ops.
-CALL_SCRATCH: dict[Any, Callable[[fx.Node, frozenset[int]], int]] = {}
+#: what a call holds beyond its inputs and outputs: read from the graph's own simulation, not
+#: measured. The rule gets the inputs the call may own (handed over,
+#: :data:`functrans.extend.HANDOVER_OPS`, and used last by it), as (position, bytes of its
+#: storage) pairs, and says which of them die inside it (not one the graph returns, which
+#: lives until the call ends) and the bytes. Filled by the modules that define the ops.
+CALL_SCRATCH: dict[Any, Callable[[fx.Node, tuple[tuple[int, int], ...]], CallMemory]] = {}
 
 _MEASURED: dict[tuple[Any, ...], int] = {}
 _LOCK = threading.Lock()
@@ -69,7 +78,7 @@ def scratch_bytes(node: fx.Node) -> int:
     """
     rule = CALL_SCRATCH.get(node.target) if node.op == "call_function" else None
     if rule is not None:
-        return rule(node, frozenset())
+        return rule(node, ()).scratch
     if node.op != "call_function" or not (node.target in SCRATCH_OPS or _casts_inputs(node)):
         return 0
     key = _signature(node)

@@ -69,7 +69,7 @@ from functrans._cut.cost import flops, storage_of
 from functrans._cut.memory import call_scratch
 from functrans._cut.offload import Cut
 from functrans._cut.partition import Partition, Strategy, apply_cut, partition
-from functrans._cut.scratch import CALL_SCRATCH
+from functrans._cut.scratch import CALL_SCRATCH, CallMemory
 from functrans._trace.passes import InputSpec, canonicalize
 from functrans._trace.region_graph import Region, Storages, results_like
 from functrans._trace.regions import BACKWARD_OP, FORWARD_OP
@@ -117,21 +117,28 @@ class Outlined:
     random: bool
     #: per result of the forward op: the op that made it in the block, and its source line
     made_by: tuple[tuple[str, str | None], ...]
-    #: bytes a call holds at its peak beyond its inputs and results (the region's graphs
-    #: simulated on their own): its temporaries, which the step's simulation cannot see; by
-    #: (backward, positions of the inputs the call owns), filled as asked
-    _scratch: dict[tuple[bool, frozenset[int]], int] = field(
+    #: what a call holds beyond its inputs and results (the region's graphs simulated on
+    #: their own): its temporaries, which the step's simulation cannot see; by (backward,
+    #: positions of the inputs it may own), filled as asked
+    _memory: dict[tuple[bool, tuple[tuple[int, int], ...]], CallMemory] = field(
         default_factory=dict, repr=False, compare=False
     )
 
-    def scratch(self, backward: bool, owned: frozenset[int]) -> int:
-        """Bytes a call of the forward or ``backward`` graph holds beyond its results and
-        the inputs its caller keeps; the inputs at positions ``owned`` die inside it."""
-        key = (backward, owned)
-        if key not in self._scratch:
-            graph = self.partition.backward if backward else self.partition.forward
-            self._scratch[key] = call_scratch(graph.fx_graph, owned)
-        return self._scratch[key]
+    def call_memory(self, backward: bool, candidates: tuple[tuple[int, int], ...]) -> CallMemory:
+        """What a call of the forward or ``backward`` graph holds beyond its results and the
+        inputs its caller keeps: the inputs in ``candidates`` (position, bytes of its storage)
+        are handed to it and die inside it, except those its graph returns (a residual that
+        is an input: the forward op drops it, but it lives until the graph returns)."""
+        key = (backward, candidates)
+        if key not in self._memory:
+            graph = (self.partition.backward if backward else self.partition.forward).fx_graph
+            inputs = [n for n in graph.nodes if n.op == "placeholder"]
+            returned = set(
+                next(n for n in reversed(graph.nodes) if n.op == "output").all_input_nodes
+            )
+            owned = {i: size for i, size in candidates if inputs[i] not in returned}
+            self._memory[key] = CallMemory(call_scratch(graph, owned), frozenset(owned))
+        return self._memory[key]
 
     def run_forward(self, inputs: list[Any]) -> list[Any]:
         """The forward op's results: ``inputs`` (a list this call empties) through the
@@ -176,9 +183,9 @@ def _forward_flops(id: int, inputs: Any, out_val: Any = None) -> int:
     return _OUTLINED[id].forward_flops
 
 
-def _scratch(node: fx.Node, owned: frozenset[int]) -> int:
+def _scratch(node: fx.Node, candidates: tuple[tuple[int, int], ...]) -> CallMemory:
     o = _OUTLINED[cast(int, node.args[0])]
-    return o.scratch(node.target is BACKWARD, owned)
+    return o.call_memory(node.target is BACKWARD, candidates)
 
 
 def _handover(node: fx.Node) -> Callable[[list[Any]], list[Any]]:
@@ -341,9 +348,17 @@ def _replace(
     # the region op's results keep their values (and their getitems); residuals get fresh ones
     old = cast(list[Any], node.meta["val"])
     storages = Storages(_fake_mode(node))
-    new.meta["val"] = [*old, *(storages.fresh(v) for v in vals[len(old) :])]
+    out = [*old, *(storages.fresh(v) for v in vals[len(old) :])]
+    # a tensor the region returns twice (one gradient of two inputs) is one result: one value
+    for i, v in enumerate(vals):
+        first = next(j for j in range(i + 1) if vals[j] is v)
+        out[i] = out[first]
+    new.meta["val"] = out
     node.replace_all_uses_with(new)
     graph.erase_node(node)
+    for user in new.users:
+        if is_getitem(user) and isinstance(user.args[1], int):
+            user.meta["val"] = out[user.args[1]]
     return new
 
 

@@ -340,3 +340,79 @@ def test_other_backends_run_the_outlined_calls(regions: Any, backend: str) -> No
     (grads, none), (grads_c, calls) = results
     assert (none, calls) == (0, 8)
     torch.testing.assert_close(grads_c, grads)
+
+
+def test_a_backend_that_does_not_hand_over_reports_what_it_holds(regions: Any) -> None:
+    # the fx executor calls an outlined op through the dispatcher, which holds its inputs until
+    # it returns: its calls are marked so, and the report counts them alive through the call
+    from functrans import codegen
+    from functrans._core.graph import HANDED_OVER
+    from functrans.codegen.aten import AtenBackend
+
+    codegen.register_backend("aten_fx_outline_test", AtenBackend(executor="fx"), replace=True)
+    regions("compiled")
+    step, _, p = _gpt_step(2, partition="default", backend="aten_fx_outline_test")
+    calls = _calls(p)
+    assert calls and not any(n.meta[HANDED_OVER] for n in calls)
+    measured = measure_peak(step).peak_bytes
+    assert abs(measured - p.peak_bytes) <= 0.01 * measured, (measured, p.peak_bytes)
+    _, _, q = _gpt_step(2, partition="default")
+    assert all(n.meta[HANDED_OVER] for n in _calls(q))
+    assert q.peak_bytes < p.peak_bytes  # what handing the inputs over saves
+
+
+class _Shift(nn.Module):
+    """``tanh(x + m) * scale``: its backward returns one tensor as the gradient of x and m."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(d))
+
+    def forward(self, x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x + m) * self.scale
+
+
+class _Shifts(nn.Module):
+    def __init__(self, kind: str, d: int = 256) -> None:
+        super().__init__()
+        self.kind = kind
+        self.inp = nn.Linear(d, 4 * d)
+        self.blocks = nn.ModuleList(_Shift(d) for _ in range(3))
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        d = x.shape[-1]
+        m = (bias * 2).expand(x.shape[0], d)  # 1 KiB seen as 256 KiB
+        if self.kind == "clone":
+            m = m.clone()  # recomputed from bias in the backward: the calls read it last
+        if self.kind == "slice":
+            x = self.inp(x)[..., :d]  # a quarter of a buffer the first call reads last
+        for b in self.blocks:
+            x = b(x, m)
+        return x.sum()
+
+
+@pytest.mark.parametrize("kind", ["clone", "expand", "slice"])
+def test_the_peak_of_calls_handed_odd_inputs(regions: Any, kind: str) -> None:
+    # found by review: an input the region's forward also returns (a residual) lived until
+    # the call returned while the report freed it as the call began (forward 1,048,576 B
+    # reported, 1,310,720 measured); a slice handed over was counted at its own size, not
+    # its base's; a tensor the region's backward returns twice was counted twice
+    regions("compiled")
+    torch.manual_seed(0)
+    model = _Shifts(kind)
+    x = torch.randn(256, 256, requires_grad=True)
+    bias = torch.randn(1, 256, requires_grad=True)
+    f = ft.jit(model)
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        x.grad = bias.grad = None
+        f(x, bias).backward()
+
+    step()
+    (p,) = f.partitions()
+    assert _calls(p)
+    forward = measure_peak(lambda: f(x, bias))
+    assert abs(forward.peak_bytes - p.memory.forward_peak) <= 64, (forward, p.memory)
+    measured = measure_peak(step).peak_bytes
+    assert abs(measured - p.peak_bytes) <= 0.001 * measured, (measured, p.peak_bytes)

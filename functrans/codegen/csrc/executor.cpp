@@ -438,6 +438,11 @@ class Program {
       out.push_back(THPVariable_Unpack(v.ptr()));
     }
     regs[s.outs[0]] = std::move(out);
+    for (int r : s.frees) {
+      if (r == s.outs[0]) {
+        regs[r] = c10::IValue();  // a result nobody reads
+      }
+    }
   }
 
   static void push(const Arg& a, const std::vector<c10::IValue>& regs, torch::jit::Stack& stack) {
