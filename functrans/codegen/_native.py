@@ -42,7 +42,7 @@ from functrans.extend import handover_call
 
 from ._cache import cache_root
 from ._native_build import cached_build
-from ._pycode import _attr
+from ._pycode import FlatFunction, _attr, flat_function
 
 __all__ = ["native_function", "native_module"]
 
@@ -141,9 +141,14 @@ def native_function(gm: fx.GraphModule) -> Callable[..., list[Any]] | None:
     except Exception:  # _Unsupported, or a constant the schema refuses: run it in Python
         return None
 
+    flat: list[FlatFunction] = []
+
     def fallback(*args: Any) -> list[Any]:  # inputs __torch_function__ would intercept
-        out = gm(*args)
-        return list(out) if isinstance(out, (list, tuple)) else [out]
+        # the Python executor (built on first use): the same OpOverload calls gm makes, and
+        # its handed-over calls still take their inputs over (what the memory report counts)
+        if not flat:
+            flat.append(flat_function(gm))
+        return flat[0](*args)
 
     program.set_fallback(fallback)
     run: Callable[..., list[Any]] = program  # also program.call_boxed(list): the boxed call

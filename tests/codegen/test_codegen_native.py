@@ -2,6 +2,7 @@
 the same bits, the same strides as the FX graph, and a clear way out when it cannot run."""
 
 import operator
+import sys
 import threading
 import warnings
 
@@ -298,3 +299,45 @@ def test_regression_a_number_is_a_fresh_tensor_on_every_run():
 def test_regression_arguments_the_schema_does_not_take_are_not_dropped():
     gm = _graph(lambda g, a: [g.call_function(aten.add.Tensor, (a, a), {"alpah": 3})])
     assert _native.native_function(gm) is None  # the graph module raises; so does Python
+
+
+_HANDOVER_LIB = torch.library.Library("functrans_test_handover", "DEF")
+_HANDOVER_LIB.define("call(int id, Tensor[] inputs) -> Tensor[]")
+
+
+def test_a_handed_over_call_takes_its_inputs_under_a_torch_function_mode_too(monkeypatch):
+    """An op in HANDOVER_OPS runs its boxed function with a list holding the only references
+    to the inputs it reads last, natively and in the fallback a torch-function mode forces
+    (found by review: the fallback ran the graph module, through the dispatcher)."""
+    from functrans.extend import HANDOVER_OPS
+
+    op = torch.ops.functrans_test_handover.call.default
+    via: list[str] = []
+    monkeypatch.setitem(HANDOVER_OPS, op, lambda node: run_boxed)
+
+    def run_boxed(args):
+        alone = [sys.getrefcount(t) for t in args]  # the list's reference, and the call's
+        xs = list(args)
+        args.clear()
+        via.append(f"handover {alone}")
+        return [t * 2 for t in xs]
+
+    g = fx.Graph()
+    x = g.placeholder("x")
+    s = g.call_function(aten.sin.default, (x,))
+    c = g.call_function(op, (0, [s]))
+    g.output([g.call_function(operator.getitem, (c, 0))])
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    run = _native.native_function(gm)
+    if run is None:
+        pytest.skip("no native executor here")
+    want = torch.ones(2).sin() * 2
+
+    class Passthrough(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    assert torch.equal(run(torch.ones(2))[0], want)
+    with Passthrough():
+        assert torch.equal(run(torch.ones(2))[0], want)
+    assert len(via) == 2 and via[0] == via[1], via
