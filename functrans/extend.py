@@ -84,6 +84,7 @@ from ._core.backends import register_backend as register_backend
 from ._core.boxed import HANDOVER_OPS as HANDOVER_OPS
 from ._core.boxed import Boxed as Boxed
 from ._core.boxed import BoxedCallable as BoxedCallable
+from ._core.boxed import Picked as Picked
 from ._core.boxed import boxed as boxed
 from ._core.boxed import handover_call as handover_call
 from ._core.errors import FunctransError as FunctransError

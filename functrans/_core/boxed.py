@@ -23,12 +23,13 @@ their last reader there.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, final, runtime_checkable
 
 if TYPE_CHECKING:
     import torch.fx as fx
 
-__all__ = ["HANDOVER_OPS", "Boxed", "BoxedCallable", "boxed", "handover_call"]
+__all__ = ["HANDOVER_OPS", "Boxed", "BoxedCallable", "Picked", "boxed", "handover_call"]
 
 
 @runtime_checkable
@@ -102,6 +103,30 @@ def boxed(compiled: Callable[..., Any]) -> Callable[[list[Any]], list[Any]]:
         return list(compiled(*values))
 
     return call
+
+
+@final
+@dataclass(frozen=True)
+class Picked:
+    """A boxed function whose results are those of ``run`` at the positions ``picks``: what
+    an executor may run as ``run`` itself, keeping those results (a compiled region's forward
+    returns its residuals, of which the op hands out some).
+
+    >>> from functrans.extend import Picked
+    >>> def run(args):
+    ...     a, b = args
+    ...     args.clear()
+    ...     return [a + b, a, b]
+    >>> Picked(run, (0, 2))([1, 2])
+    [3, 2]
+    """
+
+    run: Callable[[list[Any]], list[Any]]
+    picks: tuple[int, ...]
+
+    def __call__(self, args: list[Any]) -> list[Any]:
+        results = self.run(args)
+        return [results[i] for i in self.picks]
 
 
 #: Ops of schema ``(int id, Tensor[] inputs) -> Tensor[]`` that an executor may run by calling

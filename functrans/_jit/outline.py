@@ -50,7 +50,7 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
 
 from functrans._core.backends import Backend
-from functrans._core.boxed import HANDOVER_OPS, boxed
+from functrans._core.boxed import HANDOVER_OPS, Picked, boxed
 from functrans._core.flop_formulas import flop_registry
 from functrans._core.format import op_name
 from functrans._core.graph import (
@@ -140,11 +140,11 @@ class Outlined:
             self._memory[key] = CallMemory(call_scratch(graph, owned), frozenset(owned))
         return self._memory[key]
 
-    def run_forward(self, inputs: list[Any]) -> list[Any]:
+    @property
+    def run_forward(self) -> Picked:
         """The forward op's results: ``inputs`` (a list this call empties) through the
         compiled forward, the results the op returns picked out."""
-        results = self.forward(inputs)
-        return [results[i] for i in self.kept]
+        return Picked(self.forward, self.kept)
 
 
 #: the outlined regions alive in this process, by id (the compiled step's ops name them by id;

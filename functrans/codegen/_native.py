@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from functrans.extend import handover_call
+from functrans.extend import Picked, handover_call
 
 from ._cache import cache_root
 from ._native_build import cached_build
@@ -263,6 +263,13 @@ class _Builder:
             raise _Unsupported(f"{n.name}: a handed-over call's inputs are not single values")
         regs = [self.reg[a] for a in inputs]
         self.lists[n] = out = self.new()
+        run, picks = (fn.run, fn.picks) if isinstance(fn, Picked) else (fn, None)
+        sub = getattr(run, "__self__", None)
+        if isinstance(sub, type(self.program)) and getattr(run, "__name__", "") == "call_boxed":
+            # another native program (a region compiled natively): run from C++, no Python
+            picked = list(range(sub.num_outputs)) if picks is None else list(picks)
+            self.steps.append(("subcall", (sub, picked, regs, out, n.name), regs, [out]))
+            return
         self.steps.append(("pycall", (fn, regs, out, n.name), regs, [out]))
 
     def _arith(self, n: fx.Node) -> None:

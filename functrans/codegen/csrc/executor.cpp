@@ -56,6 +56,8 @@ struct Arg {
   std::vector<Source> items;
 };
 
+class Program;
+
 struct Step {
   std::optional<c10::OperatorHandle> op;  // none: item `index` of the list in args[0]
   int64_t index = 0;
@@ -66,6 +68,8 @@ struct Step {
   bool numbers = false;    // numbers may stand for tensors (also in kernels it redispatches to)
   char arith = 0;          // no op: integer arithmetic on sizes (+ - * / % n(eg) <(min) >(max))
   py::object fn;           // set: a pycall, fn(list of the registers in args[0].items) -> list
+  const Program* sub = nullptr;  // set (fn holds it): that program run on the registers
+  std::vector<int64_t> picks;    // ... and these of its outputs, as one list
 };
 
 // Python's integer semantics (floor division and modulo round towards -infinity)
@@ -251,6 +255,24 @@ class Program {
     steps_.push_back(std::move(step));
   }
 
+  // out = [outputs `picks` of `program`] run on the registers `regs`, from C++: a pycall whose
+  // function is another program's call_boxed (a compiled region), without Python between
+  void subcall(py::object program, std::vector<int64_t> picks, const std::vector<int>& regs,
+               int out, const std::string& node, std::vector<int> frees) {
+    const Program* sub = program.cast<const Program*>();
+    TORCH_CHECK(regs.size() == sub->inputs.size(), node, ": ", regs.size(), " inputs for a ",
+                "program of ", sub->inputs.size());
+    for (int64_t k : picks) {
+      TORCH_CHECK(k >= 0 && static_cast<size_t>(k) < sub->outputs_.size(), node, ": output ", k,
+                  " of ", sub->outputs_.size());
+    }
+    pycall(std::move(program), regs, out, node, std::move(frees));
+    steps_.back().sub = sub;
+    steps_.back().picks = std::move(picks);
+  }
+
+  int num_outputs() const { return static_cast<int>(outputs_.size()); }
+
   // A value placed in `reg` before every run (get_attr nodes)
   void constant_register(int reg, py::handle value) {
     constants_.emplace_back(reg, from_python(value));
@@ -391,6 +413,9 @@ class Program {
         int64_t a = s.args[0].one.get(regs).toInt();
         int64_t b = s.arith == 'n' ? 0 : s.args[1].one.get(regs).toInt();
         regs[s.outs[0]] = arithmetic(s.arith, a, b);
+      } else if (s.sub) {
+        run_subcall(s, regs);  // clears its frees itself, before the call
+        continue;
       } else if (s.fn) {
         run_pycall(s, regs);  // clears its frees itself, before the call
         continue;
@@ -416,6 +441,34 @@ class Program {
       }
       for (int r : s.frees) {
         regs[r] = c10::IValue();
+      }
+    }
+  }
+
+  static void run_subcall(const Step& s, std::vector<c10::IValue>& regs) {
+    const Program& p = *s.sub;
+    std::vector<c10::IValue> inner(p.num_registers);
+    for (const auto& [reg, value] : p.constants_) {
+      inner[reg] = value;
+    }
+    const auto& items = s.args[0].items;
+    for (size_t i = 0; i < items.size(); ++i) {
+      inner[p.inputs[i]] = regs[items[i].reg];
+    }
+    for (int r : s.frees) {
+      regs[r] = c10::IValue();  // `inner` now holds the only references to these
+    }
+    p.execute(inner);
+    c10::List<at::Tensor> out;
+    for (int64_t k : s.picks) {
+      auto v = p.outputs_[k].get(inner);
+      TORCH_CHECK(v.isTensor(), "functrans: node ", s.name, " returned a non-tensor");
+      out.push_back(v.toTensor());
+    }
+    regs[s.outs[0]] = std::move(out);
+    for (int r : s.frees) {
+      if (r == s.outs[0]) {
+        regs[r] = c10::IValue();  // a result nobody reads
       }
     }
   }
@@ -499,6 +552,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("item", &Program::item)
       .def("arith", &Program::arith)
       .def("pycall", &Program::pycall)
+      .def("subcall", &Program::subcall)
+      .def_property_readonly("num_outputs", &Program::num_outputs)
       .def("constant_register", &Program::constant_register)
       .def("set_outputs", &Program::set_outputs)
       .def("set_fallback", &Program::set_fallback)
