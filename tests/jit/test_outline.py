@@ -416,3 +416,27 @@ def test_the_peak_of_calls_handed_odd_inputs(regions: Any, kind: str) -> None:
     assert abs(forward.peak_bytes - p.memory.forward_peak) <= 64, (forward, p.memory)
     measured = measure_peak(step).peak_bytes
     assert abs(measured - p.peak_bytes) <= 0.001 * measured, (measured, p.peak_bytes)
+
+
+def test_a_natively_compiled_region_is_called_from_the_native_program(
+    regions: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # each block call of a region the native executor compiled runs that program from C++
+    # (a subcall step), not through Python: the forward keeps the results its op returns
+    from functrans.codegen import _native
+
+    if _native.native_module() is None:
+        pytest.skip("no native executor here")
+    kinds: list[str] = []
+    build = _native._Builder._pycall
+
+    def spy(self: Any, n: torch.fx.Node, fn: Any) -> None:
+        build(self, n, fn)
+        kinds.append(self.steps[-1][0])
+
+    monkeypatch.setattr(_native._Builder, "_pycall", spy)
+    regions("compiled")
+    step, _, p = _gpt_step(3, partition="min_cut")
+    assert kinds == ["subcall"] * len(_calls(p)) and kinds
+    measured = measure_peak(step).peak_bytes
+    assert abs(measured - p.peak_bytes) <= 0.01 * measured, (measured, p.peak_bytes)
