@@ -181,9 +181,8 @@ def _settle_calls(tl: _Timeline) -> None:
         # each with the bytes of its storage (a slice keeps its whole base alive)
         candidates = tuple(
             (i, tl.size[k])
-            for i, k in enumerate(keys)
-            if node.meta.get(HANDED_OVER)
-            and not isinstance(k, list)
+            for i, k in enumerate(keys if node.meta.get(HANDED_OVER) else ())
+            if not isinstance(k, list)
             and tl.end[k] == t
             and tl.size[k] > 0
             and k not in tl.host

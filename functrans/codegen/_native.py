@@ -265,7 +265,7 @@ class _Builder:
         self.lists[n] = out = self.new()
         run, picks = (fn.run, fn.picks) if isinstance(fn, Picked) else (fn, None)
         sub = getattr(run, "__self__", None)
-        if isinstance(sub, type(self.program)) and getattr(run, "__name__", "") == "call_boxed":
+        if isinstance(sub, type(self.program)) and run == sub.call_boxed:
             # another native program (a region compiled natively): run from C++, no Python
             picked = list(range(sub.num_outputs)) if picks is None else list(picks)
             self.steps.append(("subcall", (sub, picked, regs, out, n.name), regs, [out]))

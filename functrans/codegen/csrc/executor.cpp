@@ -159,9 +159,6 @@ class Program {
                                                                  symbol.toUnqualString()));
     torch::jit::ToIValueAllowNumbersAsTensors numbers(step.numbers);
     step.op = op;
-    step.outs = std::move(outs);
-    step.frees = std::move(frees);
-    step.name = node;
     for (size_t i = 0; i < args.size(); ++i) {
       const auto& formal = schema.arguments()[i];
       auto spec = py::reinterpret_borrow<py::tuple>(args[i]);
@@ -196,8 +193,7 @@ class Program {
       }
       step.args.push_back(std::move(arg));
     }
-    check(step);
-    steps_.push_back(std::move(step));
+    add(std::move(step), std::move(outs), node, std::move(frees));
   }
 
   // out = src[index], for ops that return a list of tensors
@@ -207,11 +203,7 @@ class Program {
     Arg arg;
     arg.one.reg = src;
     step.args.push_back(std::move(arg));
-    step.outs = {out};
-    step.frees = std::move(frees);
-    step.name = node;
-    check(step);
-    steps_.push_back(std::move(step));
+    add(std::move(step), {out}, node, std::move(frees));
   }
 
   // out = a <code> b on integers (sizes of a graph with symbolic shapes); `a`, `b` are
@@ -227,32 +219,16 @@ class Program {
       arg.one = element(spec, c10::IntType::get());
       step.args.push_back(std::move(arg));
     }
-    step.outs = {out};
-    step.frees = std::move(frees);
-    step.name = node;
-    check(step);
-    steps_.push_back(std::move(step));
+    add(std::move(step), {out}, node, std::move(frees));
   }
 
   // out = fn([regs...]) for a Python function that takes its list over: the registers in
   // `frees` are cleared before the call, so the list holds their only references
   void pycall(py::object fn, const std::vector<int>& regs, int out, const std::string& node,
               std::vector<int> frees) {
-    Step step;
+    Step step = on_registers(regs);
     step.fn = std::move(fn);
-    Arg arg;
-    arg.kind = Arg::kTensors;
-    for (int r : regs) {
-      Source src;
-      src.reg = r;
-      arg.items.push_back(std::move(src));
-    }
-    step.args.push_back(std::move(arg));
-    step.outs = {out};
-    step.frees = std::move(frees);
-    step.name = node;
-    check(step);
-    steps_.push_back(std::move(step));
+    add(std::move(step), {out}, node, std::move(frees));
   }
 
   // out = [outputs `picks` of `program`] run on the registers `regs`, from C++: a pycall whose
@@ -266,9 +242,11 @@ class Program {
       TORCH_CHECK(k >= 0 && static_cast<size_t>(k) < sub->outputs_.size(), node, ": output ", k,
                   " of ", sub->outputs_.size());
     }
-    pycall(std::move(program), regs, out, node, std::move(frees));
-    steps_.back().sub = sub;
-    steps_.back().picks = std::move(picks);
+    Step step = on_registers(regs);
+    step.fn = std::move(program);  // keeps `sub` alive
+    step.sub = sub;
+    step.picks = std::move(picks);
+    add(std::move(step), {out}, node, std::move(frees));
   }
 
   int num_outputs() const { return static_cast<int>(outputs_.size()); }
@@ -308,6 +286,29 @@ class Program {
   py::object run_boxed(const py::list& values) { return run_sequence(values, true); }
 
  private:
+  // Every step ends here: its outputs, the registers whose last use it is, its node's name
+  void add(Step step, std::vector<int> outs, const std::string& node, std::vector<int> frees) {
+    step.outs = std::move(outs);
+    step.frees = std::move(frees);
+    step.name = node;
+    check(step);
+    steps_.push_back(std::move(step));
+  }
+
+  // A step whose one argument is the list of the registers `regs` (pycall, subcall)
+  static Step on_registers(const std::vector<int>& regs) {
+    Step step;
+    Arg arg;
+    arg.kind = Arg::kTensors;
+    for (int r : regs) {
+      Source src;
+      src.reg = r;
+      arg.items.push_back(std::move(src));
+    }
+    step.args.push_back(std::move(arg));
+    return step;
+  }
+
   py::object run_sequence(py::handle seq, bool boxed) {
     PyObject* obj = seq.ptr();
     const Py_ssize_t n = PySequence_Fast_GET_SIZE(obj);
