@@ -138,7 +138,7 @@ def trace_region(
             in_traced_function(joint),
             table,
             tracing_mode="fake",
-            record_stack_traces=True,
+            record_stack_traces=False,  # on inside: in_traced_function
             _allow_non_fake_inputs=True,
         )(*probe)
     except _NotARegion:

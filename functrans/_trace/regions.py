@@ -75,7 +75,7 @@ from .region_keys import (
     tensor_key,
     value_key,
 )
-from .trace import TRACE_CONTEXTS, TRACE_PASSES, no_stack_traces
+from .trace import TRACE_CONTEXTS, TRACE_PASSES, no_stack_traces, record_call
 
 __all__ = [
     "BACKWARD_OP",
@@ -236,8 +236,10 @@ class _Apply(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, key: int, call: int, *inputs: torch.Tensor) -> Any:
         r = _lookup(key)
-        with no_stack_traces():
-            got = _FWD(key, call, list(inputs))
+        got = results_like([n.meta["val"] for n in r.outputs], inputs)
+        if not record_call(_FWD, (key, call), inputs, got):
+            with no_stack_traces():
+                got = _FWD(key, call, list(inputs))
         ctx.key, ctx.call = key, call
         ctx.mark_non_differentiable(
             *[o for o, d in zip(got, r.differentiable, strict=False) if not d]
@@ -255,8 +257,10 @@ class _Apply(torch.autograd.Function):
         # the region's backward was traced with contiguous cotangents: what it gets here is
         # made so (a no-op, and no node, for the usual contiguous gradient)
         cots = [g.contiguous() for g, d in zip(grads, r.differentiable, strict=False) if d]
-        with no_stack_traces():
-            got = _BWD(ctx.key, ctx.call, cots)
+        got = results_like([g.meta["val"] for _, g in r.grads], cots)
+        if not record_call(_BWD, (ctx.key, ctx.call), cots, got):
+            with no_stack_traces():
+                got = _BWD(ctx.key, ctx.call, cots)
         out: list[torch.Tensor | None] = [None] * len(r.primals)
         for (i, _), g in zip(r.grads, got, strict=False):
             out[i] = g

@@ -129,6 +129,41 @@ def test_joint_graph_is_the_unrolled_one(regions_env: Callable[[bool], None]) ->
     assert str(on) == str(off)
 
 
+def test_region_calls_recorded_directly_as_make_fx_would(
+    regions_env: Callable[[bool], None], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a region call's node and its results' getitems are written into the trace without
+    # dispatching the op (record_call); the graph and every value's layout are the ones the
+    # op's dispatch through make_fx gives
+    def kept(record: Callable[..., bool]) -> tuple[str, list[Any], int]:
+        monkeypatch.setattr(_regions, "record_call", record)
+        torch.manual_seed(0)
+        seq = nn.Sequential(*[Block(p=0.0) for _ in range(3)])
+        params = {k: v.detach().requires_grad_() for k, v in seq.named_parameters()}
+
+        def g(ps: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+            return torch.func.functional_call(seq, ps, (x,)).sum()
+
+        regions_env(True)
+        with _regions.deferred():
+            jg = ft.joint(g, argnums=(0, 1))(params, _x())
+        calls = [n for n in jg.graph_module.graph.nodes if n.target is _regions.FORWARD_OP]
+        return str(jg), _layout(jg), len(calls)
+
+    recorded: list[bool] = []
+
+    def spy(*args: Any) -> bool:
+        recorded.append(_regions_record(*args))
+        return recorded[-1]
+
+    _regions_record = _regions.record_call
+    direct = kept(spy)
+    assert recorded and all(recorded)  # every call of the 3 blocks, forward and backward
+    dispatched = kept(lambda *args: False)
+    assert direct[2] == 3
+    assert direct == dispatched
+
+
 def test_a_region_takes_its_cotangents_contiguous(regions_env: Callable[[bool], None]) -> None:
     # the region's backward was traced with a contiguous cotangent; the last block's gradient
     # from a bare sum is an expanded scalar, made contiguous once before it enters the copy
