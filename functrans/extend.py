@@ -99,6 +99,8 @@ from ._core.graph import Graph as Graph
 from ._core.graph import JointGraph as JointGraph
 from ._core.graph import Phase as Phase
 from ._core.graph import Role as Role
+from ._core.ops import cancelled_transposes as cancelled_transposes
+from ._core.ops import permutation as permutation
 from ._core.plugins import PluginError as PluginError
 from ._core.plugins import PluginRegistry as PluginRegistry
 from ._core.plugins import PluginWarning as PluginWarning

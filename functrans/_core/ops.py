@@ -24,12 +24,14 @@ __all__ = [
     "COMPUTE_INTENSIVE",
     "RANDOM_UNLESS",
     "OpClass",
+    "cancelled_transposes",
     "is_collective",
     "is_getitem",
     "is_random",
     "is_view_op",
     "op_class",
     "overload_of",
+    "permutation",
 ]
 
 aten = torch.ops.aten
@@ -235,3 +237,55 @@ def is_view_op(node_or_target: fx.Node | object) -> bool:
 def is_getitem(node: fx.Node) -> bool:
     """Whether ``node`` takes one element of a multi-output op's result (``operator.getitem``)."""
     return node.target is operator.getitem
+
+
+def permutation(node: fx.Node) -> list[int] | None:
+    """The dim permutation a transposing node (``t``, ``transpose``, ``permute``) applies, or
+    None for any other node.
+
+    >>> import torch, functrans as ft
+    >>> g = ft.trace(lambda x: x.transpose(0, 2) * 2)(torch.ones(2, 3, 4))
+    >>> [permutation(n) for n in g.ops()]
+    [[2, 1, 0], None]
+    """
+    val = node.meta.get("val")
+    rank = val.dim() if isinstance(val, torch.Tensor) else None
+    if rank is None:
+        return None
+    if node.target is aten.t.default:
+        return [1, 0] if rank == 2 else list(range(rank))
+    if node.target is aten.transpose.int:
+        dims: Any = node.args[1:3]
+        a, b = (int(d) % max(rank, 1) for d in dims)
+        p = list(range(rank))
+        p[a], p[b] = p[b], p[a]
+        return p
+    if node.target is aten.permute.default:
+        order: Any = node.args[1]
+        return [int(d) % max(rank, 1) for d in order]
+    return None
+
+
+def cancelled_transposes(node: fx.Node) -> fx.Node | None:
+    """What ``node`` reads back unchanged through a transpose pair that cancels (None: it
+    does not). Traced graphs have none left (:func:`functrans.trace` drops them); passes that
+    build graphs of their own use it.
+
+    >>> import torch
+    >>> from torch.fx.experimental.proxy_tensor import make_fx
+    >>> gm = make_fx(lambda x: x.t().t() * 2)(torch.ones(2, 3))
+    >>> [(n.name, getattr(cancelled_transposes(n), "name", None)) for n in gm.graph.nodes][1:4]
+    [('t', None), ('t_1', 'x_1'), ('mul', None)]
+    """
+    outer = permutation(node) if node.op == "call_function" else None
+    inner_node = node.args[0] if outer is not None else None
+    if outer is None or not isinstance(inner_node, fx.Node):
+        return None
+    inner = permutation(inner_node) if inner_node.op == "call_function" else None
+    if inner is None or len(inner) != len(outer):
+        return None
+    if [inner[o] for o in outer] != list(range(len(outer))):
+        return None
+    base = inner_node.args[0]
+    assert isinstance(base, fx.Node)
+    return base

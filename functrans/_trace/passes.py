@@ -19,7 +19,7 @@ import torch
 import torch.fx as fx
 
 from functrans._core.graph import PATH, ROLE, SOURCE, Role, lazy_module
-from functrans._core.ops import is_collective, is_random, is_view_op
+from functrans._core.ops import cancelled_transposes, is_collective, is_random, is_view_op
 from functrans._core.tags import REMAT
 
 __all__ = ["InputSpec", "canonicalize", "no_gc", "out_of_place", "source_of"]
@@ -91,9 +91,9 @@ _LIBRARY_DIRS = tuple(
 def canonicalize(
     gm: fx.GraphModule, inputs: Sequence[InputSpec], *, cse: bool = True
 ) -> fx.GraphModule:
-    """Rename and tag placeholders, drop identity ops, merge common subexpressions (unless
-    ``cse`` is False: a graph that recomputes on purpose), remove dead code, record source
-    lines."""
+    """Rename and tag placeholders, drop identity ops and transpose pairs that cancel, merge
+    common subexpressions (unless ``cse`` is False: a graph that recomputes on purpose), remove
+    dead code, record source lines."""
     new = fx.Graph()
     env: dict[fx.Node, Any] = {}
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -106,11 +106,16 @@ def canonicalize(
         p.meta[PATH] = spec.path
         env[node] = p
     seen: dict[Any, fx.Node] = {}
+    outputs = set(next(n for n in reversed(gm.graph.nodes) if n.op == "output").all_input_nodes)
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             continue
         if node.op == "call_function" and node.target in _IDENTITY_OPS:
             env[node] = env[node.args[0]]
+            continue
+        base = cancelled_transposes(node)
+        if base is not None and not (env[base].op == "placeholder" and node in outputs):
+            env[node] = env[base]  # t(t(w)) in a linear's backward: w itself
             continue
         key = cse_key(node, env) if cse else None
         if key is not None and key in seen:
