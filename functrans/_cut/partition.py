@@ -31,7 +31,6 @@ from .cost import (
     is_input_alias,
     nbytes,
     nbytes_expr,
-    storage_nbytes,
     storage_of,
     storage_value,
 )
@@ -95,6 +94,7 @@ class SavedValue:
         val = node.meta.get("val")
         tensor = val if isinstance(val, torch.Tensor) else None
         root, index = storage_of(node)
+        whole = storage_value(node)
         return cls(
             node=node,
             op="input"
@@ -106,11 +106,11 @@ class SavedValue:
             is_input=is_input_alias(node),
             source=node.meta.get(SOURCE),
             storage=root.name if index is None else f"{root.name}[{index}]",
-            storage_bytes=storage_nbytes(node),
+            storage_bytes=nbytes(whole),
             shape_expr=tuple(map(str, tensor.shape))
             if tensor is not None and is_symbolic(tensor)
             else None,
-            bytes_expr=nbytes_expr(storage_value(node)),
+            bytes_expr=nbytes_expr(whole),
         )
 
 

@@ -769,3 +769,28 @@ def test_functrans_digest_follows_its_files_stats(
     assert digest() == first  # stats alike: the digest alike (as Python's bytecode check)
     (src / "sub" / "b.cpp").write_text("int xy;\n")  # a C++ file counts too
     assert digest() != first
+
+
+def test_fingerprints_tell_dict_kinds_and_module_state_apart():
+    # plain dicts take a shortcut in the fingerprint (a module holds a dozen): their kind,
+    # keys and values still count, and a module's hooks and attributes still do
+    from collections import OrderedDict
+
+    from functrans._jit.disk.fingerprint import Fingerprint
+
+    class Sub(dict):  # type: ignore[type-arg]
+        pass
+
+    digest = lambda v: Fingerprint().digest(v)  # noqa: E731
+    kinds = [digest(d) for d in ({"a": 1}, OrderedDict(a=1), Sub(a=1), {"a": 2}, {"b": 1}, {})]
+    assert len(set(kinds)) == len(kinds)
+    assert digest({"a": 1}) == digest({"a": 1})
+
+    def block(p: float = 0.1) -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(p))
+
+    hooked = block()
+    hooked.register_forward_hook(lambda *a: None)
+    assert len({digest(block()), digest(block(0.2)), digest(hooked)}) == 3
+    assert digest(block()) == digest(block())

@@ -98,6 +98,7 @@ class Fingerprint:
 
     def __init__(self) -> None:
         self._h = hashlib.sha256()
+        self._parts: list[str] = []  # hashed in one update: a module tree has thousands
         self._memo: dict[int, int] = {}
         self._alive: list[Any] = []  # keeps ids unique while hashing
         self._depth = 0
@@ -108,6 +109,8 @@ class Fingerprint:
         """Hash ``values`` into this fingerprint and return the hex digest so far."""
         for v in values:
             self.add(v)
+        self._h.update("".join(self._parts).encode())
+        self._parts.clear()
         return self._h.hexdigest()
 
     def add(self, obj: Any, names: Iterable[str] | None = None) -> None:
@@ -122,7 +125,7 @@ class Fingerprint:
             self._depth -= 1
 
     def _w(self, tag: str, text: str = "") -> None:
-        self._h.update(f"{tag}:{text}\x00".encode())
+        self._parts.append(f"{tag}:{text}\x00")
 
     def _add(self, obj: Any, names: Iterable[str] | None) -> None:
         t = type(obj)
@@ -267,6 +270,10 @@ class Fingerprint:
         self._w("ndarray", f"{a.dtype}{getattr(a, 'shape', ())}{hashlib.sha256(raw).hexdigest()}")
 
     def _instance(self, obj: Any, t: type) -> None:
+        if t is dict or t is collections.OrderedDict:  # a module has a dozen, most empty
+            self._w(t.__name__)
+            self._dict(obj, t is collections.OrderedDict and _hook_table(obj))
+            return
         if isinstance(obj, (types.GeneratorType, types.CoroutineType, weakref.ref)):
             raise Unhashable(f"a {t.__qualname__}")
         for base in t.__mro__:
@@ -280,12 +287,7 @@ class Fingerprint:
         self._w("object")
         self.add(t)
         if isinstance(obj, dict):
-            hooks = isinstance(obj, collections.OrderedDict) and _hook_table(obj)
-            for k, v in obj.items():
-                if not hooks:  # hook tables are keyed by a process-wide counter
-                    self.add(k)
-                self.add(v)
-            self._w("end")
+            self._dict(obj, isinstance(obj, collections.OrderedDict) and _hook_table(obj))
         elif isinstance(obj, (list, tuple)):
             self._items(obj)
         attrs = getattr(obj, "__dict__", None)
@@ -304,6 +306,14 @@ class Fingerprint:
         for name in _slots(t):
             self._w("slot", name)
             self.add(getattr(obj, name, _Missing))
+
+
+    def _dict(self, d: dict[Any, Any], hooks: bool) -> None:
+        for k, v in d.items():
+            if not hooks:  # hook tables are keyed by a process-wide counter
+                self.add(k)
+            self.add(v)
+        self._w("end")
 
 
 class _Missing:
