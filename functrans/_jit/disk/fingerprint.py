@@ -307,7 +307,6 @@ class Fingerprint:
             self._w("slot", name)
             self.add(getattr(obj, name, _Missing))
 
-
     def _dict(self, d: dict[Any, Any], hooks: bool) -> None:
         for k, v in d.items():
             if not hooks:  # hook tables are keyed by a process-wide counter
