@@ -236,8 +236,13 @@ class _Apply(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, key: int, call: int, *inputs: torch.Tensor) -> Any:
         r = _lookup(key)
-        got = results_like([n.meta["val"] for n in r.outputs], inputs)
-        if not record_call(_FWD, (key, call), inputs, got):
+        got = record_call(
+            _FWD,
+            (key, call),
+            inputs,
+            lambda: results_like([n.meta["val"] for n in r.outputs], inputs),
+        )
+        if got is None:
             with no_stack_traces():
                 got = _FWD(key, call, list(inputs))
         ctx.key, ctx.call = key, call
@@ -257,8 +262,13 @@ class _Apply(torch.autograd.Function):
         # the region's backward was traced with contiguous cotangents: what it gets here is
         # made so (a no-op, and no node, for the usual contiguous gradient)
         cots = [g.contiguous() for g, d in zip(grads, r.differentiable, strict=False) if d]
-        got = results_like([g.meta["val"] for _, g in r.grads], cots)
-        if not record_call(_BWD, (ctx.key, ctx.call), cots, got):
+        got = record_call(
+            _BWD,
+            (ctx.key, ctx.call),
+            cots,
+            lambda: results_like([g.meta["val"] for _, g in r.grads], cots),
+        )
+        if got is None:
             with no_stack_traces():
                 got = _BWD(ctx.key, ctx.call, cots)
         out: list[torch.Tensor | None] = [None] * len(r.primals)

@@ -541,33 +541,35 @@ def record_call(
     op: torch._ops.OpOverload,
     statics: tuple[Any, ...],
     tensors: Sequence[torch.Tensor],
-    results: Sequence[torch.Tensor],
-) -> bool:
-    """Inside a trace: record ``op(*statics, list(tensors))`` returning ``results`` (fake tensors
-    the caller made) as the op's node and one ``getitem`` node per result, without dispatching
-    the op. For opaque ops whose results the caller knows (a region call): make_fx's dispatch
-    would run the op's fake kernel and then snapshot and describe every result, about 1.5 ms
-    for a block's forward and as much for its backward's gradients. False, and nothing
-    recorded, outside a trace, for an input the trace does not know, or for results with
-    symbolic sizes (whose sizes make_fx tracks too): dispatch the op then."""
+    results: Callable[[], Sequence[torch.Tensor]],
+) -> list[torch.Tensor] | None:
+    """Inside a trace: record ``op(*statics, list(tensors))`` returning ``results()`` (fake
+    tensors the caller makes, called only once the op will be recorded) as the op's node and
+    one ``getitem`` node per result, without dispatching the op; the results. For opaque ops
+    whose results the caller knows (a region call): make_fx's dispatch would run the op's fake
+    kernel and then snapshot and describe every result, about 1.5 ms for a block's forward and
+    as much for its backward's gradients. None, and nothing recorded, outside a trace, for an
+    input the trace does not know, or for inputs with symbolic sizes (whose results' sizes
+    make_fx tracks too): dispatch the op then."""
     mode = get_proxy_mode()
-    if mode is None or any(is_symbolic(r) for r in results):
-        return False
+    if mode is None or any(is_symbolic(t) for t in tensors):
+        return None
     tracer = mode.tracer
     args: list[fx.Node] = []
     for t in tensors:
         slot = get_proxy_slot(t, tracer, None)
         if slot is None:
-            return False
+            return None
         args.append(slot.proxy.node)
+    made = list(results())
     graph: fx.Graph = tracer.graph
     node = graph.create_node("call_function", op, (*statics, args), {}, op.overloadpacket.__name__)
-    node.meta["val"] = list(results)
-    for i, r in enumerate(results):
+    node.meta["val"] = made
+    for i, r in enumerate(made):
         item = graph.call_function(operator.getitem, (node, i))
         item.meta["val"] = r
         set_proxy_slot(r, tracer, _ProxyTensor(fx.Proxy(item, tracer), None))
-    return True
+    return made
 
 
 def inputs_first(gm: fx.GraphModule) -> None:

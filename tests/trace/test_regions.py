@@ -135,7 +135,7 @@ def test_region_calls_recorded_directly_as_make_fx_would(
     # a region call's node and its results' getitems are written into the trace without
     # dispatching the op (record_call); the graph and every value's layout are the ones the
     # op's dispatch through make_fx gives
-    def kept(record: Callable[..., bool]) -> tuple[str, list[Any], int]:
+    def kept(record: Callable[..., Any]) -> tuple[str, list[Any], int]:
         monkeypatch.setattr(_regions, "record_call", record)
         torch.manual_seed(0)
         seq = nn.Sequential(*[Block(p=0.0) for _ in range(3)])
@@ -152,14 +152,15 @@ def test_region_calls_recorded_directly_as_make_fx_would(
 
     recorded: list[bool] = []
 
-    def spy(*args: Any) -> bool:
-        recorded.append(_regions_record(*args))
-        return recorded[-1]
+    def spy(*args: Any) -> list[torch.Tensor] | None:
+        got = _regions_record(*args)
+        recorded.append(got is not None)
+        return got
 
     _regions_record = _regions.record_call
     direct = kept(spy)
     assert recorded and all(recorded)  # every call of the 3 blocks, forward and backward
-    dispatched = kept(lambda *args: False)
+    dispatched = kept(lambda *args: None)
     assert direct[2] == 3
     assert direct == dispatched
 
