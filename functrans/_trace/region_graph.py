@@ -100,7 +100,11 @@ def trace_region(
     """The joint graph of ``call`` on fresh fakes like ``metas`` (None: not a region)."""
     # the enclosing trace's shape environment: a symbolic block's sizes are its symbols, and
     # the guards its trace records are the whole trace's
-    mode = FakeTensorMode(allow_non_fake_inputs=False, shape_env=shape_env_of(metas))
+    env = shape_env_of(metas)
+    mode = FakeTensorMode(allow_non_fake_inputs=False, shape_env=env)
+    # symbolic fakes: the fake-tensor cache's entries cost more than they save (as in
+    # ``symbolic_fakes``)
+    mode.cache_enabled = env is None
     with mode:
         probe = [_fresh(t).requires_grad_(t.requires_grad) for t in metas]
     wrt = [i for i, t in enumerate(metas) if t.requires_grad]
