@@ -794,3 +794,51 @@ def test_fingerprints_tell_dict_kinds_and_module_state_apart():
     hooked.register_forward_hook(lambda *a: None)
     assert len({digest(block()), digest(block(0.2)), digest(hooked)}) == 3
     assert digest(block()) == digest(block())
+
+
+def test_fingerprints_hash_each_kind_of_value_by_what_it_holds():
+    # the fingerprint picks how to hash a value by its type, once per type: every kind still
+    # hashes what it holds, and a value whose state lives in C is still refused
+    import enum
+    import functools
+
+    import numpy as np
+
+    from functrans._jit.disk.fingerprint import Fingerprint, Unhashable
+
+    class Color(enum.Enum):
+        RED = 1
+        BLUE = 2
+
+    class Version(str):
+        pass
+
+    class Holder:
+        scale = staticmethod(lambda x: x * 2)
+
+    digest = lambda v: Fingerprint().digest(v)  # noqa: E731
+    values = [
+        np.arange(3),
+        np.arange(4),
+        np.float32(1.0),
+        np.float64(1.0),
+        Color.RED,
+        Color.BLUE,
+        {1, 2},
+        {1, 3},
+        Version("2.1"),
+        Version("2.2"),
+        functools.partial(max, 1),
+        functools.partial(max, 2),
+        torch.ops.aten.add.Tensor,
+        torch.ops.aten.mul.Tensor,
+        Holder,
+        torch.ones(2),
+        torch.ones(3),
+    ]
+    digests = [digest(v) for v in values]
+    assert len(set(digests)) == len(values)
+    assert digest({2, 1}) == digest({1, 2})
+    assert digest(np.arange(3)) == digest(np.arange(3))
+    with pytest.raises(Unhashable, match="state lives in C"):
+        digest(iter([1, 2]))

@@ -152,41 +152,44 @@ class Fingerprint:
         self._object(obj, t, names)
 
     def _object(self, obj: Any, t: type, names: Iterable[str] | None) -> None:
-        if isinstance(obj, torch.Tensor):
+        kind = _kind(t)  # by type, once per type: a module tree walks a few types many times
+        if kind is _Kind.INSTANCE:
+            self._instance(obj, t)
+        elif kind is _Kind.TENSOR:
             self._tensor(obj)
-        elif isinstance(obj, enum.Enum):
+        elif kind is _Kind.ENUM:
             self._w("enum", _qualified(t))
             self._w("name", obj.name)
             self.add(obj.value)
-        elif t is types.FunctionType:
+        elif kind is _Kind.FUNCTION:
             self._function(obj)
-        elif t is types.MethodType:
+        elif kind is _Kind.METHOD:
             self._w("method")
             self.add(obj.__func__)
             self.add(obj.__self__)
-        elif t in (types.BuiltinFunctionType, types.MethodWrapperType, types.WrapperDescriptorType):
+        elif kind is _Kind.BUILTIN:
             self._builtin(obj)
-        elif t is functools.partial:
+        elif kind is _Kind.PARTIAL:
             self._w("partial")
             self._items((obj.func, obj.args, obj.keywords, obj.__dict__))
-        elif t in (staticmethod, classmethod):
+        elif kind is _Kind.WRAPPED:
             self._w(t.__name__)
             self.add(obj.__func__)
-        elif t is property:
+        elif kind is _Kind.PROPERTY:
             self._w("property")
             self._items((obj.fget, obj.fset, obj.fdel))
-        elif t is types.ModuleType:
+        elif kind is _Kind.MODULE:
             self._module(obj, names)
-        elif isinstance(obj, type):
+        elif kind is _Kind.CLASS:
             self._class(obj)
-        elif isinstance(obj, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        elif kind is _Kind.OP:
             self._w("op", str(obj))
-        elif isinstance(obj, _OPAQUE) or _qualified(t) in _OPAQUE_NAMES:
+        elif kind is _Kind.OPAQUE:
             self._w("opaque", _qualified(t))
-        elif t is set or t is frozenset:
+        elif kind is _Kind.SET:
             parts = sorted(Fingerprint().digest(v) for v in obj)
             self._w(t.__name__, ",".join(parts))
-        elif _is_numpy(obj):
+        elif hasattr(obj, "dtype"):  # a numpy array or scalar
             self._array(obj)
         else:
             self._instance(obj, t)
@@ -276,14 +279,12 @@ class Fingerprint:
             return
         if isinstance(obj, (types.GeneratorType, types.CoroutineType, weakref.ref)):
             raise Unhashable(f"a {t.__qualname__}")
-        for base in t.__mro__:
-            if base in _VALUE_BASES and isinstance(obj, base):
-                plain: Any = base  # the plain value (the str of a TorchVersion, ...)
-                value = plain(obj)
-                self._w(base.__name__, repr(value))
-                continue
-            if base not in _CONTAINER_BASES and not base.__flags__ & _HEAPTYPE:
-                raise Unhashable(f"a {_qualified(t)} (its state lives in C: {base.__qualname__})")
+        values, unseen = _layout(t)
+        if unseen is not None:
+            raise Unhashable(f"a {_qualified(t)} (its state lives in C: {unseen.__qualname__})")
+        for base in values:
+            plain: Any = base  # the plain value (the str of a TorchVersion, ...)
+            self._w(base.__name__, repr(plain(obj)))
         self._w("object")
         self.add(t)
         if isinstance(obj, dict):
@@ -319,6 +320,76 @@ class _Missing:
     """An unset slot."""
 
 
+class _Kind(enum.Enum):
+    """How :meth:`Fingerprint._object` hashes the instances of a type."""
+
+    TENSOR = enum.auto()
+    ENUM = enum.auto()
+    FUNCTION = enum.auto()
+    METHOD = enum.auto()
+    BUILTIN = enum.auto()
+    PARTIAL = enum.auto()
+    WRAPPED = enum.auto()  # staticmethod, classmethod
+    PROPERTY = enum.auto()
+    MODULE = enum.auto()
+    CLASS = enum.auto()
+    OP = enum.auto()
+    OPAQUE = enum.auto()
+    SET = enum.auto()
+    NUMPY = enum.auto()  # an array or scalar if the value has a dtype, else an instance
+    INSTANCE = enum.auto()
+
+
+_BUILTINS = (types.BuiltinFunctionType, types.MethodWrapperType, types.WrapperDescriptorType)
+
+
+@functools.lru_cache(maxsize=4096)
+def _kind(t: type) -> _Kind:
+    """The :class:`_Kind` of ``t``'s instances (every test is on the type alone)."""
+    if issubclass(t, torch.Tensor):
+        return _Kind.TENSOR
+    if issubclass(t, enum.Enum):
+        return _Kind.ENUM
+    exact = {
+        types.FunctionType: _Kind.FUNCTION,
+        types.MethodType: _Kind.METHOD,
+        functools.partial: _Kind.PARTIAL,
+        staticmethod: _Kind.WRAPPED,
+        classmethod: _Kind.WRAPPED,
+        property: _Kind.PROPERTY,
+        types.ModuleType: _Kind.MODULE,
+        set: _Kind.SET,
+        frozenset: _Kind.SET,
+    }
+    if t in exact:
+        return exact[t]
+    if t in _BUILTINS:
+        return _Kind.BUILTIN
+    if issubclass(t, type):
+        return _Kind.CLASS
+    if issubclass(t, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return _Kind.OP
+    if issubclass(t, _OPAQUE) or _qualified(t) in _OPAQUE_NAMES:
+        return _Kind.OPAQUE
+    if t.__module__ == "numpy":
+        return _Kind.NUMPY
+    return _Kind.INSTANCE
+
+
+@functools.lru_cache(maxsize=4096)
+def _layout(t: type) -> tuple[tuple[type, ...], type | None]:
+    """The plain value types among ``t``'s bases (an instance is hashed by its value as each:
+    the str of a TorchVersion), and the first base whose state lives in C where the walk cannot
+    see it (None if there is none)."""
+    values: list[type] = []
+    for base in t.__mro__:
+        if base in _VALUE_BASES:
+            values.append(base)
+        elif base not in _CONTAINER_BASES and not base.__flags__ & _HEAPTYPE:
+            return tuple(values), base
+    return tuple(values), None
+
+
 _HEAPTYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class defined in Python
 
 
@@ -344,10 +415,6 @@ def _qualified(c: type) -> str:
 def _user_class(c: type) -> bool:
     module = sys.modules.get(c.__module__)
     return classify(getattr(module, "__file__", None) or "") == "user"
-
-
-def _is_numpy(obj: Any) -> bool:
-    return type(obj).__module__ == "numpy" and hasattr(obj, "dtype")
 
 
 @functools.lru_cache(maxsize=8192)
