@@ -150,8 +150,9 @@ _SITE_PARTS = (f"{os.sep}site-packages{os.sep}", f"{os.sep}dist-packages{os.sep}
 @functools.lru_cache(maxsize=16384)
 def classify(filename: str) -> str:
     """Whose code a file holds: ``"trusted"`` (torch, functrans, the standard library: their
-    versions key the cache), ``"site"`` (installed packages: hashed), ``"user"`` (hashed, and
-    the globals its code reads are recorded), or ``"unknown"`` (code from no file).
+    versions key the cache), ``"site"`` (installed packages: known by their stat), ``"user"``
+    (hashed, and the globals its code reads are recorded), or ``"unknown"`` (code from no
+    file).
 
     >>> classify(torch.__file__), classify(__file__), classify("/home/me/train.py")
     ('trusted', 'trusted', 'user')

@@ -25,12 +25,13 @@ when all four are what they were when it was traced:
   inputs, never baked-in values: a graph holding a tensor constant other than a literal is
   stored as a path to that tensor, read again on load).
 - The *dependencies* (recorded while tracing, checked on load): every source file whose code
-  ran, by content hash, except torch's, functrans' and the standard library's (their versions
-  are in the key); and for user code (outside site-packages), the value of every module global
-  its code names (``SCALE`` set from argparse, a helper in another file, ``cfg.n_layer`` read
-  through a module). A file modified after this process started, code from no file, or user
-  code with closure cells that are neither in the key nor made during the trace means the
-  entry is not stored.
+  ran, except torch's, functrans' and the standard library's (their versions are in the key):
+  user code by content hash, installed packages' files by size, modification time and inode
+  (Python's own test for stale bytecode); and for user code (outside site-packages), the
+  value of every module global its code names (``SCALE`` set from argparse, a helper in
+  another file, ``cfg.n_layer`` read through a module). A file modified after this process
+  started, code from no file, or user code with closure cells that are neither in the key nor
+  made during the trace means the entry is not stored.
 - A trace with symbolic sizes (``dynamic=``) is keyed without the sizes of its symbolic
   dimensions and stored with the guards its trace recorded, checked on load and restored as
   the loaded graph's guards (:mod:`functrans._jit.disk.shapes`).
