@@ -127,8 +127,9 @@ class Recorder:
       argument ``self`` or ``cls``) also the class it was called on;
     - *reached* (:attr:`static`), at exit: what that code names, followed to a fixed point: a
       global or a module attribute that is a function (its code and the code nested in it),
-      a class (the functions in its and its bases' namespaces, properties and static and class
-      methods included), a bound method or ``functools.partial`` (what it wraps). This covers
+      a class (the functions in its and its bases' namespaces that reached code names, and
+      their dunder methods; properties and static and class methods included), a bound method
+      or ``functools.partial`` (what it wraps). This covers
       code that ran without calling torch (a helper that computes a size or reads a flag) and
       that no frame on a torch call's stack held, when it is reached by name.
 
@@ -229,9 +230,16 @@ def _reach(
     codes: dict[types.CodeType, dict[str, Any]], static: set[types.CodeType], classes: list[type]
 ) -> None:
     """Add to ``codes`` (and ``static``) the code that ``codes`` and ``classes`` reach by name
-    (see :class:`Recorder`), to a fixed point."""
+    (see :class:`Recorder`), to a fixed point. A class's functions are reached by their names
+    (a name some code reached so far uses: ``self.helper()``), its dunder methods always (called
+    without their name: ``len(x)``, ``x[i]``); a function waits until its name turns up. Every
+    function of a class was followed before: a Hugging Face model reached about 3,900 code
+    objects in 195 files that way (30 ms of each cold start), nearly all of them methods of
+    ``PreTrainedModel`` and its mixins that nothing that ran names."""
     work: list[tuple[types.CodeType, dict[str, Any]]] = list(codes.items())
     seen: set[int] = set()
+    named: set[str] = set()  # the names of the code reached so far
+    waiting: dict[str, list[Any]] = {}  # class functions whose name no code has used yet
     function, method, partial = types.FunctionType, types.MethodType, functools.partial
 
     def add(code: types.CodeType, glb: dict[str, Any]) -> None:
@@ -261,12 +269,15 @@ def _reach(
             for c in value.__mro__:
                 if _trusted_module(c.__module__):
                     continue
-                for attr in list(vars(c).values()):
-                    if type(attr) is function:
-                        visit(attr, names, depth + 1)
-                    elif isinstance(attr, _HOLDERS):
-                        for f in _functions_of(attr):
+                for name, attr in list(vars(c).items()):
+                    fs = _functions_of(attr)
+                    if not fs:
+                        continue
+                    if name in named or (name.startswith("__") and name.endswith("__")):
+                        for f in fs:
                             visit(f, names, depth + 1)
+                    else:
+                        waiting.setdefault(name, []).extend(fs)
         elif isinstance(value, types.ModuleType):
             if classify(getattr(value, "__file__", None) or "") == "trusted":
                 return
@@ -285,6 +296,10 @@ def _reach(
             if isinstance(c, types.CodeType):
                 add(c, glb)
         names = _code_names(code)
+        for name in names - named:
+            named.add(name)
+            for f in waiting.pop(name, ()):
+                visit(f, names)
         for name in names:
             if name in glb:
                 visit(glb[name], names)
