@@ -8,7 +8,9 @@
    compiles. Every variant's machinery is warmed up first on another, smaller model (imports,
    first-use caches), so the pass pays only for this model's compiles. Reference: eager's
    total plus one static compile of this model (``one_compile_s``: the static ``ft.jit``'s
-   first call minus an eager step). Target: the ``auto`` pass within 3x of it. The on-disk
+   first call minus an eager step). Target: the ``auto`` pass within 3x of it. Torch's
+   fake-tensor cache is emptied before each pass and each reference compile (it outlives a
+   compile: a later compile of the same model would reuse an earlier one's work). The on-disk
    trace cache is off (``FUNCTRANS_CACHE=0``): every compile here is a real one
    (``benchmarks.runtime`` measures what the cache costs and saves).
 2. Steady state at one shape (8 x 24): the step time of ``auto``'s dynamic entry against a
@@ -130,7 +132,18 @@ def variant(name: str, model: nn.Module) -> tuple[Callable[..., torch.Tensor], C
     return jm, lambda: jm.cache_info().misses
 
 
+def cold_fake_cache() -> None:
+    """Empty torch's fake-tensor cache, which lives on the class for the whole process: a
+    compile would otherwise reuse the meta results of an earlier variant's (or the
+    reference's) compile of the same model at the same shapes, which no fresh process has
+    (the reference compile took 0.13 s warm against 0.22 s cold)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    FakeTensorMode.cache_clear()
+
+
 def first_pass(name: str, data: list[Any], layers: int) -> dict[str, Any]:
+    cold_fake_cache()
     torch.manual_seed(0)
     step, compiles = variant(name, GPT(layers))
     t0 = time.perf_counter()
@@ -151,6 +164,7 @@ def warm_up(names: list[str]) -> None:
 def one_compile(data: list[Any], layers: int) -> float:
     """The static compile of this model at the first shape: jit's first call minus eager's."""
     idx, tgt = data[0]
+    cold_fake_cache()
     torch.manual_seed(0)
     model = GPT(layers)
     t0 = time.perf_counter()
