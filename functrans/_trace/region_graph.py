@@ -104,7 +104,8 @@ def trace_region(
     mode = FakeTensorMode(allow_non_fake_inputs=False, shape_env=env)
     # symbolic fakes: the fake-tensor cache's entries cost more than they save (as in
     # ``symbolic_fakes``)
-    mode.cache_enabled = env is None
+    if env is not None:
+        mode.cache_enabled = False
     with mode:
         probe = [_fresh(t).requires_grad_(t.requires_grad) for t in metas]
     wrt = [i for i, t in enumerate(metas) if t.requires_grad]

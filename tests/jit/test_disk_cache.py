@@ -730,14 +730,66 @@ def test_the_recorder_sees_code_that_runs_no_torch():
     assert (__name__, "_sizes_helper") in deps.globals  # what _pure_rows names
 
 
-class _Shapes:
+_PICK_INDEX = 0
+_SCALE = 2.0
+
+
+class _Pick(torch.nn.Module):
+    def forward(self, xs):  # called by Module.__call__, never by name; runs no torch
+        return xs[_PICK_INDEX]
+
+
+class _PickNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.pick, self.lin = _Pick(), torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(self.pick((x, x + 1))) * getattr(self, "_scale_" + "fixed")()
+
+    def _scale_fixed(self):  # picked by a computed name; runs no torch
+        return _SCALE
+
+
+def test_the_recorder_follows_every_function_of_a_user_class(cache):
+    # a user class's functions may run without their name in any code (a submodule's
+    # forward, a getattr by a computed name): all of them are followed, and the globals they
+    # read are dependencies (a review found these missed once classes were followed by name)
+    from functrans._jit.disk.code_deps import Recorder, dependencies
+
+    torch.manual_seed(0)
+    net = _PickNet()
+
+    def f(x):
+        return net(x)
+
+    with Recorder() as r:
+        ft.trace(f)(torch.ones(2, 4))
+    assert {_Pick.forward.__code__, _PickNet._scale_fixed.__code__} <= r.static
+    deps = dependencies(r, {f.__code__}, time.time() + 60)  # f: hashed by the key
+    assert {(__name__, "_PICK_INDEX"), (__name__, "_SCALE")} <= set(deps.globals)
+
+    global _PICK_INDEX
+    x = torch.randn(2, 4)
+    first = ft.jit(net)
+    assert torch.equal(first(x), net(x)) and first.cache_info().disk_hits == 0
+    _PICK_INDEX = 1
+    try:
+        again = ft.jit(net)  # a new process would see the stored entry: its global changed
+        assert torch.equal(again(x), net(x)) and again.cache_info().disk_hits == 0
+    finally:
+        _PICK_INDEX = 0
+
+
+_SITE_PACKAGE = """
+class Shapes:
     def forward(self, x):
         return x.reshape(self.rows(), -1).sum()
 
     def rows(self):  # named by forward
         return self.half() * 2
 
-    def half(self):  # named by rows, which is itself reached by name
+    def half(self):  # named by rows, itself reached by name
         return 1
 
     def __len__(self):  # called without its name (len(x)): followed always
@@ -745,21 +797,31 @@ class _Shapes:
 
     def unused(self):  # named by nothing that ran
         return 5
+"""
 
 
-def test_the_recorder_follows_a_classs_functions_by_name():
-    # following every function of a class reached ~3,900 code objects of a Hugging Face
-    # model's classes (PreTrainedModel's mixins), 30 ms of each cold start; a function is now
-    # followed once some reached code uses its name, and dunder methods always
+def test_the_recorder_follows_an_installed_packages_class_by_name(tmp_path, monkeypatch):
+    # following every function of an installed package's classes reached ~3,900 code objects
+    # of a Hugging Face model (PreTrainedModel's mixins), 30 ms of each cold start: such a
+    # class's function is followed once some code that ran or was reached uses its name
+    import importlib
+
     from functrans._jit.disk.code_deps import Recorder
 
-    shapes = _Shapes()
+    site = tmp_path / "site-packages"
+    (site / "ft_site_pkg").mkdir(parents=True)
+    (site / "ft_site_pkg" / "__init__.py").write_text(_SITE_PACKAGE)
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.delitem(sys.modules, "ft_site_pkg", raising=False)
+    pkg = importlib.import_module("ft_site_pkg")
+    shapes = pkg.Shapes()
     with Recorder() as r:
         ft.trace(lambda x: shapes.forward(x))(torch.ones(4))
     assert r.ok
-    reached = {_Shapes.rows, _Shapes.half, _Shapes.__len__}
+    reached = {pkg.Shapes.rows, pkg.Shapes.half, pkg.Shapes.__len__}
     assert {f.__code__ for f in reached} <= r.static
-    assert _Shapes.unused.__code__ not in r.codes
+    assert pkg.Shapes.unused.__code__ not in r.codes
+    monkeypatch.delitem(sys.modules, "ft_site_pkg")
 
 
 def test_a_trace_without_a_recorder_calls_no_watcher():
@@ -805,8 +867,8 @@ def test_functrans_digest_follows_its_files_stats(
 
 def test_an_installed_packages_file_is_known_by_its_stat(tmp_path):
     # hashing the ~150 files a Hugging Face model runs cost every cold and warm start 6-9 ms;
-    # an installed package's file is known by size, mtime (ns) and inode, as Python decides
-    # that bytecode is stale; the user's own files stay hashed by content
+    # an installed package's file is known by size, mtime and ctime (ns), inode and device;
+    # the user's own files stay hashed by content
     from functrans._jit.disk import code_deps
 
     site = tmp_path / "site-packages" / "pkg"
@@ -822,7 +884,10 @@ def test_an_installed_packages_file_is_known_by_its_stat(tmp_path):
     os.utime(lib, ns=(st.st_atime_ns, st.st_mtime_ns + 1))
     assert code_deps.file_digest(str(lib)) != first
     os.utime(lib, ns=(st.st_atime_ns, st.st_mtime_ns))
-    assert code_deps.file_digest(str(lib)) == first  # stats alike: alike (as Python's check)
+    # its modification time set back (cp -p onto it, a build that fixes mtimes): the change
+    # time, which no tool sets back, still tells (stricter than Python's bytecode check)
+    assert code_deps.file_digest(str(lib)) != first
+    assert code_deps.file_digest(str(lib)) == code_deps.file_digest(str(lib))
     mine.write_text("x = 2\n")
     os.utime(mine, ns=(os.stat(mine).st_atime_ns, os.stat(mine).st_mtime_ns))
     assert code_deps.file_digest(str(mine)) != own
@@ -899,3 +964,17 @@ def test_fingerprints_hash_each_kind_of_value_by_what_it_holds():
     assert digest(np.arange(3)) == digest(np.arange(3))
     with pytest.raises(Unhashable, match="state lives in C"):
         digest(iter([1, 2]))
+
+    # by the type itself, not the type's ==: a metaclass may call two classes equal
+    class ByName(type):
+        def __eq__(cls, other: object) -> bool:
+            return isinstance(other, type) and cls.__name__ == other.__name__
+
+        def __hash__(cls) -> int:
+            return hash(cls.__name__)
+
+    plain_x = ByName("X", (object,), {})
+    c_state_x = ByName("X", (BaseException,), {})
+    digest(plain_x())
+    with pytest.raises(Unhashable, match="state lives in C"):
+        digest(c_state_x())

@@ -55,14 +55,15 @@ _FILE_DIGESTS: dict[tuple[str, int, int, int], str] = {}
 def file_digest(path: str) -> str | None:
     """sha256 of a file's content (cached per process by its stat), None if unreadable. An
     installed package's file (:func:`classify` ``"site"``) is known by its size, modification
-    time (in nanoseconds) and inode instead, as :func:`functrans_digest` knows functrans' own:
-    how Python decides that a module's bytecode is stale, and a stat where hashing the
-    hundred-odd files a Hugging Face model runs cost every cold and warm start 6-9 ms."""
+    and change times (in nanoseconds), inode and device instead, as :func:`functrans_digest`
+    knows functrans' own: stricter than Python's test for stale bytecode, and a stat where
+    hashing the hundred-odd files a Hugging Face model runs cost each cold and warm start
+    6-9 ms. (A cache copied to another machine misses on them: never a wrong hit.)"""
     try:
         st = os.stat(path)
         key = (path, st.st_mtime_ns, st.st_size, st.st_ino)
-        if classify(path) == "site":
-            return f"stat:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"
+        if classify(path) == "site":  # ctime: no tool sets it back; dev: the same inode
+            return f"stat:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}:{st.st_ino}:{st.st_dev}"
         found = _FILE_DIGESTS.get(key)
         if found is None:
             with open(path, "rb") as f:
@@ -230,12 +231,16 @@ def _reach(
     codes: dict[types.CodeType, dict[str, Any]], static: set[types.CodeType], classes: list[type]
 ) -> None:
     """Add to ``codes`` (and ``static``) the code that ``codes`` and ``classes`` reach by name
-    (see :class:`Recorder`), to a fixed point. A class's functions are reached by their names
-    (a name some code reached so far uses: ``self.helper()``), its dunder methods always (called
-    without their name: ``len(x)``, ``x[i]``); a function waits until its name turns up. Every
-    function of a class was followed before: a Hugging Face model reached about 3,900 code
-    objects in 195 files that way (30 ms of each cold start), nearly all of them methods of
-    ``PreTrainedModel`` and its mixins that nothing that ran names."""
+    (see :class:`Recorder`), to a fixed point. Every function of a user class is followed (it
+    may run without its name in any code: ``forward`` called by ``Module.__call__``, a method
+    picked with ``getattr(self, "_scale_" + kind)``, and the globals it reads are
+    dependencies). An installed package's class is followed by name: its functions whose
+    names some code that ran or was reached uses (torch's own code included: it calls
+    ``forward``), and its dunder methods (called without their name: ``len(x)``, ``x[i]``); a
+    function waits until its name turns up. Following every function of such classes reached
+    about 3,900 code objects in 195 files of a Hugging Face model (30 ms of each cold start),
+    nearly all methods of ``PreTrainedModel`` and its mixins that nothing names; their files
+    are dependencies by their stat only (their globals are not recorded)."""
     work: list[tuple[types.CodeType, dict[str, Any]]] = list(codes.items())
     seen: set[int] = set()
     named: set[str] = set()  # the names of the code reached so far
@@ -267,13 +272,15 @@ def _reach(
         elif isinstance(value, type):
             seen.add(id(value))
             for c in value.__mro__:
-                if _trusted_module(c.__module__):
+                whose = _module_kind(c.__module__)
+                if whose == "trusted":
                     continue
                 for name, attr in list(vars(c).items()):
                     fs = _functions_of(attr)
                     if not fs:
                         continue
-                    if name in named or (name.startswith("__") and name.endswith("__")):
+                    every = whose != "site" or name in named
+                    if every or (name.startswith("__") and name.endswith("__")):
                         for f in fs:
                             visit(f, names, depth + 1)
                     else:
@@ -290,16 +297,16 @@ def _reach(
         visit(c, frozenset())
     while work:
         code, glb = work.pop()
+        names = _code_names(code)
+        for name in names - named:  # torch's code too: Module.__call__ calls forward by name
+            named.add(name)
+            for f in waiting.pop(name, ()):
+                visit(f, names)
         if classify(code.co_filename) == "trusted":
             continue
         for c in code.co_consts:
             if isinstance(c, types.CodeType):
                 add(c, glb)
-        names = _code_names(code)
-        for name in names - named:
-            named.add(name)
-            for f in waiting.pop(name, ()):
-                visit(f, names)
         for name in names:
             if name in glb:
                 visit(glb[name], names)
@@ -314,8 +321,13 @@ def _code_names(code: types.CodeType) -> frozenset[str]:
 def _trusted_module(name: str) -> bool:
     """Whether module ``name`` (imported) is trusted code: torch's, functrans', the standard
     library's (:func:`classify` of its file)."""
+    return _module_kind(name) == "trusted"
+
+
+def _module_kind(name: str) -> str:
+    """:func:`classify` of the file of module ``name`` (imported)."""
     module = sys.modules.get(name)
-    return classify(getattr(module, "__file__", None) or "") == "trusted"
+    return classify(getattr(module, "__file__", None) or "")
 
 
 _HOLDERS = (staticmethod, classmethod, property, functools.cached_property)

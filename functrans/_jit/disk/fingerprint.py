@@ -32,8 +32,8 @@ import sys
 import threading
 import types
 import weakref
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 import torch
 
@@ -341,9 +341,27 @@ class _Kind(enum.Enum):
 
 
 _BUILTINS = (types.BuiltinFunctionType, types.MethodWrapperType, types.WrapperDescriptorType)
+_R = TypeVar("_R")
 
 
-@functools.lru_cache(maxsize=4096)
+def _per_type(f: Callable[[type], _R]) -> Callable[[type], _R]:
+    """``f`` computed once per type, found by identity (not by the type's ``==``, which a
+    metaclass may define: two classes equal by name are two types here)."""
+    memo: dict[int, tuple[type, _R]] = {}
+
+    def cached(t: type) -> _R:
+        hit = memo.get(id(t))
+        if hit is not None and hit[0] is t:
+            return hit[1]
+        if len(memo) >= 4096:
+            memo.clear()
+        value = memo[id(t)] = (t, f(t))
+        return value[1]
+
+    return functools.wraps(f)(cached)
+
+
+@_per_type
 def _kind(t: type) -> _Kind:
     """The :class:`_Kind` of ``t``'s instances (every test is on the type alone)."""
     if issubclass(t, torch.Tensor):
@@ -376,7 +394,7 @@ def _kind(t: type) -> _Kind:
     return _Kind.INSTANCE
 
 
-@functools.lru_cache(maxsize=4096)
+@_per_type
 def _layout(t: type) -> tuple[tuple[type, ...], type | None]:
     """The plain value types among ``t``'s bases (an instance is hashed by its value as each:
     the str of a TorchVersion), and the first base whose state lives in C where the walk cannot
