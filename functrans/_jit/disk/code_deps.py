@@ -61,9 +61,9 @@ def file_digest(path: str) -> str | None:
     6-9 ms. (A cache copied to another machine misses on them: never a wrong hit.)"""
     try:
         st = os.stat(path)
-        key = (path, st.st_mtime_ns, st.st_size, st.st_ino)
         if classify(path) == "site":  # ctime: no tool sets it back; dev: the same inode
             return f"stat:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}:{st.st_ino}:{st.st_dev}"
+        key = (path, st.st_mtime_ns, st.st_size, st.st_ino)
         found = _FILE_DIGESTS.get(key)
         if found is None:
             with open(path, "rb") as f:
@@ -316,12 +316,6 @@ def _reach(
 def _code_names(code: types.CodeType) -> frozenset[str]:
     """:func:`code_names`, once per code object (its names never change)."""
     return code_names(code)
-
-
-def _trusted_module(name: str) -> bool:
-    """Whether module ``name`` (imported) is trusted code: torch's, functrans', the standard
-    library's (:func:`classify` of its file)."""
-    return _module_kind(name) == "trusted"
 
 
 def _module_kind(name: str) -> str:

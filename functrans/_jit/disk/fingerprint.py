@@ -152,47 +152,9 @@ class Fingerprint:
         self._object(obj, t, names)
 
     def _object(self, obj: Any, t: type, names: Iterable[str] | None) -> None:
-        kind = _kind(t)  # by type, once per type: a module tree walks a few types many times
-        if kind is _Kind.INSTANCE:
-            self._instance(obj, t)
-        elif kind is _Kind.TENSOR:
-            self._tensor(obj)
-        elif kind is _Kind.ENUM:
-            self._w("enum", _qualified(t))
-            self._w("name", obj.name)
-            self.add(obj.value)
-        elif kind is _Kind.FUNCTION:
-            self._function(obj)
-        elif kind is _Kind.METHOD:
-            self._w("method")
-            self.add(obj.__func__)
-            self.add(obj.__self__)
-        elif kind is _Kind.BUILTIN:
-            self._builtin(obj)
-        elif kind is _Kind.PARTIAL:
-            self._w("partial")
-            self._items((obj.func, obj.args, obj.keywords, obj.__dict__))
-        elif kind is _Kind.WRAPPED:
-            self._w(t.__name__)
-            self.add(obj.__func__)
-        elif kind is _Kind.PROPERTY:
-            self._w("property")
-            self._items((obj.fget, obj.fset, obj.fdel))
-        elif kind is _Kind.MODULE:
-            self._module(obj, names)
-        elif kind is _Kind.CLASS:
-            self._class(obj)
-        elif kind is _Kind.OP:
-            self._w("op", str(obj))
-        elif kind is _Kind.OPAQUE:
-            self._w("opaque", _qualified(t))
-        elif kind is _Kind.SET:
-            parts = sorted(Fingerprint().digest(v) for v in obj)
-            self._w(t.__name__, ",".join(parts))
-        elif hasattr(obj, "dtype"):  # a numpy array or scalar
-            self._array(obj)
-        else:
-            self._instance(obj, t)
+        # how to hash a type's instances is looked up once per type: a module tree walks a
+        # few types thousands of times
+        _handler(t)(self, obj, t, names)
 
     def _items(self, items: Iterable[Any]) -> None:
         for v in items:
@@ -320,27 +282,6 @@ class _Missing:
     """An unset slot."""
 
 
-class _Kind(enum.Enum):
-    """How :meth:`Fingerprint._object` hashes the instances of a type."""
-
-    TENSOR = enum.auto()
-    ENUM = enum.auto()
-    FUNCTION = enum.auto()
-    METHOD = enum.auto()
-    BUILTIN = enum.auto()
-    PARTIAL = enum.auto()
-    WRAPPED = enum.auto()  # staticmethod, classmethod
-    PROPERTY = enum.auto()
-    MODULE = enum.auto()
-    CLASS = enum.auto()
-    OP = enum.auto()
-    OPAQUE = enum.auto()
-    SET = enum.auto()
-    NUMPY = enum.auto()  # an array or scalar if the value has a dtype, else an instance
-    INSTANCE = enum.auto()
-
-
-_BUILTINS = (types.BuiltinFunctionType, types.MethodWrapperType, types.WrapperDescriptorType)
 _R = TypeVar("_R")
 
 
@@ -361,37 +302,76 @@ def _per_type(f: Callable[[type], _R]) -> Callable[[type], _R]:
     return functools.wraps(f)(cached)
 
 
+_Handler = Callable[[Fingerprint, Any, type, "Iterable[str] | None"], None]
+
+
+def _set(fp: Fingerprint, obj: Any, t: type) -> None:
+    parts = sorted(Fingerprint().digest(v) for v in obj)  # by value, in no order
+    fp._w(t.__name__, ",".join(parts))
+
+
+def _enum(fp: Fingerprint, obj: Any, t: type) -> None:
+    fp._w("enum", _qualified(t))
+    fp._w("name", obj.name)
+    fp.add(obj.value)
+
+
+def _numpy(fp: Fingerprint, obj: Any, t: type) -> None:
+    if hasattr(obj, "dtype"):  # an array or a scalar
+        fp._array(obj)
+    else:
+        fp._instance(obj, t)
+
+
+def _tagged(fp: Fingerprint, tag: str, *values: Any) -> None:
+    fp._w(tag)
+    for v in values:
+        fp.add(v)
+
+
+def _listed(fp: Fingerprint, tag: str, values: tuple[Any, ...]) -> None:
+    fp._w(tag)
+    fp._items(values)
+
+
+#: handlers of exact types (:func:`_handler` tests subclasses for the rest)
+_EXACT: dict[type, _Handler] = {
+    types.FunctionType: lambda fp, obj, t, names: fp._function(obj),
+    types.MethodType: lambda fp, obj, t, names: _tagged(fp, "method", obj.__func__, obj.__self__),
+    functools.partial: lambda fp, obj, t, names: _listed(
+        fp, "partial", (obj.func, obj.args, obj.keywords, obj.__dict__)
+    ),
+    staticmethod: lambda fp, obj, t, names: _tagged(fp, t.__name__, obj.__func__),
+    classmethod: lambda fp, obj, t, names: _tagged(fp, t.__name__, obj.__func__),
+    property: lambda fp, obj, t, names: _listed(fp, "property", (obj.fget, obj.fset, obj.fdel)),
+    types.ModuleType: lambda fp, obj, t, names: fp._module(obj, names),
+    set: lambda fp, obj, t, names: _set(fp, obj, t),
+    frozenset: lambda fp, obj, t, names: _set(fp, obj, t),
+    **dict.fromkeys(
+        (types.BuiltinFunctionType, types.MethodWrapperType, types.WrapperDescriptorType),
+        lambda fp, obj, t, names: fp._builtin(obj),
+    ),
+}
+
+
 @_per_type
-def _kind(t: type) -> _Kind:
-    """The :class:`_Kind` of ``t``'s instances (every test is on the type alone)."""
+def _handler(t: type) -> _Handler:
+    """How :class:`Fingerprint` hashes ``t``'s instances (every test is on the type alone)."""
     if issubclass(t, torch.Tensor):
-        return _Kind.TENSOR
+        return lambda fp, obj, t, names: fp._tensor(obj)
     if issubclass(t, enum.Enum):
-        return _Kind.ENUM
-    exact = {
-        types.FunctionType: _Kind.FUNCTION,
-        types.MethodType: _Kind.METHOD,
-        functools.partial: _Kind.PARTIAL,
-        staticmethod: _Kind.WRAPPED,
-        classmethod: _Kind.WRAPPED,
-        property: _Kind.PROPERTY,
-        types.ModuleType: _Kind.MODULE,
-        set: _Kind.SET,
-        frozenset: _Kind.SET,
-    }
-    if t in exact:
-        return exact[t]
-    if t in _BUILTINS:
-        return _Kind.BUILTIN
+        return lambda fp, obj, t, names: _enum(fp, obj, t)
+    if t in _EXACT:
+        return _EXACT[t]
     if issubclass(t, type):
-        return _Kind.CLASS
+        return lambda fp, obj, t, names: fp._class(obj)
     if issubclass(t, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
-        return _Kind.OP
+        return lambda fp, obj, t, names: fp._w("op", str(obj))
     if issubclass(t, _OPAQUE) or _qualified(t) in _OPAQUE_NAMES:
-        return _Kind.OPAQUE
+        return lambda fp, obj, t, names: fp._w("opaque", _qualified(t))
     if t.__module__ == "numpy":
-        return _Kind.NUMPY
-    return _Kind.INSTANCE
+        return lambda fp, obj, t, names: _numpy(fp, obj, t)
+    return lambda fp, obj, t, names: fp._instance(obj, t)
 
 
 @_per_type
