@@ -26,8 +26,9 @@ when all four are what they were when it was traced:
   stored as a path to that tensor, read again on load).
 - The *dependencies* (recorded while tracing, checked on load): every source file whose code
   ran, except torch's, functrans' and the standard library's (their versions are in the key):
-  user code by content hash, installed packages' files by size, modification time and inode
-  (Python's own test for stale bytecode); and for user code (outside site-packages), the
+  user code by content hash, installed packages' files by size, modification and change
+  times, inode and device (stricter than Python's test for stale bytecode); and for user
+  code (outside site-packages), the
   value of every module global its code names (``SCALE`` set from argparse, a helper in
   another file, ``cfg.n_layer`` read through a module). A file modified after this process
   started, code from no file, or user code with closure cells that are neither in the key nor
