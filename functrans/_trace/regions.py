@@ -602,7 +602,7 @@ def expand(gm: fx.GraphModule) -> fx.GraphModule:
     env: dict[fx.Node, Any] = {}
     # the region ops' fake outputs -> the copies' values: the ops that read a region's
     # outputs (views among them) are laid onto the copies' storages too
-    moved = Storages(_fake_mode(gm))
+    moved = Storages(_fake_mode(gm), keep_symbolic=True)
     carried: dict[int, dict[fx.Node, fx.Node]] = {}  # per call: what its backward reads
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target is _FWD:
