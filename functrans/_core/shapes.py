@@ -36,7 +36,6 @@ from dataclasses import dataclass
 from typing import Any, Literal, TypeAlias, cast
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import (
     DimDynamic,
     ShapeEnv,
@@ -45,6 +44,7 @@ from torch.fx.experimental.symbolic_shapes import (
 )
 
 from .errors import InvalidArgumentError, TraceError
+from .fake_rules import SymbolicFakeMode
 from .guard_text import check_guard_text
 from .torch_compat import optimization_hint
 
@@ -184,7 +184,7 @@ def symbolic_fakes(
     # hash of their source: s26, s49), so graphs and guards read like the function's inputs
     counter = itertools.count()
     env._generate_unique_id = lambda _name: next(counter)  # type: ignore[method-assign,assignment]  # torch has no hook for symbol names
-    mode = FakeTensorMode(shape_env=env, allow_non_fake_inputs=True)
+    mode = SymbolicFakeMode(shape_env=env, allow_non_fake_inputs=True)
     # rebuilding outputs from the fake-tensor cache redoes the symbolic stride arithmetic the
     # cache exists to skip: without it a GPT's symbolic joint trace takes 3.3 s instead of 4.3
     mode.cache_enabled = False

@@ -20,6 +20,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from torch.utils._mode_utils import no_dispatch
 
+from functrans._core.fake_rules import SymbolicFakeMode
 from functrans._core.fakes import fake_empty
 from functrans._core.shapes import is_symbolic, shape_env_of
 
@@ -102,7 +103,9 @@ def trace_region(
     # the enclosing trace's shape environment: a symbolic block's sizes are its symbols, and
     # the guards its trace records are the whole trace's
     env = shape_env_of(metas)
-    mode = FakeTensorMode(allow_non_fake_inputs=False, shape_env=env)
+    mode = (FakeTensorMode if env is None else SymbolicFakeMode)(
+        allow_non_fake_inputs=False, shape_env=env
+    )
     # symbolic fakes: the fake-tensor cache's entries cost more than they save (as in
     # ``symbolic_fakes``)
     if env is not None:

@@ -1,0 +1,314 @@
+"""Fast metadata rules for the ops whose torch fake kernels dominate a symbolic trace.
+
+With symbolic sizes, torch's fake kernels run Python reference implementations over sympy
+expressions: ``view`` of a contiguous tensor walks torch's general reshape algorithm (a
+``split_dim``/``collapse_view`` per dimension, each a tensor whose contiguity is recomputed in
+sympy: about 1 ms), ``native_layer_norm`` and its backward, ``gelu_backward`` and the
+cross-entropy ops run their whole decompositions on fake tensors (5-30 ms each), and a pointwise
+op of two tensors recomputes broadcasting and strides (about 1 ms). A 2-block GPT's symbolic
+compile spent about 40% of its time in these ops.
+
+:class:`SymbolicFakeMode` is the fake-tensor mode of symbolic traces (``symbolic_fakes``,
+region traces). For these ops it builds the outputs directly, in the cases where their layout
+is plain, and hands every other case to torch's kernel unchanged:
+
+- ``view`` of a contiguous tensor to a shape of the same element count (the counts equal as
+  expressions, so torch would add no guard either) is the input's storage with contiguous
+  strides, as torch's reshape algorithm lays it out;
+- ``native_layer_norm`` (float32/float64, static normalized sizes) gives a contiguous output
+  like its input and contiguous mean and rstd of the input's leading sizes with ones for the
+  normalized dimensions; its backward gives contiguous gradients like the input, the weight
+  and the bias (or None where the output mask or a missing weight or bias says so);
+- a pointwise op (``add``, ``sub``, ``mul``, ``div``, ``gelu``, ``gelu_backward``) of tensors
+  of one shape and float dtype, all contiguous (no broadcasting, no promotion), gives a
+  contiguous result like them;
+- ``_log_softmax`` and its backward of a contiguous float tensor give one like it;
+  ``nll_loss_forward`` with a mean or sum over 2-D logits and 1-D int64 targets of as many
+  rows, without class weights, gives two 0-dim values of the logits' dtype, and its backward
+  a contiguous gradient like the logits.
+
+The rules add no guard. Each is checked against torch's own kernel, output by output (sizes,
+strides, offset, dtype, device as expressions, and the guards each adds), in
+``tests/core/test_fake_rules.py``; a symbolic GPT traces to the same tensor ops with the same
+metadata and guards with and without them.
+
+>>> import torch
+>>> from functrans._core.shapes import symbolic_fakes
+>>> (x,) = symbolic_fakes([torch.ones(4, 6, 64)], ({0: None, 1: None},))
+>>> type(x.fake_mode).__name__
+'SymbolicFakeMode'
+>>> v = x.view(x.shape[0], x.shape[1], 4, 16)
+>>> v.shape, v.stride()
+(torch.Size([s0, s1, 4, 16]), (64*s1, 64, 16, 1))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import sympy  # type: ignore[import-untyped]  # sympy ships no type stubs
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, in_kernel_invocation_manager
+
+__all__ = ["RULES", "SymbolicFakeMode"]
+
+aten = torch.ops.aten
+
+#: A rule: the op's outputs for these arguments, or None (torch's kernel decides).
+Rule = Callable[["SymbolicFakeMode", Sequence[Any], Mapping[str, Any]], Any]
+
+_FLOATS = (torch.float32, torch.float64)
+
+
+class SymbolicFakeMode(FakeTensorMode):  # type: ignore[no-untyped-call]  # torch: unannotated
+    """The fake-tensor mode of a symbolic trace: torch's, with :data:`RULES` tried first."""
+
+    #: off in tests that compare the rules with torch's kernels
+    rules_enabled: bool = True
+
+    def dispatch(
+        self,
+        func: Any,
+        types: Sequence[type],
+        args: Sequence[object] = (),
+        kwargs: Mapping[str, object] | None = None,
+    ) -> object:
+        rule = RULES.get(func) if self.rules_enabled else None
+        if rule is not None and not self.in_kernel_invocation:
+            out = rule(self, args, kwargs or {})
+            if out is not None:
+                return out
+        return super().dispatch(func, types, args, kwargs or {})
+
+
+def _fake(mode: SymbolicFakeMode, t: Any) -> bool:
+    """A fake tensor of ``mode`` without a constant value (torch propagates those)."""
+    return isinstance(t, FakeTensor) and t.fake_mode is mode and t.constant is None
+
+
+def _expr(s: int | torch.SymInt) -> sympy.Expr:
+    return s.node.expr if isinstance(s, torch.SymInt) else sympy.Integer(s)
+
+
+def _size_like(s: Any) -> bool:
+    """An int >= 0, or a SymInt that is a product of symbols and a positive integer (what a
+    size is): never -1, never negative."""
+    if type(s) is int:
+        return s >= 0
+    if not isinstance(s, torch.SymInt):
+        return False
+    expr = s.node.expr
+    factors = expr.args if isinstance(expr, sympy.Mul) else (expr,)
+    return all(f.is_Symbol or (f.is_Integer and f > 0) for f in factors)
+
+
+def _contiguous_strides(shape: Sequence[int | torch.SymInt]) -> list[int | torch.SymInt]:
+    """Row-major strides of ``shape`` as torch makes them (a size 0 counts as 1)."""
+    strides: list[int | torch.SymInt] = []
+    step: int | torch.SymInt = 1
+    for size in reversed(shape):
+        strides.append(step)
+        step = step * (max(size, 1) if type(size) is int else size)
+    return strides[::-1]
+
+
+def _is_contiguous(t: torch.Tensor) -> bool:
+    """Whether ``t`` is contiguous as expressions (without a guard): every dimension of a size
+    other than one has the row-major stride. False where the expressions differ (torch's kernel
+    then decides)."""
+    step = sympy.Integer(1)
+    for size, stride in zip(reversed(t.shape), reversed(t.stride()), strict=True):
+        size_e = _expr(size)
+        if size_e != 1 and _expr(stride) != step:
+            return False
+        step = step * size_e
+    return True
+
+
+def _new(mode: SymbolicFakeMode, shape: Sequence[Any], like: torch.Tensor) -> FakeTensor:
+    """A fresh contiguous fake tensor of ``shape`` with ``like``'s dtype and device."""
+    with in_kernel_invocation_manager(mode):
+        meta = torch.empty(list(shape), dtype=like.dtype, device="meta")
+    return FakeTensor(mode, meta, like.device)
+
+
+def _view(
+    mode: SymbolicFakeMode, args: Sequence[Any], kwargs: Mapping[str, Any]
+) -> FakeTensor | None:
+    if len(args) != 2 or kwargs:
+        return None
+    a, shape = args
+    if not _fake(mode, a) or a.dim() == 0 or not isinstance(shape, (list, tuple)) or not shape:
+        return None
+    if not all(_size_like(s) for s in shape) or not _is_contiguous(a):
+        return None
+    if sympy.Mul(*map(_expr, a.shape)) != sympy.Mul(*map(_expr, shape)):
+        return None  # counts that differ as expressions: torch's kernel guards or raises
+    if sympy.Mul(*map(_expr, a.shape)) == 0:
+        return None
+    with in_kernel_invocation_manager(mode):
+        meta = aten.as_strided.default(
+            a, list(shape), _contiguous_strides(shape), a.storage_offset()
+        )
+    return FakeTensor(mode, meta, a.device)
+
+
+def _normalized(
+    mode: SymbolicFakeMode, x: Any, normalized: Any, *params: Any
+) -> tuple[list[Any], int] | None:
+    """``x``'s sizes and the first normalized dimension, where a layer norm's rule applies: a
+    float32/float64 fake of ``mode`` whose trailing sizes are ``normalized`` (static), with
+    ``params`` (weight, bias) None or fakes of that shape and dtype."""
+    if not _fake(mode, x) or x.dtype not in _FLOATS or not isinstance(normalized, (list, tuple)):
+        return None
+    k = len(normalized)
+    if not 1 <= k <= x.dim() or any(type(n) is not int for n in normalized):
+        return None
+    shape = list(x.shape)
+    if any(type(s) is not int for s in shape[-k:]) or shape[-k:] != list(normalized):
+        return None
+    for p in params:
+        if p is not None and not (
+            _fake(mode, p) and p.dtype == x.dtype and list(p.shape) == list(normalized)
+        ):
+            return None
+    return shape, x.dim() - k
+
+
+def _layer_norm(
+    mode: SymbolicFakeMode, args: Sequence[Any], kwargs: Mapping[str, Any]
+) -> tuple[FakeTensor, ...] | None:
+    if len(args) != 5 or kwargs:
+        return None
+    x, normalized, weight, bias, _eps = args
+    found = _normalized(mode, x, normalized, weight, bias)
+    if found is None:
+        return None
+    shape, axis = found
+    stats = [*shape[:axis], *([1] * (len(shape) - axis))]
+    return _new(mode, shape, x), _new(mode, stats, x), _new(mode, stats, x)
+
+
+def _layer_norm_backward(
+    mode: SymbolicFakeMode, args: Sequence[Any], kwargs: Mapping[str, Any]
+) -> tuple[FakeTensor | None, ...] | None:
+    if len(args) != 8 or kwargs:
+        return None
+    grad, x, normalized, mean, rstd, weight, bias, mask = args
+    found = _normalized(mode, x, normalized, weight, bias)
+    if found is None or not isinstance(mask, (list, tuple)) or len(mask) != 3:
+        return None
+    shape, _axis = found
+    for t in (grad, mean, rstd):
+        if not _fake(mode, t) or t.dtype != x.dtype:
+            return None
+    if [_expr(s) for s in grad.shape] != [_expr(s) for s in shape]:
+        return None
+    return (
+        _new(mode, shape, x) if mask[0] else None,
+        _new(mode, list(normalized), x) if mask[1] and weight is not None else None,
+        _new(mode, list(normalized), x) if mask[2] and bias is not None else None,
+    )
+
+
+def _same_layout(tensors: Sequence[Any], mode: SymbolicFakeMode) -> bool:
+    """Fakes of ``mode`` of one float dtype and one shape (as expressions), all contiguous."""
+    first = tensors[0]
+    if not all(_fake(mode, t) for t in tensors) or first.dtype not in _FLOATS:
+        return False
+    shape = [_expr(s) for s in first.shape]
+    return all(
+        t.dtype == first.dtype and [_expr(s) for s in t.shape] == shape and _is_contiguous(t)
+        for t in tensors
+    )
+
+
+def _elementwise(
+    mode: SymbolicFakeMode, args: Sequence[Any], kwargs: Mapping[str, Any]
+) -> FakeTensor | None:
+    """A pointwise op of tensors of one shape and float dtype, all contiguous (no
+    broadcasting, no type promotion): a contiguous result like them. Its other arguments
+    (``alpha``, ``approximate``) do not change the result's layout."""
+    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+    if not tensors or not _same_layout(tensors, mode):
+        return None
+    return _new(mode, list(tensors[0].shape), tensors[0])
+
+
+def _log_softmax(
+    mode: SymbolicFakeMode, args: Sequence[Any], kwargs: Mapping[str, Any]
+) -> FakeTensor | None:
+    if len(args) != 3 or kwargs or args[2] is not False or not _same_layout(args[:1], mode):
+        return None
+    return _new(mode, list(args[0].shape), args[0])
+
+
+def _log_softmax_backward(
+    mode: SymbolicFakeMode, args: Sequence[Any], kwargs: Mapping[str, Any]
+) -> FakeTensor | None:
+    if len(args) != 4 or kwargs or not _same_layout(args[:2], mode):
+        return None
+    if args[3] != args[0].dtype:
+        return None
+    return _new(mode, list(args[0].shape), args[0])
+
+
+def _nll_inputs(mode: SymbolicFakeMode, x: Any, target: Any, weight: Any, reduction: Any) -> bool:
+    """nll_loss's common case: 2-D float logits, 1-D int64 targets of as many rows, no class
+    weights, a mean or sum (a 0-dim loss)."""
+    return (
+        _same_layout([x], mode)
+        and x.dim() == 2
+        and _fake(mode, target)
+        and target.dtype == torch.int64
+        and target.dim() == 1
+        and _expr(target.shape[0]) == _expr(x.shape[0])
+        and weight is None
+        and reduction in (1, 2)
+    )
+
+
+def _nll_loss(
+    mode: SymbolicFakeMode, args: Sequence[Any], kwargs: Mapping[str, Any]
+) -> tuple[FakeTensor, FakeTensor] | None:
+    if len(args) != 5 or kwargs or not _nll_inputs(mode, *args[:4]):
+        return None
+    return _new(mode, [], args[0]), _new(mode, [], args[0])
+
+
+def _nll_loss_backward(
+    mode: SymbolicFakeMode, args: Sequence[Any], kwargs: Mapping[str, Any]
+) -> FakeTensor | None:
+    if len(args) != 7 or kwargs:
+        return None
+    grad, x, target, weight, reduction, _ignore, total = args
+    if not _nll_inputs(mode, x, target, weight, reduction):
+        return None
+    for t in (grad, total):
+        if not _fake(mode, t) or t.dim() != 0 or t.dtype != x.dtype:
+            return None
+    return _new(mode, list(x.shape), x)
+
+
+#: op -> its rule (tried before torch's fake kernel in a :class:`SymbolicFakeMode`)
+RULES: dict[Any, Rule] = {
+    aten.view.default: _view,
+    aten.native_layer_norm.default: _layer_norm,
+    aten.native_layer_norm_backward.default: _layer_norm_backward,
+    aten._log_softmax.default: _log_softmax,
+    aten._log_softmax_backward_data.default: _log_softmax_backward,
+    aten.nll_loss_forward.default: _nll_loss,
+    aten.nll_loss_backward.default: _nll_loss_backward,
+    **dict.fromkeys(
+        (
+            aten.add.Tensor,
+            aten.sub.Tensor,
+            aten.mul.Tensor,
+            aten.div.Tensor,
+            aten.gelu.default,
+            aten.gelu_backward.default,
+        ),
+        _elementwise,
+    ),
+}
