@@ -92,6 +92,12 @@ def _fake(mode: SymbolicFakeMode, t: Any) -> bool:
     return isinstance(t, FakeTensor) and t.fake_mode is mode and t.constant is None
 
 
+def _one_device(*tensors: Any) -> bool:
+    """Whether the tensors (None skipped) are on one device (else torch's kernel raises)."""
+    devices = {t.device for t in tensors if t is not None}
+    return len(devices) <= 1
+
+
 def _expr(s: int | torch.SymInt) -> sympy.Expr:
     return s.node.expr if isinstance(s, torch.SymInt) else sympy.Integer(s)
 
@@ -181,6 +187,8 @@ def _normalized(
     shape = list(x.shape)
     if any(type(s) is not int for s in shape[-k:]) or shape[-k:] != list(normalized):
         return None
+    if not _one_device(x, *params):
+        return None
     for p in params:
         if p is not None and not (
             _fake(mode, p) and p.dtype == x.dtype and list(p.shape) == list(normalized)
@@ -216,6 +224,8 @@ def _layer_norm_backward(
     for t in (grad, mean, rstd):
         if not _fake(mode, t) or t.dtype != x.dtype:
             return None
+    if not _one_device(grad, x, mean, rstd):
+        return None
     if [_expr(s) for s in grad.shape] != [_expr(s) for s in shape]:
         return None
     return (
@@ -231,7 +241,7 @@ def _same_layout(tensors: Sequence[Any], mode: SymbolicFakeMode) -> bool:
     if not all(_fake(mode, t) for t in tensors) or first.dtype not in _FLOATS:
         return False
     shape = [_expr(s) for s in first.shape]
-    return all(
+    return _one_device(*tensors) and all(
         t.dtype == first.dtype and [_expr(s) for s in t.shape] == shape and _is_contiguous(t)
         for t in tensors
     )
@@ -277,6 +287,7 @@ def _nll_inputs(mode: SymbolicFakeMode, x: Any, target: Any, weight: Any, reduct
         and target.dtype == torch.int64
         and target.dim() == 1
         and _equal(target.shape[0], x.shape[0])
+        and _one_device(x, target)
         and weight is None
         and reduction in (1, 2)
     )
@@ -301,6 +312,8 @@ def _nll_loss_backward(
     for t in (grad, total):
         if not _fake(mode, t) or t.dim() != 0 or t.dtype != x.dtype:
             return None
+    if not _one_device(grad, x, total):
+        return None
     return _new(mode, list(x.shape), x)
 
 
@@ -314,6 +327,7 @@ def _matmul_operands(mode: SymbolicFakeMode, a: Any, b: Any) -> bool:
         and a.dim() == 2
         and b.dim() == 2
         and _expr(a.shape[1]) == _expr(b.shape[0])
+        and _one_device(a, b)
     )
 
 
@@ -335,6 +349,8 @@ def _addmm(
         return None
     bias, a, b = args
     if not _matmul_operands(mode, a, b) or not _fake(mode, bias) or bias.dtype != a.dtype:
+        return None
+    if not _one_device(bias, a):
         return None
     if bias.dim() != 1 or _expr(bias.shape[0]) != _expr(b.shape[1]):
         return None

@@ -243,6 +243,22 @@ def test_matmul_and_transpose_rules_give_torchs_layout(
     assert with_rules == torchs
 
 
+def test_rules_leave_tensors_on_two_devices_to_torch(rule_calls: list[Any]) -> None:
+    # a fake CUDA tensor needs no GPU: torch's kernel raises for the mix, so no rule answers
+    (x,) = _fakes([(4, 6)], [{0: "b"}], torch.float32)
+    with x.fake_mode:
+        y = torch.empty(x.shape[0], 6, device="cuda")
+        w = torch.empty(6, 6, device="cuda")
+    for call in (
+        lambda: aten.add.Tensor(x, y),
+        lambda: aten.mm.default(x, w),
+        lambda: aten.native_layer_norm.default(x, [6], w[0], None, 1e-5),
+    ):
+        with pytest.raises(RuntimeError, match="device"):
+            call()
+    assert rule_calls == []
+
+
 @pytest.mark.parametrize("reduction", [0, 1, 2])
 def test_cross_entropy_rules_give_torchs_outputs(reduction: int) -> None:
     def make() -> list[torch.Tensor]:
