@@ -24,6 +24,8 @@ from functrans._core.shapes import ShapeGuard
 from functrans._core.state import autocast_off
 from functrans._cut.partition import Partition
 
+from .failures import explain
+
 __all__ = [
     "OVERWRITES",
     "Apply",
@@ -33,6 +35,8 @@ __all__ = [
     "apply_graphs",
     "inner_tangent",
     "inner_tensors",
+    "run_backward",
+    "run_forward",
 ]
 
 
@@ -86,6 +90,9 @@ class Entry:
     #: ``(saved position, input index)`` for saved values that are non-differentiated inputs
     #: or views of one (buffers, the batch): what :data:`OVERWRITES` may have to copy
     saved_inputs: tuple[tuple[int, int], ...] = ()
+    #: an inference entry's forward graph (a training entry's are its partition's): what an
+    #: error names its node and line from
+    forward_graph: torch.fx.GraphModule | None = None
 
     @functools.cached_property
     def frozen(self) -> tuple[int, ...]:
@@ -136,13 +143,36 @@ def saved_inputs(
     return tuple(found)
 
 
+def run_forward(entry: Entry, tensors: Sequence[torch.Tensor]) -> list[Any]:
+    """``entry``'s compiled forward on ``tensors``; an error it raises gets a note with the op
+    and the user's line (:func:`functrans._jit.failures.explain`)."""
+    try:
+        return entry.forward(*tensors)
+    except Exception as e:
+        p = entry.partition
+        explain(e, p.forward.graph_module if p is not None else entry.forward_graph, "forward")
+        raise
+
+
+def run_backward(entry: Entry, args: list[Any]) -> list[Any]:
+    """``entry``'s compiled backward (boxed: it empties ``args``), explained as
+    :func:`run_forward` is."""
+    assert entry.backward is not None
+    try:
+        return entry.backward(args)
+    except Exception as e:
+        graph = entry.partition.backward.graph_module if entry.partition else None
+        explain(e, graph, "backward")
+        raise
+
+
 class Apply(torch.autograd.Function):
     """Runs a compiled forward graph; its backward runs the compiled backward graph."""
 
     @staticmethod
     def forward(ctx: Any, entry: Entry, *tensors: torch.Tensor) -> Any:
         n = len(entry.out_meta)
-        flat = entry.forward(*tensors)
+        flat = run_forward(entry, tensors)
         if entry.saved_inputs:
             flat = list(flat)
             _unshared(entry, tensors, flat)
@@ -179,7 +209,7 @@ class Apply(torch.autograd.Function):
         args += tangents
         del tangents
         with autocast_off(), torch.no_grad():  # the backward graph holds its own casts
-            flat_grads = entry.backward(args)  # frees each saved value after its last use
+            flat_grads = run_backward(entry, args)  # frees each saved value after its last use
         flat_grads = _once(_without(flat_grads, entry.absent))
         return (None, *flat_grads, *([None] * (entry.num_inputs - entry.num_diff)))
 
@@ -192,7 +222,7 @@ class ApplySubclass(torch.autograd.Function):
     def forward(ctx: Any, entry: Entry, *tensors: torch.Tensor) -> Any:
         n = len(entry.out_meta)
         ctx.ins = [Wrapper.of(t) for t in tensors]
-        flat = entry.forward(*inner_tensors(tensors))
+        flat = run_forward(entry, inner_tensors(tensors))
         ctx.entry = entry
         ctx.save_for_backward(*flat[n:])
         outs = rebuild_leaves(entry.out_flat, flat[:n])
@@ -214,7 +244,7 @@ class ApplySubclass(torch.autograd.Function):
         args += tangents
         del tangents
         with autocast_off(), torch.no_grad():
-            flat_grads = entry.backward(args)
+            flat_grads = run_backward(entry, args)
         flat_grads = _once(_without(flat_grads, entry.absent))
         ins = ctx.ins[: entry.num_diff]
         wrapped = [

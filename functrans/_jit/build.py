@@ -248,6 +248,7 @@ class Builder:
                 partition=stitched.partition if stitched is not None else None,
                 subclass=subclass,
                 dims=dims,
+                forward_graph=g.graph_module,
             )
             return entry
         reused = region_stats.reused
@@ -352,6 +353,7 @@ def _entry(
     dims: Dims | None,
     absent: tuple[int, ...] = (),
     saved_inputs: tuple[tuple[int, int], ...] = (),
+    forward_graph: torch.fx.GraphModule | None = None,
 ) -> Entry:
     """The entry of compiled graphs over the traced ``primals`` with forward ``outputs``
     (``wants``: which take a tangent; ``differentiable``: which require grad); ``backward``
@@ -375,6 +377,7 @@ def _entry(
         ),
         absent=absent,
         saved_inputs=saved_inputs,
+        forward_graph=forward_graph,
     )
 
 

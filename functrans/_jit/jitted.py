@@ -61,7 +61,7 @@ from functrans._trace.capture import Reach, Reader, reach
 from functrans._trace.trace import ArgPaths, arg_names
 
 from . import plans
-from .apply import Apply, ApplySubclass, Entry, apply_graphs, inner_tensors
+from .apply import Apply, ApplySubclass, Entry, apply_graphs, inner_tensors, run_forward
 from .build import DISK_STORES, Builder, GradOn, Stopped, Target, grad_off, watched
 from .cache import Cache, CacheInfo, Signature, Slot, leaves_order, rank_key
 from .captures import CAPTURED, Captures, Lifted
@@ -228,7 +228,7 @@ class Jitted(Generic[_P, _R]):
                 with no_autocast(state):
                     return _execute(apply, entry, ordered), entry, ordered
             if entry.backward is None:
-                return entry.forward(*ordered), entry, ordered
+                return run_forward(entry, ordered), entry, ordered
             return list(apply(entry, *ordered)), entry, ordered
         raise TraceError(f"{self._owner}: the captured tensors keep changing while compiling")
 
@@ -467,5 +467,5 @@ class Jitted(Generic[_P, _R]):
 
 def _execute(apply: Callable[..., Any], entry: Entry, ordered: Sequence[torch.Tensor]) -> Any:
     if entry.backward is None:
-        return entry.forward(*ordered)
+        return run_forward(entry, ordered)
     return list(apply(entry, *ordered))

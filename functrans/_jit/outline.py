@@ -74,7 +74,7 @@ from functrans._trace.passes import InputSpec, canonicalize
 from functrans._trace.region_graph import Region, Storages, results_like
 from functrans._trace.regions import BACKWARD_OP, FORWARD_OP
 
-__all__ = ["LOCAL_STRATEGIES", "Outlined", "outline"]
+__all__ = ["LOCAL_STRATEGIES", "Outlined", "inner_graph", "outline"]
 
 #: strategies whose cut of a block depends on that block only: a region cut once is the cut
 #: of every call (a memory budget is the whole step's, so ``memory_budget`` is unrolled)
@@ -151,6 +151,18 @@ class Outlined:
 #: the step's joint graph, which its entry keeps, holds them: ``JointGraph.outlined``)
 _OUTLINED: weakref.WeakValueDictionary[int, Outlined] = weakref.WeakValueDictionary()
 _IDS = itertools.count()
+
+
+def inner_graph(node: torch.fx.Node) -> torch.fx.GraphModule | None:
+    """The graph a call of an outlined block runs (its region's compiled forward or
+    backward), or None for any other node (or a block no longer alive)."""
+    if node.target not in (FORWARD, FORWARD_RANDOM, BACKWARD) or not node.args:
+        return None
+    outlined = _OUTLINED.get(cast(int, node.args[0]))
+    if outlined is None:
+        return None
+    p = outlined.partition
+    return (p.backward if node.target is BACKWARD else p.forward).graph_module
 
 
 def _run_forward(id: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:

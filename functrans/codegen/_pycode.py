@@ -87,16 +87,44 @@ def _last_uses(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
 @dataclass(frozen=True)
 class FlatFunction:
     """A graph as one generated Python function of a list of inputs (see the module
-    docstring); ``source`` is its code. Called with ``*args`` it runs on a list of them."""
+    docstring); ``source`` is its code. Called with ``*args`` it runs on a list of them.
+
+    An error an op raises gets a note naming the node that ran it (as the native executor
+    adds to its message), which ``jit`` turns into the user's line:
+
+    >>> import torch, functrans as ft
+    >>> g = ft.trace(lambda x, i: x.index_select(0, i))(torch.ones(3), torch.tensor([0]))
+    >>> try:
+    ...     flat_function(g.graph_module)(torch.ones(3), torch.tensor([5]))
+    ... except IndexError as e:
+    ...     print(e.__notes__)
+    ['functrans: while running node index_select']
+    """
 
     run: Callable[[list[Any]], list[Any]]
     source: str
+    #: per line of ``source`` (from 1), the node it runs (None: bookkeeping)
+    nodes: tuple[str | None, ...] = ()
 
     def call_boxed(self, args: list[Any]) -> list[Any]:
-        return self.run(args)
+        try:
+            return self.run(args)
+        except Exception as e:
+            self._name_node(e)
+            raise
 
     def __call__(self, *args: Any) -> list[Any]:
-        return self.run(list(args))
+        return self.call_boxed(list(args))
+
+    def _name_node(self, e: BaseException) -> None:
+        tb = e.__traceback__
+        while tb is not None and tb.tb_frame.f_code is not self.run.__code__:
+            tb = tb.tb_next
+        if tb is None or not 1 <= tb.tb_lineno <= len(self.nodes):
+            return
+        name = self.nodes[tb.tb_lineno - 1]
+        if name is not None:
+            e.add_note(f"functrans: while running node {name}")
 
 
 def flat_function(gm: fx.GraphModule) -> FlatFunction:
@@ -105,6 +133,7 @@ def flat_function(gm: fx.GraphModule) -> FlatFunction:
     e = _Emitter(gm)
     params: list[str] = []
     body: list[str] = []
+    ran: list[str | None] = []  # per line of body: the node it runs
     dies = _last_uses(gm.graph)
     for i, n in enumerate(gm.graph.nodes):
         if n.op == "placeholder":
@@ -117,6 +146,8 @@ def flat_function(gm: fx.GraphModule) -> FlatFunction:
             body.append(f"return [{', '.join(e.arg(o) for o in seq)}]")
             continue
         e.names[n] = f"v{i}"
+        ran += [None] * (len(body) - len(ran))
+        start = len(body)
         if n.op == "get_attr":
             body.append(f"v{i} = {e.bind(_attr(gm, str(n.target)), 'c')}")
         elif (fn := handover_call(n)) is not None:  # its dying inputs die inside the call
@@ -125,6 +156,7 @@ def flat_function(gm: fx.GraphModule) -> FlatFunction:
             body += [f"del {', '.join(dead)}"] if dead else []
             body.append(f"v{i} = {e.bind(fn, 'h')}(l{i})")
             body.append(f"del l{i}")
+            ran += [n.name] * (len(body) - start)
             continue
         elif n.op == "call_function" and n.target is operator.getitem and not n.kwargs:
             body.append(f"v{i} = {e.arg(n.args[0])}[{e.arg(n.args[1])}]")
@@ -134,16 +166,20 @@ def flat_function(gm: fx.GraphModule) -> FlatFunction:
             body.append(f"v{i} = {e.bind(n.target, 'f')}({', '.join(args)})")
         else:
             raise NotImplementedError(f"{n.op} node {n.name} in a flat function")
+        ran += [n.name] * (len(body) - start)
         dead = [e.names[a] for a in dies.get(n, [])]
         if dead:
             body.append(f"del {', '.join(dead)}")
     unpack = [f"({''.join(p + ', ' for p in params).rstrip()}) = args"] if params else []
     unused = [e.names[n] for n in gm.graph.nodes if n.op == "placeholder" and not n.users]
-    lines = [*unpack, "args.clear()", *([f"del {', '.join(unused)}"] if unused else []), *body]
+    head = [*unpack, "args.clear()", *([f"del {', '.join(unused)}"] if unused else [])]
+    lines = [*head, *body]
     source = "def run(args):\n" + "".join(f"    {line}\n" for line in lines)
     namespace = dict(e.globals)
     exec(compile(source, f"<functrans flat {id(gm):x}>", "exec"), namespace)
-    return FlatFunction(namespace["run"], source.rstrip("\n"))
+    ran += [None] * (len(body) - len(ran))
+    nodes = (None, *([None] * len(head)), *ran)  # line 1 is the def
+    return FlatFunction(namespace["run"], source.rstrip("\n"), nodes)
 
 
 def _attr(gm: fx.GraphModule, target: str) -> Any:
