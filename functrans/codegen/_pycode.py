@@ -36,6 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.fx as fx
 
 from functrans.extend import handover_call
@@ -154,7 +155,7 @@ def flat_function(gm: fx.GraphModule) -> FlatFunction:
             body.append(f"l{i} = {e.arg(n.args[1])}")
             dead = [e.names[a] for a in dies.get(n, [])]
             body += [f"del {', '.join(dead)}"] if dead else []
-            body.append(f"v{i} = {e.bind(fn, 'h')}(l{i})")
+            body.append(f"v{i} = {e.bind(_tensors, 't')}({e.bind(fn, 'h')}(l{i}), {n.name!r})")
             body.append(f"del l{i}")
             ran += [n.name] * (len(body) - start)
             continue
@@ -180,6 +181,16 @@ def flat_function(gm: fx.GraphModule) -> FlatFunction:
     ran += [None] * (len(body) - len(ran))
     nodes = (None, *([None] * len(head)), *ran)  # line 1 is the def
     return FlatFunction(namespace["run"], source.rstrip("\n"), nodes)
+
+
+def _tensors(results: Any, node: str) -> list[torch.Tensor]:
+    """A handed-over call's results: a list of tensors, as the native executor requires
+    (anything else would reach the next op, or the caller, unchecked)."""
+    out = list(results)
+    for r in out:
+        if not isinstance(r, torch.Tensor):
+            raise RuntimeError(f"functrans: node {node} returned a non-tensor: {type(r)}")
+    return out
 
 
 def _attr(gm: fx.GraphModule, target: str) -> Any:

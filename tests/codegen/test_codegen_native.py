@@ -341,3 +341,24 @@ def test_a_handed_over_call_takes_its_inputs_under_a_torch_function_mode_too(mon
     with Passthrough():
         assert torch.equal(run(torch.ones(2))[0], want)
     assert len(via) == 2 and via[0] == via[1], via
+
+
+@pytest.mark.parametrize("executor", ["native", "python"])
+def test_a_handed_over_call_that_returns_a_non_tensor_is_refused(monkeypatch, executor):
+    # both executors check a handed-over call's results (found by review: the Python
+    # executor passed a non-tensor on to the next op or the caller)
+    from functrans.codegen._pycode import flat_function
+    from functrans.extend import HANDOVER_OPS
+
+    op = torch.ops.functrans_test_handover.call.default
+    monkeypatch.setitem(HANDOVER_OPS, op, lambda node: lambda args: [args.pop(), "oops"])
+    g = fx.Graph()
+    x = g.placeholder("x")
+    c = g.call_function(op, (0, [x]))
+    g.output([g.call_function(operator.getitem, (c, 0))])
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    run = _native.native_function(gm) if executor == "native" else flat_function(gm)
+    if run is None:
+        pytest.skip("no native executor here")
+    with pytest.raises(RuntimeError, match=f"node {c.name} returned a non-tensor"):
+        run(torch.ones(2))
