@@ -31,10 +31,19 @@ is plain, and hands every other case to torch's kernel unchanged:
   rows (equal as expressions or by an earlier guard), without class weights, gives two 0-dim
   values of the logits' dtype, and its backward a contiguous gradient like the logits.
 
-The rules add no guard. Each is checked against torch's own kernel, output by output (sizes,
+Every rule needs strided fakes of this mode, on one device, without data-dependent sizes; a
+rule that makes a new tensor needs its inputs laid out exactly as new contiguous tensors
+(size-one dimensions included) with sizes that are products of symbols; Python numbers as
+operands, complex ``alpha``, bad dims and unknown options go to torch's kernel, which
+promotes or raises.
+
+The rules add no guard. One case where torch's kernel adds some: ``view`` of a contiguous
+``(s0, s1)`` as ``(s1, s0)``, where torch's reshape algorithm asks whether the sizes are equal
+or divide each other; the result is the same contiguous view either way, so the rule's holds
+at every size. Each rule is checked against torch's own kernel, output by output (sizes,
 strides, offset, dtype, device as expressions, and the guards each adds), in
-``tests/core/test_fake_rules.py``; a symbolic GPT traces to the same tensor ops with the same
-metadata and guards with and without them.
+``tests/core/test_fake_rules.py``, with the cases a review found; a symbolic GPT traces to the
+same tensor ops with the same metadata and guards with and without them.
 
 >>> import torch
 >>> from functrans._core.shapes import symbolic_fakes
@@ -54,7 +63,7 @@ from typing import Any
 import sympy  # type: ignore[import-untyped]  # sympy ships no type stubs
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, in_kernel_invocation_manager
-from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols, statically_known_true
 
 __all__ = ["RULES", "SymbolicFakeMode"]
 
@@ -88,8 +97,15 @@ class SymbolicFakeMode(FakeTensorMode):  # type: ignore[no-untyped-call]  # torc
 
 
 def _fake(mode: SymbolicFakeMode, t: Any) -> bool:
-    """A fake tensor of ``mode`` without a constant value (torch propagates those)."""
-    return isinstance(t, FakeTensor) and t.fake_mode is mode and t.constant is None
+    """A strided fake tensor of ``mode`` without a constant value (torch propagates those)
+    and without sizes that depend on data (torch lays those out with ``Max(1, u0)``)."""
+    return (
+        isinstance(t, FakeTensor)
+        and t.fake_mode is mode
+        and t.constant is None
+        and t.layout == torch.strided
+        and not free_unbacked_symbols(t)
+    )
 
 
 def _one_device(*tensors: Any) -> bool:
@@ -117,6 +133,8 @@ def _size_like(s: Any) -> bool:
         return s >= 0
     if not isinstance(s, torch.SymInt):
         return False
+    if free_unbacked_symbols(s):
+        return False
     expr = s.node.expr
     factors = expr.args if isinstance(expr, sympy.Mul) else (expr,)
     return all(f.is_Symbol or (f.is_Integer and f > 0) for f in factors)
@@ -143,6 +161,16 @@ def _is_contiguous(t: torch.Tensor) -> bool:
             return False
         step = step * size_e
     return True
+
+
+def _plain(t: torch.Tensor) -> bool:
+    """Whether ``t`` lies exactly as a new contiguous tensor would: its strides are the
+    row-major ones, size-one dimensions included (torch keeps an odd stride of a size-one
+    dimension in a result laid out like its input), and its sizes are sizes (products of
+    symbols and positive integers: torch guards on a size like ``s0 - 1`` being one)."""
+    return all(_size_like(s) for s in t.shape) and all(
+        _expr(a) == _expr(b) for a, b in zip(t.stride(), _contiguous_strides(t.shape), strict=True)
+    )
 
 
 def _new(mode: SymbolicFakeMode, shape: Sequence[Any], like: torch.Tensor) -> FakeTensor:
@@ -187,6 +215,8 @@ def _normalized(
     shape = list(x.shape)
     if any(type(s) is not int for s in shape[-k:]) or shape[-k:] != list(normalized):
         return None
+    if not _plain(x) or any(type(s) is int and s == 0 for s in shape):
+        return None  # torch's kernel lays out a result like an odd input, and empty ones apart
     if not _one_device(x, *params):
         return None
     for p in params:
@@ -226,7 +256,7 @@ def _layer_norm_backward(
             return None
     if not _one_device(grad, x, mean, rstd):
         return None
-    if [_expr(s) for s in grad.shape] != [_expr(s) for s in shape]:
+    if [_expr(s) for s in grad.shape] != [_expr(s) for s in shape] or not _plain(grad):
         return None
     return (
         _new(mode, shape, x) if mask[0] else None,
@@ -236,27 +266,45 @@ def _layer_norm_backward(
 
 
 def _same_layout(tensors: Sequence[Any], mode: SymbolicFakeMode) -> bool:
-    """Fakes of ``mode`` of one float dtype and one shape (as expressions), all contiguous."""
+    """Fakes of ``mode`` of one float dtype and one shape (as expressions), all laid out as
+    new contiguous tensors (:func:`_plain`)."""
     first = tensors[0]
     if not all(_fake(mode, t) for t in tensors) or first.dtype not in _FLOATS:
         return False
     shape = [_expr(s) for s in first.shape]
     return _one_device(*tensors) and all(
-        t.dtype == first.dtype and [_expr(s) for s in t.shape] == shape and _is_contiguous(t)
+        t.dtype == first.dtype and [_expr(s) for s in t.shape] == shape and _plain(t)
         for t in tensors
     )
 
 
-def _elementwise(
-    mode: SymbolicFakeMode, args: Sequence[Any], kwargs: Mapping[str, Any]
-) -> FakeTensor | None:
-    """A pointwise op of tensors of one shape and float dtype, all contiguous (no
-    broadcasting, no type promotion): a contiguous result like them. Its other arguments
-    (``alpha``, ``approximate``) do not change the result's layout."""
-    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-    if not tensors or not _same_layout(tensors, mode):
-        return None
-    return _new(mode, list(tensors[0].shape), tensors[0])
+def _pointwise(operands: int, option: str | None) -> Rule:
+    """The rule of a pointwise op of ``operands`` tensors of one shape and float dtype, laid
+    out as new contiguous tensors (no broadcasting, no type promotion): a contiguous result
+    like them. Its only other argument is ``option``: a real ``alpha`` (``add``, ``sub``) or
+    gelu's ``approximate``, which do not change the result's layout; anything else (a
+    Python number as an operand, a complex ``alpha``, an unknown approximation) goes to
+    torch's kernel, which promotes or raises."""
+
+    def rule(
+        mode: SymbolicFakeMode, args: Sequence[Any], kwargs: Mapping[str, Any]
+    ) -> FakeTensor | None:
+        tensors, extra = args[:operands], dict(kwargs)
+        if len(args) > operands:
+            if len(args) > operands + 1 or option != "alpha":
+                return None
+            extra["alpha"] = args[operands]
+        if len(tensors) != operands or set(extra) - {option}:
+            return None
+        if "alpha" in extra and type(extra["alpha"]) not in (int, float):
+            return None
+        if "approximate" in extra and extra["approximate"] not in ("none", "tanh"):
+            return None
+        if not _same_layout(tensors, mode):
+            return None
+        return _new(mode, list(tensors[0].shape), tensors[0])
+
+    return rule
 
 
 def _log_softmax(
@@ -264,7 +312,14 @@ def _log_softmax(
 ) -> FakeTensor | None:
     if len(args) != 3 or kwargs or args[2] is not False or not _same_layout(args[:1], mode):
         return None
+    if not _a_dim(args[1], args[0]):
+        return None
     return _new(mode, list(args[0].shape), args[0])
+
+
+def _a_dim(dim: Any, t: torch.Tensor) -> bool:
+    """Whether ``dim`` is a dimension of ``t`` (which has one at least); else torch raises."""
+    return type(dim) is int and t.dim() >= 1 and -t.dim() <= dim < t.dim()
 
 
 def _log_softmax_backward(
@@ -272,7 +327,7 @@ def _log_softmax_backward(
 ) -> FakeTensor | None:
     if len(args) != 4 or kwargs or not _same_layout(args[:2], mode):
         return None
-    if args[3] != args[0].dtype:
+    if args[3] != args[0].dtype or not _a_dim(args[2], args[0]):
         return None
     return _new(mode, list(args[0].shape), args[0])
 
@@ -400,15 +455,10 @@ RULES: dict[Any, Rule] = {
     aten.addmm.default: _addmm,
     aten.transpose.int: _transpose,
     aten.t.default: _t,
-    **dict.fromkeys(
-        (
-            aten.add.Tensor,
-            aten.sub.Tensor,
-            aten.mul.Tensor,
-            aten.div.Tensor,
-            aten.gelu.default,
-            aten.gelu_backward.default,
-        ),
-        _elementwise,
-    ),
+    aten.add.Tensor: _pointwise(2, "alpha"),
+    aten.sub.Tensor: _pointwise(2, "alpha"),
+    aten.mul.Tensor: _pointwise(2, None),
+    aten.div.Tensor: _pointwise(2, None),
+    aten.gelu.default: _pointwise(1, "approximate"),
+    aten.gelu_backward.default: _pointwise(2, "approximate"),
 }
