@@ -151,26 +151,23 @@ def _contiguous_strides(shape: Sequence[int | torch.SymInt]) -> list[int | torch
 
 
 def _is_contiguous(t: torch.Tensor) -> bool:
-    """Whether ``t`` is contiguous as expressions (without a guard): every dimension of a size
-    other than one has the row-major stride. False where the expressions differ (torch's kernel
-    then decides)."""
+    """Whether ``t``'s strides are the row-major ones as expressions (without a guard), on
+    every dimension: size-one dimensions too, unlike torch's contiguity (torch keeps an odd
+    stride of a size-one dimension in a view of the same shape, and in a result laid out like
+    its input). False where the expressions differ (torch's kernel then decides)."""
     step = sympy.Integer(1)
     for size, stride in zip(reversed(t.shape), reversed(t.stride()), strict=True):
-        size_e = _expr(size)
-        if size_e != 1 and _expr(stride) != step:
+        if _expr(stride) != step:
             return False
-        step = step * size_e
+        step = step * (sympy.Integer(max(size, 1)) if type(size) is int else _expr(size))
     return True
 
 
 def _plain(t: torch.Tensor) -> bool:
-    """Whether ``t`` lies exactly as a new contiguous tensor would: its strides are the
-    row-major ones, size-one dimensions included (torch keeps an odd stride of a size-one
-    dimension in a result laid out like its input), and its sizes are sizes (products of
-    symbols and positive integers: torch guards on a size like ``s0 - 1`` being one)."""
-    return all(_size_like(s) for s in t.shape) and all(
-        _expr(a) == _expr(b) for a, b in zip(t.stride(), _contiguous_strides(t.shape), strict=True)
-    )
+    """Whether ``t`` lies exactly as a new contiguous tensor would (:func:`_is_contiguous`)
+    and its sizes are sizes (products of symbols and positive integers: torch guards on a size
+    like ``s0 - 1`` being one)."""
+    return all(_size_like(s) for s in t.shape) and _is_contiguous(t)
 
 
 def _new(mode: SymbolicFakeMode, shape: Sequence[Any], like: torch.Tensor) -> FakeTensor:

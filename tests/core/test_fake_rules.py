@@ -379,6 +379,9 @@ REVIEWED: list[tuple[str, Callable[..., Any]]] = [
         lambda x, g: aten._log_softmax_backward_data.default(g, x, 5, torch.float32),
     ),
     ("gelu approximation", lambda x, g: aten.gelu.default(x, approximate="bogus")),
+    # the rule's own reread found it: torch keeps the odd stride of a size-one dimension in a
+    # view of the same shape (the first rule gave stride 1 where torch gives 16)
+    ("view keeps a size-one stride", lambda x, g: aten.view.default(x[:1, 0], [1])),
     (
         "odd size-one stride",
         lambda x, g: aten._log_softmax.default(
