@@ -29,7 +29,15 @@ from typing import TYPE_CHECKING, Any, Protocol, final, runtime_checkable
 if TYPE_CHECKING:
     import torch.fx as fx
 
-__all__ = ["HANDOVER_OPS", "Boxed", "BoxedCallable", "Picked", "boxed", "handover_call"]
+__all__ = [
+    "HANDOVER_OPS",
+    "RUNNING_NODE",
+    "Boxed",
+    "BoxedCallable",
+    "Picked",
+    "boxed",
+    "handover_call",
+]
 
 
 @runtime_checkable
@@ -128,6 +136,11 @@ class Picked:
         results = self.run(args)
         return [results[i] for i in self.picks]
 
+
+#: How an executor names the node whose op raised (the Python executor in a note, the native
+#: one in the message: ``codegen/csrc/executor.cpp`` writes these words too); ``jit`` reads
+#: the name back to add the op and the user's line (:mod:`functrans._jit.failures`)
+RUNNING_NODE = "functrans: while running node"
 
 #: Ops of schema ``(int id, Tensor[] inputs) -> Tensor[]`` that an executor may run by calling
 #: a boxed function directly, handing it the ``inputs`` list: by op, what gives the function

@@ -161,8 +161,8 @@ def run_backward(entry: Entry, args: list[Any]) -> list[Any]:
     try:
         return entry.backward(args)
     except Exception as e:
-        graph = entry.partition.backward.graph_module if entry.partition else None
-        explain(e, graph, "backward")
+        p = entry.partition
+        explain(e, p.backward.graph_module if p is not None else None, "backward")
         raise
 
 

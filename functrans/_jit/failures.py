@@ -18,6 +18,7 @@ import re
 
 import torch.fx as fx
 
+from functrans._core.boxed import RUNNING_NODE
 from functrans._core.graph import SOURCE
 from functrans._trace.passes import source_of
 
@@ -25,7 +26,7 @@ from .outline import inner_graph
 
 __all__ = ["explain"]
 
-_NAMED = re.compile(r"functrans: while running node (\w+)")
+_NAMED = re.compile(re.escape(RUNNING_NODE) + r" (\w+)")
 
 
 def explain(exc: BaseException, graph: fx.GraphModule | None, phase: str) -> None:

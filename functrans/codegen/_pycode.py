@@ -39,6 +39,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from functrans._core.boxed import RUNNING_NODE
 from functrans.extend import handover_call
 
 __all__ = ["FlatFunction", "flat_function"]
@@ -125,7 +126,7 @@ class FlatFunction:
             return
         name = self.nodes[tb.tb_lineno - 1]
         if name is not None:
-            e.add_note(f"functrans: while running node {name}")
+            e.add_note(f"{RUNNING_NODE} {name}")
 
 
 def flat_function(gm: fx.GraphModule) -> FlatFunction:
