@@ -27,6 +27,9 @@ Every class and function here documents itself with an example. The other names:
 - ``HANDOVER_OPS``: ops (a compiled region's calls) a backend's program may run by calling a
   boxed function with their inputs handed over (:func:`handover_call` gives it for a node), so
   inputs whose last use they are die inside them;
+- ``RUNNING_NODE``: the words an executor puts before the name of the node whose op raised
+  (in the error's message or a note, ``f"{RUNNING_NODE} {node.name}"``): ``jit`` reads the
+  name back and adds the op and the user's line the node was traced from;
 - ``STRATEGY_GROUP`` and ``BACKEND_GROUP``: the entry point groups installed strategies and
   backends are discovered in (the registries are the core's; ``functrans.partitioners`` and
   ``functrans.codegen`` fill them and re-export these functions under shorter names).
@@ -71,6 +74,9 @@ False
 >>> from functrans.extend import HANDOVER_OPS
 >>> sorted(op.name() for op in HANDOVER_OPS)  # an outlined block's forward and backward
 ['functrans::outlined_bwd', 'functrans::outlined_fwd', 'functrans::outlined_fwd_random']
+>>> from functrans.extend import RUNNING_NODE
+>>> RUNNING_NODE
+'functrans: while running node'
 >>> from functrans.extend import BACKEND_GROUP, STRATEGY_GROUP
 >>> STRATEGY_GROUP, BACKEND_GROUP
 ('functrans.partitioners', 'functrans.backends')
@@ -82,6 +88,7 @@ from ._core.backends import backend_names as backend_names
 from ._core.backends import get_backend as get_backend
 from ._core.backends import register_backend as register_backend
 from ._core.boxed import HANDOVER_OPS as HANDOVER_OPS
+from ._core.boxed import RUNNING_NODE as RUNNING_NODE
 from ._core.boxed import Boxed as Boxed
 from ._core.boxed import BoxedCallable as BoxedCallable
 from ._core.boxed import Picked as Picked

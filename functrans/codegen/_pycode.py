@@ -39,8 +39,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from functrans._core.boxed import RUNNING_NODE
-from functrans.extend import handover_call
+from functrans.extend import RUNNING_NODE, handover_call
 
 __all__ = ["FlatFunction", "flat_function"]
 
