@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, TypeAlias, cast
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.experimental.symbolic_shapes import (
     DimDynamic,
     ShapeEnv,
@@ -228,9 +229,16 @@ def shape_env_of(vals: Sequence[Any]) -> ShapeEnv | None:
     return None
 
 
+#: tensor types whose ``_has_symbolic_sizes_strides`` flag tells whether their sizes and
+#: strides are symbolic (a subclass may keep its sizes elsewhere)
+_FLAGGED = (torch.Tensor, torch.nn.Parameter, FakeTensor)
+
+
 def is_symbolic(val: Any) -> bool:
     """Whether a tensor's sizes or strides, or an int-like value, are symbolic."""
     if isinstance(val, torch.Tensor):
+        if type(val) in _FLAGGED and not val._has_symbolic_sizes_strides:
+            return False  # the C field says so: reading sizes inside a trace costs 4 us
         return any(isinstance(s, torch.SymInt) for s in (*val.shape, *val.stride()))
     return isinstance(val, torch.SymInt | torch.SymFloat | torch.SymBool)
 

@@ -75,7 +75,7 @@ from .region_keys import (
     tensor_key,
     value_key,
 )
-from .trace import TRACE_CONTEXTS, TRACE_PASSES, no_stack_traces, record_call
+from .trace import TRACE_CONTEXTS, TRACE_PASSES, CallRecorder, call_recorder, no_stack_traces
 
 __all__ = [
     "BACKWARD_OP",
@@ -230,19 +230,23 @@ def _bwd_fake(key: int, call: int, inputs: list[torch.Tensor]) -> list[torch.Ten
     return results_like([g.meta["val"] for _, g in r.grads], inputs)
 
 
+#: how the region call being made is recorded (None: dispatched)
+_RECORDER: contextvars.ContextVar[CallRecorder | None] = contextvars.ContextVar(
+    "functrans_region_recorder", default=None
+)
+
+
 class _Apply(torch.autograd.Function):
     """One region call: the forward op, and the backward op autograd runs for it."""
 
     @staticmethod
     def forward(ctx: Any, key: int, call: int, *inputs: torch.Tensor) -> Any:
         r = _lookup(key)
-        got = record_call(
-            _FWD,
-            (key, call),
-            inputs,
-            lambda: results_like([n.meta["val"] for n in r.outputs], inputs),
-        )
-        if got is None:
+        recorder = _RECORDER.get()
+        if recorder is not None:
+            made = results_like([n.meta["val"] for n in r.outputs], inputs)
+            got = recorder.record(_FWD, (key, call), made)
+        else:
             with no_stack_traces():
                 got = _FWD(key, call, list(inputs))
         ctx.key, ctx.call = key, call
@@ -262,12 +266,11 @@ class _Apply(torch.autograd.Function):
         # the region's backward was traced with contiguous cotangents: what it gets here is
         # made so (a no-op, and no node, for the usual contiguous gradient)
         cots = [g.contiguous() for g, d in zip(grads, r.differentiable, strict=False) if d]
-        got = record_call(
-            _BWD,
-            (ctx.key, ctx.call),
-            cots,
-            lambda: results_like([g.meta["val"] for _, g in r.grads], cots),
-        )
+        recorder = call_recorder(cots)
+        got = None
+        if recorder is not None:
+            made = results_like([g.meta["val"] for _, g in r.grads], cots)
+            got = recorder.record(_BWD, (ctx.key, ctx.call), made)
         if got is None:
             with no_stack_traces():
                 got = _BWD(ctx.key, ctx.call, cots)
@@ -352,8 +355,17 @@ def _call_region(
     if region is None:
         return eager()
     s.calls += 1
-    with _no_torch_functions():
-        outs = _Apply.apply(rid, s.calls, *tensors)  # type: ignore[no-untyped-call]  # autograd.Function.apply is unannotated
+    recorder = call_recorder(tensors)
+    # recorded (not dispatched): the call runs with the trace's dispatch modes off, which
+    # would otherwise see each of the two dozen device queries autograd makes of its inputs
+    # and outputs (0.2 ms a call)
+    modes = _disable_current_modes() if recorder is not None else nullcontext()
+    token = _RECORDER.set(recorder)
+    try:
+        with _no_torch_functions(), modes:
+            outs = _Apply.apply(rid, s.calls, *tensors)  # type: ignore[no-untyped-call]  # autograd.Function.apply is unannotated
+    finally:
+        _RECORDER.reset(token)
     return pytree.tree_unflatten(list(outs), region.out_spec)
 
 

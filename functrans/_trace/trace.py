@@ -14,7 +14,7 @@ import operator
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import optree
 import torch
@@ -23,6 +23,7 @@ import torch.fx.traceback as fx_traceback
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
+    FakeTensor,
 )
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import (
@@ -35,6 +36,7 @@ from torch.fx.experimental.proxy_tensor import (
     track_tensor_tree,
 )
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from functrans._core.context import (
     _TRACING,
@@ -270,6 +272,22 @@ class _PlainRNNs(torch.overrides.TorchFunctionMode):
             ctx._set_cudnn_enabled(cudnn)
 
 
+class _FakeDevices(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's mode base is unannotated
+    """While a trace runs: a fake tensor's device, which autograd asks of every input and
+    output of every op it records (two dozen times for a block's call), answered here as
+    the fake mode answers it, before the tracing modes see the query."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is _DEVICE:
+            t = args[0]
+            if type(t) is FakeTensor and not t.fake_mode.in_kernel_invocation:
+                return t.fake_device
+        return func(*args, **(kwargs or {}))
+
+
+_DEVICE = torch.ops.prim.device.default
+
+
 def in_traced_function(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn``, the function make_fx traces, run under :class:`_PlainRNNs`: entered inside it,
     not around make_fx, so the mode (and its watchers) sees the calls of the traced code and
@@ -279,7 +297,7 @@ def in_traced_function(fn: Callable[..., Any]) -> Callable[..., Any]:
     have no user line, do not walk the stack (0.1 ms each)."""
 
     def run(*args: Any) -> Any:
-        with _PlainRNNs(), _stack_traces():
+        with _PlainRNNs(), _stack_traces(), _FakeDevices():  # type: ignore[no-untyped-call]  # torch's mode base is unannotated
             return fn(*args)
 
     return run
@@ -382,7 +400,8 @@ def check_static_shapes(gm: fx.GraphModule) -> None:
     input sizes, see :mod:`functrans._core.shapes`, are fine)."""
     for node in gm.graph.nodes:
         val = node.meta.get("val")
-        if isinstance(val, torch.Tensor) and has_unbacked(val):
+        # the flag (a C field) first: most values have no symbolic size at all
+        if isinstance(val, torch.Tensor) and val._has_symbolic_sizes_strides and has_unbacked(val):
             src = node.meta.get(SOURCE) or _src(node)
             raise TraceError(
                 f"`{op_name(node.target)}` returns a tensor whose shape depends on tensor values"
@@ -537,20 +556,44 @@ def late_inputs(like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return made
 
 
-def record_call(
-    op: torch._ops.OpOverload,
-    statics: tuple[Any, ...],
-    tensors: Sequence[torch.Tensor],
-    results: Callable[[], Sequence[torch.Tensor]],
-) -> list[torch.Tensor] | None:
-    """Inside a trace: record ``op(*statics, list(tensors))`` returning ``results()`` (fake
-    tensors the caller makes, called only once the op will be recorded) as the op's node and
-    one ``getitem`` node per result, without dispatching the op; the results. For opaque ops
-    whose results the caller knows (a region call): make_fx's dispatch would run the op's fake
-    kernel and then snapshot and describe every result, about 1.5 ms for a block's forward and
-    as much for its backward's gradients. None, and nothing recorded, outside a trace, for an
-    input the trace does not know, or for inputs with symbolic sizes (whose results' sizes
-    make_fx tracks too): dispatch the op then."""
+@dataclass(frozen=True)
+class CallRecorder:
+    """Records calls of opaque ops whose inputs a trace knows into that trace's graph
+    (:func:`call_recorder`)."""
+
+    tracer: Any  # make_fx's tracer
+    args: tuple[fx.Node, ...]  # the inputs' nodes
+
+    def record(
+        self,
+        op: torch._ops.OpOverload,
+        statics: tuple[Any, ...],
+        results: Sequence[torch.Tensor],
+    ) -> list[torch.Tensor]:
+        """Record ``op(*statics, list(inputs))`` returning ``results`` (fake tensors the caller
+        made) as the op's node and one ``getitem`` node per result, without dispatching the
+        op; the results. Needs no dispatch mode: a caller may record with them off."""
+        tracer = self.tracer
+        graph: fx.Graph = tracer.graph
+        node = graph.create_node(
+            "call_function", op, (*statics, list(self.args)), {}, op.overloadpacket.__name__
+        )
+        made = list(results)
+        node.meta["val"] = made
+        for i, r in enumerate(made):
+            item = graph.call_function(operator.getitem, (node, i))
+            item.meta["val"] = r
+            set_proxy_slot(r, tracer, _ProxyTensor(fx.Proxy(item, tracer), None))
+        return made
+
+
+def call_recorder(tensors: Sequence[torch.Tensor]) -> CallRecorder | None:
+    """Inside a trace: what records a call of an opaque op on ``tensors`` whose results the
+    caller knows (a region call), without dispatching it. make_fx's dispatch would run the
+    op's fake kernel and then snapshot and describe every result, about 1.5 ms for a block's
+    forward and as much for its backward's gradients. None outside a trace, for an input the
+    trace does not know, or for inputs with symbolic sizes (whose results' sizes make_fx
+    tracks too): dispatch the op then."""
     mode = get_proxy_mode()
     if mode is None or any(is_symbolic(t) for t in tensors):
         return None
@@ -561,15 +604,43 @@ def record_call(
         if slot is None:
             return None
         args.append(slot.proxy.node)
-    made = list(results())
-    graph: fx.Graph = tracer.graph
-    node = graph.create_node("call_function", op, (*statics, args), {}, op.overloadpacket.__name__)
-    node.meta["val"] = made
-    for i, r in enumerate(made):
-        item = graph.call_function(operator.getitem, (node, i))
-        item.meta["val"] = r
-        set_proxy_slot(r, tracer, _ProxyTensor(fx.Proxy(item, tracer), None))
-    return made
+    return CallRecorder(tracer, tuple(args))
+
+
+def _known_inputs(inputs: Sequence[torch.Tensor]) -> bool:
+    """Whether ``inputs`` can be recorded by :func:`_inputs_recorded`: at least two, fake
+    tensors of one mode (made for the trace, :func:`functrans._core.fakes.trace_as_themselves`),
+    with static sizes, leaves of autograd."""
+    if len(inputs) < 2 or not all(type(t) is FakeTensor and t.grad_fn is None for t in inputs):
+        return False
+    mode = cast(FakeTensor, inputs[0]).fake_mode
+    return all(cast(FakeTensor, t).fake_mode is mode and not is_symbolic(t) for t in inputs)
+
+
+def _inputs_recorded(
+    body: Callable[..., Any], inputs: Sequence[torch.Tensor]
+) -> Callable[..., Any]:
+    """``body`` for make_fx to trace with only ``inputs[0]`` passed: it records the other
+    inputs as placeholders itself and calls ``body(*inputs)``. make_fx snapshots every input
+    and describes its metadata twice (``meta["tensor_meta"]``, which no pass here reads), about
+    0.1 ms a tensor, most of what a block's dozen parameters cost a trace. Here a placeholder
+    is a node whose value is the fake input itself: the trace's fakes are made for it and
+    never change (a graph that mutates an input is refused); :func:`trace_module` turns their
+    ``requires_grad`` off once traced, as make_fx's snapshots have it. Static sizes only:
+    make_fx also tracks a symbolic input's sizes."""
+    rest = list(inputs[1:])
+
+    def run(first: torch.Tensor) -> Any:
+        mode = get_proxy_mode()
+        assert mode is not None, "inputs recorded outside make_fx"
+        tracer = mode.tracer
+        for i, t in enumerate(rest):
+            node = tracer.graph.placeholder(f"input_{i + 1}")
+            node.meta["val"] = t
+            set_proxy_slot(t, tracer, _ProxyTensor(fx.Proxy(node, tracer), None))
+        return body(first, *rest)
+
+    return run
 
 
 def inputs_first(gm: fx.GraphModule) -> None:
@@ -596,14 +667,20 @@ def trace_module(
             with SizeConstants():  # torch.tensor(x.shape[0]) traced, not baked in
                 return plain_fn(*args)
 
+    recorded: Sequence[torch.Tensor] = ()
+    body, handed = in_traced_function(flat_fn), list(inputs)
+    if _known_inputs(inputs):
+        body, handed, recorded = _inputs_recorded(body, inputs), list(inputs[:1]), inputs[1:]
     traced = make_fx(
-        in_traced_function(flat_fn),
+        body,
         table,
         tracing_mode="fake",
         record_stack_traces=False,  # on inside the traced function: in_traced_function
         _allow_non_fake_inputs=True,
     )
-    gm: fx.GraphModule = run_traced(lambda: traced(*inputs), user_fn)
+    gm: fx.GraphModule = run_traced(lambda: traced(*handed), user_fn)
+    for t in recorded:  # the graph's values are detached, as make_fx records them
+        t.requires_grad_(False)
     inputs_first(gm)
     for rewrite in TRACE_PASSES:
         gm = rewrite(gm)

@@ -113,3 +113,48 @@ def test_joint_runs_the_function_once() -> None:
     outs, grads = jg((torch.zeros(3),), (torch.tensor(1.0),))
     torch.testing.assert_close(outs[0], torch.tensor(0.0))
     torch.testing.assert_close(grads[0], torch.ones(3))
+
+
+def _described(jg):
+    """Per node: its name, target and each value's layout, ``requires_grad`` and storage
+    (by the first node whose value lies on it)."""
+    first: dict[int, int] = {}
+    rows = []
+    for i, n in enumerate(jg.fx_graph.nodes):
+        vals = n.meta.get("val")
+        row = [n.name, str(n.target)]
+        for v in vals if isinstance(vals, (list, tuple)) else [vals]:
+            if isinstance(v, torch.Tensor):
+                owner = first.setdefault(v.untyped_storage()._cdata, i)
+                row.append((tuple(v.shape), v.stride(), v.dtype, v.requires_grad, owner))
+        rows.append(row)
+    return rows
+
+
+def test_inputs_recorded_directly_as_make_fx_records_them(monkeypatch):
+    # a joint trace's inputs are written into the graph as placeholders by the traced
+    # function itself (not by make_fx, which snapshots and describes each); the graph and
+    # every value's layout, requires_grad and storage are the ones make_fx's inputs give
+    import functrans._trace.trace as trace_module
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    params = {k: v.detach().requires_grad_() for k, v in net.named_parameters()}
+    x = torch.randn(3, 4)
+
+    def f(ps, x):
+        return torch.func.functional_call(net, ps, (x,)).square().sum()
+
+    used = []
+    known = trace_module._known_inputs
+    monkeypatch.setattr(
+        trace_module, "_known_inputs", lambda inputs: used.append(known(inputs)) or used[-1]
+    )
+    direct = ft.joint(f, argnums=(0, 1))(params, x)
+    assert used == [True]
+    monkeypatch.setattr(trace_module, "_known_inputs", lambda inputs: False)
+    through_make_fx = ft.joint(f, argnums=(0, 1))(params, x)
+    assert str(direct) == str(through_make_fx)
+    assert _described(direct) == _described(through_make_fx)
+    one = (torch.tensor(1.0),)
+    assert_close(direct((params, x), one), eager_vjp(f, (params, x), one), "joint vs eager")

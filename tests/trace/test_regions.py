@@ -133,10 +133,10 @@ def test_region_calls_recorded_directly_as_make_fx_would(
     regions_env: Callable[[bool], None], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # a region call's node and its results' getitems are written into the trace without
-    # dispatching the op (record_call); the graph and every value's layout are the ones the
+    # dispatching the op (call_recorder); the graph and every value's layout are the ones the
     # op's dispatch through make_fx gives
     def kept(record: Callable[..., Any]) -> tuple[str, list[Any], int]:
-        monkeypatch.setattr(_regions, "record_call", record)
+        monkeypatch.setattr(_regions, "call_recorder", record)
         torch.manual_seed(0)
         seq = nn.Sequential(*[Block(p=0.0) for _ in range(3)])
         params = {k: v.detach().requires_grad_() for k, v in seq.named_parameters()}
@@ -152,12 +152,12 @@ def test_region_calls_recorded_directly_as_make_fx_would(
 
     recorded: list[bool] = []
 
-    def spy(*args: Any) -> list[torch.Tensor] | None:
-        got = _regions_record(*args)
+    def spy(*args: Any) -> Any:
+        got = _regions_recorder(*args)
         recorded.append(got is not None)
         return got
 
-    _regions_record = _regions.record_call
+    _regions_recorder = _regions.call_recorder
     direct = kept(spy)
     assert recorded and all(recorded)  # every call of the 3 blocks, forward and backward
     dispatched = kept(lambda *args: None)

@@ -127,6 +127,25 @@ class Fingerprint:
     def _w(self, tag: str, text: str = "") -> None:
         self._parts.append(f"{tag}:{text}\x00")
 
+    def _simple(self, obj: Any) -> bool:
+        """Hash ``obj`` as :meth:`add` would if it is an atom or an empty ``dict`` (what most of
+        a module's attributes are: a block has a hundred), without its layers of calls; False
+        (nothing hashed) for anything else."""
+        t = type(obj)
+        if t in _ATOMS or t is float:
+            self._parts.append(f"{t.__name__}:{obj!r}\x00")
+            return True
+        if (t is dict or t is collections.OrderedDict) and not obj:
+            key = id(obj)
+            if key in self._memo:
+                self._parts.append(f"ref:{self._memo[key]}\x00")
+                return True
+            self._memo[key] = len(self._memo)
+            self._alive.append(obj)
+            self._parts.append(f"{t.__name__}:\x00end:\x00")
+            return True
+        return False
+
     def _add(self, obj: Any, names: Iterable[str] | None) -> None:
         t = type(obj)
         if t in _ATOMS:
@@ -263,7 +282,7 @@ class Fingerprint:
                 if module and k.endswith("hooks") and isinstance(v, dict):
                     self._w("hooks")
                     self._items(v.values())
-                else:
+                elif not self._simple(v):
                     self.add(v)
             self._w("end")
         for name in _slots(t):
