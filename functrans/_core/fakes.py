@@ -46,34 +46,32 @@ def fake_empty(
         if storage is not None:
             untyped = storage.untyped_storage()
         else:
-            if _alone(shape, stride, offset, dtype, nbytes):
-                # a tensor on a storage of its own size: one call
+            # symbolic sizes are not compared (that would add guards)
+            sizes = (*shape, *stride, offset, 0 if nbytes is None else nbytes)
+            static = all(type(s) is int for s in sizes)
+            if nbytes is None:
+                nbytes, alone = _reached(shape, stride, offset, dtype), static
+            else:
+                alone = static and nbytes == _reached(shape, stride, offset, dtype)
+            if alone and offset == 0:
+                # alone on a storage of its own size (most values): one call
                 meta = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
                 return FakeTensor(mode, meta, torch.device(device))
-            if nbytes is None:
-                reach = 1 + offset + sum((s - 1) * st for s, st in zip(shape, stride, strict=True))
-                nbytes = 0 if 0 in shape else reach * dtype.itemsize
             untyped = torch.empty(nbytes, dtype=torch.uint8, device="meta").untyped_storage()
         meta = torch.empty(0, dtype=dtype, device="meta")
         meta.set_(untyped, offset, list(shape), list(stride))
     return FakeTensor(mode, meta, torch.device(device))
 
 
-def _alone(
+def _reached(
     shape: Sequence[int | torch.SymInt],
     stride: Sequence[int | torch.SymInt],
     offset: int | torch.SymInt,
     dtype: torch.dtype,
-    nbytes: int | torch.SymInt | None,
-) -> bool:
-    """Whether a storage of ``nbytes`` (None: the least) holds exactly a tensor of this layout
-    at offset 0 (static sizes only: comparing symbolic ones would add guards)."""
-    if not all(type(s) is int for s in (*shape, *stride, offset)) or offset != 0:
-        return False
-    if nbytes is None:
-        return True
-    reach = 0 if 0 in shape else 1 + sum((s - 1) * st for s, st in zip(shape, stride, strict=True))
-    return type(nbytes) is int and nbytes == reach * dtype.itemsize
+) -> int | torch.SymInt:
+    """Bytes of storage a tensor of this layout reaches."""
+    reach = 1 + offset + sum((s - 1) * st for s, st in zip(shape, stride, strict=True))
+    return 0 if 0 in shape else reach * dtype.itemsize
 
 
 def trace_as_themselves(fakes: Sequence[torch.Tensor]) -> list[torch.Tensor]:

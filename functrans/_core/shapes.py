@@ -229,8 +229,8 @@ def shape_env_of(vals: Sequence[Any]) -> ShapeEnv | None:
     return None
 
 
-#: tensor types whose ``_has_symbolic_sizes_strides`` flag tells whether their sizes and
-#: strides are symbolic (a subclass may keep its sizes elsewhere)
+#: tensor types whose ``_has_symbolic_sizes_strides`` flag tells whether their sizes, strides
+#: or storage offset are symbolic (a subclass may keep its sizes elsewhere)
 _FLAGGED = (torch.Tensor, torch.nn.Parameter, FakeTensor)
 
 
@@ -339,6 +339,8 @@ def planned_sizes() -> tuple[tuple[str, int], ...]:
 
 def has_unbacked(val: Any) -> bool:
     """Whether a value's shape depends on tensor values (an unbacked symbol)."""
+    if type(val) in _FLAGGED and not val._has_symbolic_sizes_strides:
+        return False  # the C field covers sizes, strides and offset: no symbol at all
     return bool(free_unbacked_symbols(val))
 
 

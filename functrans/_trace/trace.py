@@ -273,9 +273,10 @@ class _PlainRNNs(torch.overrides.TorchFunctionMode):
 
 
 class _FakeDevices(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's mode base is unannotated
-    """While a trace runs: a fake tensor's device, which autograd asks of every input and
-    output of every op it records (two dozen times for a block's call), answered here as
-    the fake mode answers it, before the tracing modes see the query."""
+    """While a trace runs: a fake tensor's device, which autograd asks of the inputs and
+    outputs of every op it records and of the gradients its engine passes on (three dozen
+    times for a block's backward), answered here as the fake mode answers it, before the
+    tracing modes see the query (through each, about 10 us)."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func is _DEVICE:
@@ -400,8 +401,7 @@ def check_static_shapes(gm: fx.GraphModule) -> None:
     input sizes, see :mod:`functrans._core.shapes`, are fine)."""
     for node in gm.graph.nodes:
         val = node.meta.get("val")
-        # the flag (a C field) first: most values have no symbolic size at all
-        if isinstance(val, torch.Tensor) and val._has_symbolic_sizes_strides and has_unbacked(val):
+        if isinstance(val, torch.Tensor) and has_unbacked(val):
             src = node.meta.get(SOURCE) or _src(node)
             raise TraceError(
                 f"`{op_name(node.target)}` returns a tensor whose shape depends on tensor values"

@@ -90,3 +90,32 @@ def test_device_mismatch_is_recognised_on_any_torch() -> None:
     )
     assert not is_device_mismatch(ValueError("Unhandled FakeTensor Device Propagation"))
     assert not is_device_mismatch(RuntimeError("CUDA out of memory"))
+
+
+def test_fake_empty_lays_out_storage_as_torch_does() -> None:
+    # a tensor alone on a storage of its own size is built in one call; a given offset or a
+    # larger storage still goes through set_: each as torch lays it out
+    from functrans._core.fakes import fake_empty
+
+    mode = FakeTensorMode()
+    cases = [
+        ((2, 3), (3, 1), 0, None),
+        ((2, 3), (1, 2), 0, None),
+        ((0, 3), (3, 1), 0, None),
+        ((4, 1), (1, 7), 0, None),
+        ((), (), 0, None),
+        ((2, 3), (3, 1), 0, 24),  # exactly its own size
+        ((2, 3), (3, 1), 0, 64),  # a bigger storage (a view's base)
+        ((2, 3), (3, 1), 5, None),  # an offset
+    ]
+    for shape, stride, offset, nbytes in cases:
+        f = fake_empty(mode, shape, stride, torch.float32, "cpu", offset=offset, nbytes=nbytes)
+        reach = (
+            0
+            if 0 in shape
+            else 1 + offset + sum((s - 1) * t for s, t in zip(shape, stride, strict=True))
+        )
+        want = reach * 4 if nbytes is None else nbytes
+        got = (tuple(f.shape), f.stride(), f.storage_offset(), f.untyped_storage().nbytes())
+        assert got == (shape, stride, offset, want), (shape, stride, offset, nbytes)
+        assert f._base is None and not f.requires_grad and f.fake_mode is mode

@@ -918,6 +918,25 @@ def test_fingerprints_tell_dict_kinds_and_module_state_apart():
     assert digest(block()) == digest(block())
 
 
+def test_fingerprints_hash_a_modules_plain_attributes_as_the_general_walk_does(monkeypatch):
+    # a module's atoms and empty dicts are hashed inline (a block has a hundred); the digest
+    # is the one the general walk gives, shared empty dicts (aliasing) included
+    from functrans._jit.disk.fingerprint import Fingerprint
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.LayerNorm(2), torch.nn.Dropout(0.1))
+    net.scale, net.name, net.flag, net.nothing = 0.5, "net", True, None
+    net[0].shared = net[1].shared = {}  # one empty dict reached twice
+    net[2].table = {}
+    fast = Fingerprint().digest(net)
+    monkeypatch.setattr(Fingerprint, "_simple", lambda self, obj: False)
+    assert fast == Fingerprint().digest(net)
+    net[2].table = net[0].shared  # now aliased: a different digest either way
+    slow = Fingerprint().digest(net)
+    monkeypatch.undo()
+    assert Fingerprint().digest(net) == slow != fast
+
+
 def test_fingerprints_hash_each_kind_of_value_by_what_it_holds():
     # the fingerprint picks how to hash a value by its type, once per type: every kind still
     # hashes what it holds, and a value whose state lives in C is still refused

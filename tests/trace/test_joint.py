@@ -158,3 +158,28 @@ def test_inputs_recorded_directly_as_make_fx_records_them(monkeypatch):
     assert _described(direct) == _described(through_make_fx)
     one = (torch.tensor(1.0),)
     assert_close(direct((params, x), one), eager_vjp(f, (params, x), one), "joint vs eager")
+
+
+def test_fake_devices_are_answered_as_the_tracing_modes_answer_them(monkeypatch):
+    # a trace answers fake tensors' device queries ahead of make_fx's modes (autograd asks
+    # dozens per op); with every query passed down instead, the joint graph is the same
+    import functrans._trace.trace as trace_module
+
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
+
+    def f(x):
+        for b in blocks:
+            x = torch.tanh(b(x)) + torch.ones(4, device=x.device)
+        return x.to(x.device).sum()
+
+    x = torch.randn(2, 4, requires_grad=True)
+    answered = ft.joint(f)(x)
+    monkeypatch.setattr(
+        trace_module._FakeDevices,
+        "__torch_dispatch__",
+        lambda self, func, types, args=(), kwargs=None: func(*args, **(kwargs or {})),
+    )
+    passed_down = ft.joint(f)(x)
+    assert str(answered) == str(passed_down)
+    assert _described(answered) == _described(passed_down)
