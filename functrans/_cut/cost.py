@@ -42,6 +42,7 @@ __all__ = [
     "flops",
     "is_collective",
     "is_input_alias",
+    "is_input_storage",
     "is_random",
     "nbytes",
     "nbytes_expr",
@@ -51,6 +52,7 @@ __all__ = [
     "storage_nbytes",
     "storage_of",
     "storage_value",
+    "value_of",
 ]
 
 
@@ -104,8 +106,11 @@ def storage_of(node: fx.Node) -> Storage:
         src = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
         if src is None:
             return node, None
-        multi = isinstance(src.meta.get("val"), (tuple, list)) and op_class(src) is not OpClass.VIEW
-        if is_getitem(node) and multi:  # one output of a multi-output op: its own storage
+        if (  # one output of a multi-output op: its own storage
+            is_getitem(node)
+            and isinstance(src.meta.get("val"), (tuple, list))
+            and op_class(src) is not OpClass.VIEW
+        ):
             return src, int(node.args[1])  # type: ignore[arg-type]  # getitem's index: an int
         if op_class(node) is not OpClass.VIEW and node.target not in _ALIASING:
             return node, None
@@ -132,7 +137,12 @@ def nbytes_expr(val: Any) -> str | None:
 
 def storage_value(node: fx.Node) -> Any:
     """The value of the storage ``node`` lives in (see :func:`storage_of`)."""
-    root, index = storage_of(node)
+    return value_of(storage_of(node))
+
+
+def value_of(storage: Storage) -> Any:
+    """The value of ``storage`` (found by :func:`storage_of`)."""
+    root, index = storage
     val = root.meta.get("val")
     if index is not None and isinstance(val, (tuple, list)):
         val = val[index]
@@ -158,7 +168,12 @@ def is_input_alias(node: fx.Node) -> bool:
     >>> [(n.name, is_input_alias(n)) for n in g.fx_graph.nodes if n.op != "output"]
     [('x', True), ('permute', True), ('exp', False)]
     """
-    root, _ = storage_of(node)
+    return is_input_storage(storage_of(node))
+
+
+def is_input_storage(storage: Storage) -> bool:
+    """True for the storage of a primal placeholder (see :func:`is_input_alias`)."""
+    root, _ = storage
     return root.op == "placeholder" and root.meta.get(ROLE) in (Role.PRIMAL, None)
 
 

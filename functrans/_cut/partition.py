@@ -28,11 +28,12 @@ from functrans._trace.passes import no_gc
 
 from .cost import (
     flops,
-    is_input_alias,
+    is_input_storage,
     nbytes,
     nbytes_expr,
     storage_of,
     storage_value,
+    value_of,
 )
 from .memory import MemoryProfile, simulate
 from .offload import Cut, insert_transfers
@@ -93,8 +94,9 @@ class SavedValue:
     def of(cls, node: fx.Node) -> SavedValue:
         val = node.meta.get("val")
         tensor = val if isinstance(val, torch.Tensor) else None
-        root, index = storage_of(node)
-        whole = storage_value(node)
+        storage = storage_of(node)
+        root, index = storage
+        whole = value_of(storage)
         return cls(
             node=node,
             op="input"
@@ -103,7 +105,7 @@ class SavedValue:
             shape=tuple(hint(s) for s in tensor.shape) if tensor is not None else (),
             dtype=tensor.dtype if tensor is not None else None,
             nbytes=nbytes(val),
-            is_input=is_input_alias(node),
+            is_input=is_input_storage(storage),
             source=node.meta.get(SOURCE),
             storage=root.name if index is None else f"{root.name}[{index}]",
             storage_bytes=nbytes(whole),

@@ -76,10 +76,12 @@ def digest(key: DiskKey, fp: Fingerprint) -> str:
     state["modules"] = tuple(training for _, training in state["modules"])
     fp.add(sorted(state.items()))
     fp.add(_structure(key.flat))
+    # the tensors' metadata is atoms (strings, ints, bools, None and tuples of them), whose
+    # repr tells them apart: hashed as one string, not walked (a model has hundreds)
     if key.dims is None:
-        fp.add(_tensors(key.tensors))
+        fp.add(repr(_tensors(key.tensors)))
     else:  # sizes of symbolic dimensions left out (:mod:`functrans._jit.disk.shapes`)
-        fp.add(_tensors(key.tensors, symbolic=True))
+        fp.add(repr(_tensors(key.tensors, symbolic=True)))
         symbolic = disk_shapes.key_tensors(key.tensors, key.dims, key.names)
         fp.add(("dims", disk_shapes.dims_doc(key.dims), symbolic))
     fp.add(key.fn)
@@ -95,7 +97,7 @@ def _structure(flat: Any) -> Any:
 def _tensors(tensors: tuple[Any, ...], *, symbolic: bool = False) -> list[Any]:
     """Each tensor's metadata; ``symbolic``: without sizes, strides and offset (the key holds
     them as the symbolic trace sees them)."""
-    out: list[Any] = []
+    out: list[tuple[Any, ...]] = []
     storages: dict[tuple[str, int], int] = {}
     for i, t in enumerate(tensors):
         if not plain(t) or t.layout != torch.strided:
