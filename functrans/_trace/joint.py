@@ -36,17 +36,15 @@ from functrans._core.validate import check_argnums, check_bool, check_callable
 
 from .decomp import Decompositions, decomposition_table
 from .passes import InputSpec, canonicalize, no_gc
+from .record import late_inputs, no_stack_traces, untraced
 from .regions import session as region_session
 from .trace import (
     arg_names,
     check_inputs,
     flatten_args,
-    late_inputs,
-    no_stack_traces,
     refuse_closure_outputs,
     trace,
     trace_module,
-    untraced,
 )
 
 __all__ = ["joint", "normalize_argnums"]

@@ -25,7 +25,8 @@ from functrans._core.fakes import fake_empty
 from functrans._core.shapes import is_symbolic, shape_env_of
 
 from .passes import out_of_place
-from .trace import in_traced_function, inputs_first, late_inputs, no_stack_traces, view_base
+from .record import inputs_first, late_inputs, no_stack_traces
+from .trace import in_traced_function, view_base
 
 __all__ = [
     "Region",

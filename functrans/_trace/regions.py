@@ -50,6 +50,7 @@ from functrans._core.graph import lazy_module
 from functrans._core.logs import log
 from functrans._core.marks import leave, marked
 
+from .record import CallRecorder, call_recorder, no_stack_traces
 from .region_graph import (
     Region,
     Storages,
@@ -75,7 +76,7 @@ from .region_keys import (
     tensor_key,
     value_key,
 )
-from .trace import TRACE_CONTEXTS, TRACE_PASSES, CallRecorder, call_recorder, no_stack_traces
+from .trace import TRACE_CONTEXTS, TRACE_PASSES
 
 __all__ = [
     "BACKWARD_OP",

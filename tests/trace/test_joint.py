@@ -146,13 +146,13 @@ def test_inputs_recorded_directly_as_make_fx_records_them(monkeypatch):
         return torch.func.functional_call(net, ps, (x,)).square().sum()
 
     used = []
-    known = trace_module._known_inputs
+    known = trace_module.known_inputs
     monkeypatch.setattr(
-        trace_module, "_known_inputs", lambda inputs: used.append(known(inputs)) or used[-1]
+        trace_module, "known_inputs", lambda inputs: used.append(known(inputs)) or used[-1]
     )
     direct = ft.joint(f, argnums=(0, 1))(params, x)
     assert used == [True]
-    monkeypatch.setattr(trace_module, "_known_inputs", lambda inputs: False)
+    monkeypatch.setattr(trace_module, "known_inputs", lambda inputs: False)
     through_make_fx = ft.joint(f, argnums=(0, 1))(params, x)
     assert str(direct) == str(through_make_fx)
     assert _described(direct) == _described(through_make_fx)
