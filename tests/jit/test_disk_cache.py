@@ -918,6 +918,32 @@ def test_fingerprints_tell_dict_kinds_and_module_state_apart():
     assert digest(block()) == digest(block())
 
 
+def test_the_keys_tensor_metadata_is_hashed_as_text_that_tells_every_field_apart():
+    # the inputs' metadata enters the key as one repr string (a model has hundreds of
+    # tensors): it must be atoms whose repr reads back as the same value, and each field that
+    # decides a trace (sizes, strides, offset, dtype, grad, aliasing) must change the text
+    import ast
+
+    from functrans._jit.disk.key import _tensors
+
+    base = torch.zeros(4, 6)
+    variants = [
+        (base, base.clone()),
+        (base, base),  # the same tensor twice: aliasing
+        (base.t(), base.clone()),  # strides
+        (base[1:], base.clone()),  # sizes and offset
+        (base.double(), base.clone()),
+        (base.clone().requires_grad_(), base.clone()),
+    ]
+    texts = []
+    for tensors in variants:
+        meta = _tensors(tensors)
+        assert ast.literal_eval(repr(meta)) == meta
+        texts.append(repr(meta))
+    assert len(set(texts)) == len(texts)
+    assert repr(_tensors((torch.ones(4, 6), torch.ones(4, 6)))) == texts[0]
+
+
 def test_fingerprints_hash_a_modules_plain_attributes_as_the_general_walk_does(monkeypatch):
     # a module's atoms and empty dicts are hashed inline (a block has a hundred); the digest
     # is the one the general walk gives, shared empty dicts (aliasing) included
