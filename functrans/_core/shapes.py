@@ -234,11 +234,18 @@ def shape_env_of(vals: Sequence[Any]) -> ShapeEnv | None:
 _FLAGGED = (torch.Tensor, torch.nn.Parameter, FakeTensor)
 
 
+def _flagged_static(val: Any) -> bool:
+    """Whether the C flag of a tensor says its sizes, strides and offset are all plain ints
+    (reading the sizes themselves inside a trace costs about 4 us); False where it cannot
+    tell."""
+    return type(val) in _FLAGGED and not val._has_symbolic_sizes_strides
+
+
 def is_symbolic(val: Any) -> bool:
     """Whether a tensor's sizes or strides, or an int-like value, are symbolic."""
     if isinstance(val, torch.Tensor):
-        if type(val) in _FLAGGED and not val._has_symbolic_sizes_strides:
-            return False  # the C field says so: reading sizes inside a trace costs 4 us
+        if _flagged_static(val):
+            return False
         return any(isinstance(s, torch.SymInt) for s in (*val.shape, *val.stride()))
     return isinstance(val, torch.SymInt | torch.SymFloat | torch.SymBool)
 
@@ -339,8 +346,8 @@ def planned_sizes() -> tuple[tuple[str, int], ...]:
 
 def has_unbacked(val: Any) -> bool:
     """Whether a value's shape depends on tensor values (an unbacked symbol)."""
-    if type(val) in _FLAGGED and not val._has_symbolic_sizes_strides:
-        return False  # the C field covers sizes, strides and offset: no symbol at all
+    if _flagged_static(val):
+        return False  # no symbol at all, unbacked ones included
     return bool(free_unbacked_symbols(val))
 
 

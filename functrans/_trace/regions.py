@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import operator
 import os
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
@@ -268,11 +269,10 @@ class _Apply(torch.autograd.Function):
         # made so (a no-op, and no node, for the usual contiguous gradient)
         cots = [g.contiguous() for g, d in zip(grads, r.differentiable, strict=False) if d]
         recorder = call_recorder(cots)
-        got = None
         if recorder is not None:
             made = results_like([g.meta["val"] for _, g in r.grads], cots)
             got = recorder.record(_BWD, (ctx.key, ctx.call), made)
-        if got is None:
+        else:
             with no_stack_traces():
                 got = _BWD(ctx.key, ctx.call, cots)
         out: list[torch.Tensor | None] = [None] * len(r.primals)
@@ -651,8 +651,6 @@ def _region(s: _Session, key: Any) -> Region:
 
 
 def _region_item(node: fx.Node) -> bool:
-    import operator
-
     src = node.args[0] if node.args else None
     return (
         node.target is operator.getitem and isinstance(src, fx.Node) and src.target in (_FWD, _BWD)

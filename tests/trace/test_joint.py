@@ -183,3 +183,17 @@ def test_fake_devices_are_answered_as_the_tracing_modes_answer_them(monkeypatch)
     passed_down = ft.joint(f)(x)
     assert str(answered) == str(passed_down)
     assert _described(answered) == _described(passed_down)
+
+
+def test_a_users_own_fake_tensors_keep_their_requires_grad():
+    # the trace turns requires_grad off on the fakes it recorded as inputs: those are the
+    # trace's own fakes, never a user's (here: fake tensors a user made to estimate memory)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.randn(3, 4)
+        w = torch.randn(4, 2).requires_grad_()
+        b = torch.randn(2).requires_grad_()
+    jg = ft.joint(lambda w, b, x: torch.tanh(x @ w + b).sum(), argnums=(0, 1))(w, b, x)
+    assert [n.name for n in jg.placeholders()][:3] == ["primals_1", "primals_2", "primals_3"]
+    assert (w.requires_grad, b.requires_grad, x.requires_grad) == (True, True, False)
