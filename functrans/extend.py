@@ -30,6 +30,11 @@ Every class and function here documents itself with an example. The other names:
 - ``RUNNING_NODE``: the words an executor puts before the name of the node whose op raised
   (in the error's message or a note, ``f"{RUNNING_NODE} {node.name}"``): ``jit`` reads the
   name back and adds the op and the user's line the node was traced from;
+- ``OptionsCheck``: the type of the option check a strategy declares when it registers
+  (``register_strategy(name, fn, check_options=...)``), ``(options) -> object``: it raises
+  :class:`InvalidArgumentError` for a name the strategy does not take or a value it refuses,
+  so ``jit(f, partition=name, **options)`` raises when it is made, not at a training step
+  (:func:`check_strategy_options` runs it);
 - ``STRATEGY_GROUP`` and ``BACKEND_GROUP``: the entry point groups installed strategies and
   backends are discovered in (the registries are the core's; ``functrans.partitioners`` and
   ``functrans.codegen`` fill them and re-export these functions under shorter names).
@@ -77,6 +82,18 @@ False
 >>> from functrans.extend import RUNNING_NODE
 >>> RUNNING_NODE
 'functrans: while running node'
+>>> from dataclasses import dataclass
+>>> from functrans.extend import OptionsCheck, check_strategy_options, parse_options
+>>> from functrans.extend import register_strategy
+>>> @dataclass(frozen=True)
+... class KeepOptions:
+...     keep: float = 1.0
+>>> check_keep: OptionsCheck = lambda options: parse_options(KeepOptions, "keep", options)
+>>> _ = register_strategy("keep", lambda joint, **o: [], check_options=check_keep, replace=True)
+>>> check_strategy_options("keep", {"kep": 0.5})
+Traceback (most recent call last):
+...
+functrans._core.errors.InvalidArgumentError: keep: unknown option kep=0.5 (did you mean keep?); ...
 >>> from functrans.extend import BACKEND_GROUP, STRATEGY_GROUP
 >>> STRATEGY_GROUP, BACKEND_GROUP
 ('functrans.partitioners', 'functrans.backends')
@@ -120,7 +137,9 @@ from ._core.shapes import dimension_names as dimension_names
 from ._core.shapes import hint as hint
 from ._core.shapes import sizes_at as sizes_at
 from ._core.strategies import STRATEGY_GROUP as STRATEGY_GROUP
+from ._core.strategies import OptionsCheck as OptionsCheck
 from ._core.strategies import RegisteredStrategy as RegisteredStrategy
+from ._core.strategies import check_strategy_options as check_strategy_options
 from ._core.strategies import register_strategy as register_strategy
 from ._core.strategies import registered_strategy as registered_strategy
 from ._core.strategies import strategy_examples as strategy_examples

@@ -20,9 +20,20 @@ from .plugins import PluginRegistry
 #: :data:`functrans.extend.Strategy`, which the cut layer defines).
 Strategy = Callable[..., Any]
 
+#: A strategy's declared option check, ``check(options)``: raises
+#: :class:`~functrans.InvalidArgumentError` for an option name the strategy does not take or a
+#: value it does not accept, as the strategy itself would when it runs (its result is ignored).
+#: ``jit`` and ``grad`` run it when they are made, ``vjp`` and ``partition`` before they trace
+#: or run the strategy, so bad options never wait for a training step. The usual one builds
+#: the strategy's frozen options dataclass: ``lambda options: parse_options(MyOptions, "mine",
+#: options)``.
+OptionsCheck = Callable[[Mapping[str, Any]], object]
+
 __all__ = [
     "STRATEGY_GROUP",
+    "OptionsCheck",
     "RegisteredStrategy",
+    "check_strategy_options",
     "register_strategy",
     "registered_strategy",
     "strategy_examples",
@@ -35,16 +46,18 @@ STRATEGY_GROUP = "functrans.partitioners"
 
 @dataclass(frozen=True)
 class RegisteredStrategy:
-    """One registered strategy: the callable and the option sets the property suite runs it
-    with (read-only; :func:`examples` hands out copies).
+    """One registered strategy: the callable, the option sets the property suite runs it with
+    (read-only; :func:`examples` hands out copies) and the check of its options it declared
+    (:data:`OptionsCheck`; None: its signature says which options it takes, no more).
 
     >>> r = RegisteredStrategy(lambda joint: [], examples=(MappingProxyType({"budget": 0.5}),))
-    >>> r.examples[0]["budget"]
-    0.5
+    >>> r.examples[0]["budget"], r.check_options
+    (0.5, None)
     """
 
     strategy: Strategy
     examples: tuple[Mapping[str, Any], ...] = (MappingProxyType({}),)
+    check_options: OptionsCheck | None = None
 
 
 def _adopt(name: str, obj: object) -> object:
@@ -73,12 +86,16 @@ def register_strategy(
     aliases: Iterable[str] = (),
     replace: bool = False,
     examples: Sequence[Mapping[str, Any]] = ({},),
+    check_options: OptionsCheck | None = None,
 ) -> Strategy:
     """Register ``strategy`` under ``name`` (and ``aliases``); returns it.
 
     ``examples`` are option sets the property suite runs the strategy with (strategies with a
-    required option, like ``memory_budget``'s budget, list a few). Registering the same callable
-    again under its name is allowed; another one needs ``replace=True``.
+    required option, like ``memory_budget``'s budget, list a few). ``check_options`` declares
+    how the strategy checks its options (:data:`OptionsCheck`): a strategy that takes
+    ``**options`` needs one for a misspelt name or a bad value to raise when ``jit(f,
+    partition=name, ...)`` is made rather than at its first training step. Registering the same
+    callable again under its name is allowed; another one needs ``replace=True``.
 
     >>> from functrans import partitioners
     >>> def keep_inputs(joint, *, keep=1.0):
@@ -87,7 +104,8 @@ def register_strategy(
     >>> partitioners.get("keep_inputs") is keep_inputs, partitioners.examples("keep_inputs")
     (True, ({'keep': 0.5},))
     """
-    record = RegisteredStrategy(strategy, tuple(MappingProxyType(dict(e)) for e in examples))
+    frozen = tuple(MappingProxyType(dict(e)) for e in examples)
+    record = RegisteredStrategy(strategy, frozen, check_options)
     _STRATEGIES.register(name, record, aliases=aliases, replace=replace)
     return strategy
 
@@ -100,6 +118,23 @@ def strategy_examples(name: str) -> tuple[dict[str, Any], ...]:
     ({},)
     """
     return tuple(dict(e) for e in _STRATEGIES.get(name).examples)
+
+
+def check_strategy_options(name: str, options: Mapping[str, Any]) -> None:
+    """Run the option check the strategy registered as ``name`` declared (see
+    :func:`register_strategy`); a strategy that declared none is not checked here. An unknown
+    name lists the registered ones.
+
+    >>> from functrans.extend import check_strategy_options
+    >>> check_strategy_options("memory_budget", {"budget": 0.5})
+    >>> check_strategy_options("memory_budget", {"budget": -1})
+    Traceback (most recent call last):
+    ...
+    functrans._core.errors.InvalidArgumentError: memory_budget: budget=-1 (int) is not accepted; ...
+    """
+    check = _STRATEGIES.get(name).check_options
+    if check is not None:
+        check(options)
 
 
 def registered_strategy(name: str) -> Strategy:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import functools
 import inspect
 import math
 import numbers
@@ -285,7 +286,9 @@ def check_static_argnums(where: str, value: object) -> tuple[int, ...]:
 
 
 def check_static_range(where: str, static_argnums: tuple[int, ...], nargs: int) -> None:
-    """Raise :class:`InvalidArgumentError` if ``static_argnums`` names a missing argument."""
+    """Raise :class:`InvalidArgumentError` if ``static_argnums`` names a missing argument (at
+    the call: where the signature settles it, :func:`check_static_signature` did when the
+    transform was made)."""
     for i in static_argnums:
         if not -nargs <= i < nargs:
             raise InvalidArgumentError(
@@ -293,6 +296,130 @@ def check_static_range(where: str, static_argnums: tuple[int, ...], nargs: int) 
                 f"function was called with {nargs} positional argument"
                 f"{'' if nargs == 1 else 's'}"
             )
+
+
+def positional_parameters(f: Callable[..., Any]) -> tuple[str, list[str] | None] | None:
+    """``(name, positional parameter names)`` of ``f`` (of a module: its ``forward``'s), with
+    None for the names where it takes ``*args`` (any position exists); None where its signature
+    cannot be read (a builtin such as ``torch.sin``).
+
+    >>> positional_parameters(lambda x, y=1, *, z: x)
+    ('<lambda>', ['x', 'y'])
+    >>> positional_parameters(print)[1] is None, positional_parameters(max)
+    (True, None)
+    """
+    import torch
+
+    fn = f.forward if isinstance(f, torch.nn.Module) else f
+    name = f"{type(f).__name__}.forward" if fn is not f else _name(f)
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # builtins without a text signature
+        return None
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return name, None
+    return name, [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+
+def _name(f: object) -> str:
+    inner = f.func if isinstance(f, functools.partial) else f
+    qualname = getattr(inner, "__qualname__", None)  # a name for the message, not a capability
+    return qualname.rsplit(".", 1)[-1] if isinstance(qualname, str) else type(inner).__name__
+
+
+def check_static_signature(
+    where: str, f: Callable[..., Any], static_argnums: tuple[int, ...]
+) -> bool:
+    """Check, when a transform is made, that every index of ``static_argnums`` names one of
+    ``f``'s positional parameters (negative ones count from the end, as in JAX); return whether
+    the signature settled it. Where it cannot be read, or ``f`` takes ``*args``, it returns
+    False: only the call can tell (:func:`check_static_range`).
+
+    >>> def f(x, n):
+    ...     return x * n
+    >>> check_static_signature("jit", f, (1,)), check_static_signature("jit", f, (-2,))
+    (True, True)
+    >>> check_static_signature("jit", f, (2,))
+    Traceback (most recent call last):
+    ...
+    functrans._core.errors.InvalidArgumentError: jit: static_argnums=(2,) names argument 2, but
+    f(x, n) takes 2 positional parameters; static_argnums must be in range(-2, 2) (negative ...
+    """
+    found = positional_parameters(f)
+    if found is None:
+        return False
+    name, params = found
+    if params is None:  # *args: any position may exist
+        return False
+    n = len(params)
+    for i in static_argnums:
+        if not -n <= i < n:
+            accepted = (
+                f"static_argnums must be in range({-n}, {n}) (negative counts from the end)"
+                if n
+                else "static_argnums must be empty"
+            )
+            raise InvalidArgumentError(
+                f"{where}: static_argnums={static_argnums!r} names argument {i}, but "
+                f"{name}({', '.join(params)}) takes {_count(n, 'positional parameter')}; "
+                f"{accepted}"
+            )
+    return True
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}{'' if n == 1 else 's'}" if n else f"no {what}s"
+
+
+def check_static_values(
+    where: str, f: Callable[..., Any], args: tuple[Any, ...], static_argnums: tuple[int, ...]
+) -> None:
+    """Raise :class:`InvalidArgumentError`, naming the argument, for a tensor passed at a
+    position ``static_argnums`` marks static: a static argument is a Python value the function
+    is specialized on (compared by ``==``), not an input to differentiate or to re-read.
+    Positions the call does not reach are :func:`check_static_range`'s.
+
+    >>> import torch
+    >>> check_static_values("remat", lambda x, n: x * n, (torch.ones(2), 3), (1,))
+    >>> check_static_values("remat", lambda x, n: x * n, (torch.ones(2), torch.ones(2)), (1,))
+    Traceback (most recent call last):
+    ...
+    functrans._core.errors.InvalidArgumentError: remat: argument 1 (n) is a tensor (float32[2]),
+    but ...
+    """
+    import optree
+    import torch
+
+    from .pytree import NAMESPACE
+
+    nargs = len(args)
+    for i in static_argnums:
+        if not -nargs <= i < nargs:
+            continue
+        leaves = optree.tree_leaves(args[i], namespace=NAMESPACE)
+        tensor = next((t for t in leaves if isinstance(t, torch.Tensor)), None)
+        if tensor is None:
+            continue
+        found = positional_parameters(f)
+        names = found[1] if found is not None else None
+        j = i % nargs
+        label = (
+            f"argument {j} ({names[j]})"
+            if names is not None and j < len(names)
+            else (f"argument {j}")
+        )
+        holds = "is" if tensor is args[i] else "holds"
+        raise InvalidArgumentError(
+            f"{where}: {label} {holds} a tensor ({_short_type(tensor)}), but "
+            f"static_argnums={static_argnums!r} marks it static; a static argument must be a "
+            "Python value the function is specialized on (an int, a tuple, a string...). Pass "
+            f"the tensor as an ordinary argument (drop {i} from static_argnums), or a Python "
+            "value (t.item(), t.tolist())"
+        )
+
+
+def _short_type(t: Any) -> str:
+    return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
 
 
 def check_instance(where: str, name: str, value: object, kind: type, accepted: str) -> None:

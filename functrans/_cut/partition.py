@@ -7,6 +7,7 @@ time, so the core never imports them) or are passed directly as callables
 
 from __future__ import annotations
 
+import difflib
 import functools
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
@@ -16,12 +17,16 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from functrans._core.errors import FunctransError, InvalidArgumentError, InvalidPartitionError
+from functrans._core.errors import InvalidArgumentError, InvalidPartitionError, UnknownNameError
 from functrans._core.format import format_value_type, op_name
 from functrans._core.graph import MADE_BY, SOURCE, Graph, JointGraph
 from functrans._core.logs import log
 from functrans._core.shapes import hint, is_symbolic, legend
-from functrans._core.strategies import registered_strategy, strategy_names
+from functrans._core.strategies import (
+    check_strategy_options,
+    registered_strategy,
+    strategy_names,
+)
 from functrans._core.tags import Policy
 from functrans._core.validate import check_call, check_joint, describe, saved_items
 from functrans._trace.passes import no_gc
@@ -44,6 +49,7 @@ __all__ = [
     "Partition",
     "SavedValue",
     "Strategy",
+    "UnknownStrategyError",
     "apply_cut",
     "format_bytes",
     "get_strategy",
@@ -367,19 +373,42 @@ def get_strategy(strategy: str | Strategy) -> tuple[str, Strategy]:
 _OWN_PARAMETERS = ("joint", "strategy")
 
 
+class UnknownStrategyError(InvalidArgumentError, UnknownNameError):
+    """A transform given ``partition=`` a name no strategy is registered under: an
+    :class:`InvalidArgumentError` (a bad argument, raised when the transform is made) that is
+    also the :class:`UnknownNameError` the registry raises for it at a call.
+
+    >>> import functrans as ft
+    >>> try:
+    ...     ft.jit(lambda x: x.sum(), partition="mincut")
+    ... except ft.InvalidArgumentError as e:
+    ...     print(isinstance(e, ft.UnknownNameError), e)
+    True jit: partition='mincut' is not a registered partition strategy (did you mean
+    'min_cut'?); partition must be one of 'checkpoint', 'default', ...
+    """
+
+
 def check_partition_options(
     where: str, strategy: str | Strategy, options: Mapping[str, object]
 ) -> None:
-    """Check a transform's partition ``options`` against ``strategy`` when the transform is
-    made, not at its first call: an option the strategy does not take, or one of
-    :func:`partition`'s own parameters, raises :class:`InvalidArgumentError` naming it. A
-    strategy name not registered yet is checked when it is used.
+    """Check a transform's ``partition=`` and partition ``options`` when the transform is made,
+    not at its first call: a strategy name that is not registered (the registry loads the
+    built-in strategies and the installed plugins before it answers), an option the strategy
+    does not take, a value its declared option check refuses (``register(...,
+    check_options=...)``), or one of :func:`partition`'s own parameters, raises
+    :class:`InvalidArgumentError` naming the transform, the argument, the value and what is
+    accepted.
 
     >>> check_partition_options("jit", "min_cut", {"strategy": "default"})
     Traceback (most recent call last):
     ...
     functrans._core.errors.InvalidArgumentError: jit: strategy='default' (str) is not a partition
     option; the strategy is chosen with partition=..., e.g. partition='default'
+    >>> check_partition_options("jit", "memory_budget", {"budgt": 0.3})
+    Traceback (most recent call last):
+    ...
+    functrans._core.errors.InvalidArgumentError: jit: memory_budget: unknown option budgt=0.3 (did
+    you mean budget?); accepted options: budget, max_bytes, peak_bytes, ...
     """
     for key in _OWN_PARAMETERS:
         if key in options:
@@ -388,12 +417,31 @@ def check_partition_options(
                 f"strategy is chosen with partition=..., e.g. partition={options[key]!r}"
             )
     try:
-        name, fn = get_strategy(strategy)
-    except FunctransError:
-        if isinstance(strategy, str):  # may be registered before the first call
-            return
-        raise
+        name, fn = get_strategy(strategy)  # a plugin that failed to load raises its PluginError
+    except UnknownNameError:
+        assert isinstance(strategy, str)  # only names are looked up
+        known = strategy_names(aliases=True)
+        close = difflib.get_close_matches(strategy, known, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise UnknownStrategyError(
+            f"{where}: partition={strategy!r} is not a registered partition strategy{hint}; "
+            f"partition must be one of {', '.join(map(repr, known))} (register your own with "
+            "functrans.partitioners.register) or a callable (joint, **options) -> nodes to save"
+        ) from None
+    try:
+        _check_options(name, fn, options, registered=isinstance(strategy, str))
+    except InvalidArgumentError as e:
+        raise InvalidArgumentError(f"{where}: {e}") from None
+
+
+def _check_options(
+    name: str, fn: Strategy, options: Mapping[str, object], *, registered: bool
+) -> None:
+    """``options`` against strategy ``fn``'s signature, then against the check the strategy
+    registered as ``name`` declared (``registered``: ``fn`` came from the registry)."""
     check_call(name, fn, options)
+    if registered:
+        check_strategy_options(name, options)
 
 
 def partition(joint: JointGraph, strategy: str | Strategy = "default", **options: Any) -> Partition:
@@ -411,7 +459,8 @@ def partition(joint: JointGraph, strategy: str | Strategy = "default", **options
     """
     check_joint("partition", joint)
     name, fn = get_strategy(strategy)
-    check_call(name, fn, options)  # unknown options list the accepted ones
+    # unknown options list the accepted ones; bad values say what is accepted
+    _check_options(name, fn, options, registered=isinstance(strategy, str))
     with no_gc():
         returned = fn(joint, **options)
     cut = returned if isinstance(returned, Cut) else Cut(tuple(saved_items(name, returned)))

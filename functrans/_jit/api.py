@@ -20,6 +20,7 @@ from functrans._core.validate import (
     check_number,
     check_option,
     check_static_argnums,
+    check_static_signature,
 )
 from functrans._cut.partition import Strategy, check_partition_options, get_strategy
 from functrans._trace.decomp import Decompositions, decomposition_table
@@ -110,6 +111,13 @@ def jit(
     composite ops such as ``gelu_backward`` whole (``"minimal"``); a code generator that fuses
     wants small ``"core"`` ops. Any value :func:`functrans.trace` takes overrides it.
 
+    Every option is checked when ``jit`` is called, not at the first training step: a
+    ``partition`` name that is not registered, an option the strategy does not take or a value
+    it refuses, and ``static_argnums`` that name no positional parameter of ``f`` (of a
+    module's ``forward``; negative ones count from the end) raise
+    :class:`~functrans.InvalidArgumentError`. Where ``f``'s signature cannot be read, or it
+    takes ``*args``, ``static_argnums`` is checked against each call's arguments.
+
     ``jit(f)`` has ``f``'s parameters and result type (a :class:`Jitted`); ``jit(module)`` is
     a :class:`~functrans._jit.module.JitModule`; ``jit(partition=..., ...)`` without ``f`` is
     a decorator with those options (``@ft.jit(partition="default")``).
@@ -167,7 +175,9 @@ def _check_options(
     if not isinstance(partition, str):
         get_strategy(partition)  # type: ignore[arg-type]  # refuses what is not a strategy
     check_option("jit", "backend", backend, isinstance(backend, str), "a registered backend name")
-    check_static_argnums("jit", static_argnums)
+    statics = check_static_argnums("jit", static_argnums)
+    if callable(f):  # a module's static_argnums count its forward's parameters
+        check_static_signature("jit", f, statics)
     if decompositions != "auto":
         decomposition_table(decompositions)  # type: ignore[arg-type]  # checked there
     check_number("jit", "cache_size", cache_size, at_least=1, integer=True, meaning="entries")

@@ -41,17 +41,20 @@ __all__ = ["JitModule"]
 
 
 def _compiled_call(module: torch.nn.Module, options: Options) -> Jitted[..., Any]:
-    """``module``'s forward as a function of its parameters and buffers, jitted."""
+    """``module``'s forward as a function of its parameters and buffers, jitted. (The closure
+    variable is named ``model``: the guards on what the trace reads name it so,
+    ``model.config.output_hidden_states``.)"""
+    model = module
 
     def call(
         params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], *args: Any, **kw: Any
     ) -> Any:
         fresh = {k: v.clone() for k, v in buffers.items()}  # in-place updates land here
         args, kw, caches = _writable_caches(args, kw)  # updated by the forward: returned too
-        with _swapped(module, {**params, **fresh}):
-            out = module(*args, **kw)
+        with _swapped(model, {**params, **fresh}):
+            out = model(*args, **kw)
         state = {k: v.detach() for k, v in fresh.items()}  # state, not differentiated
-        spec, leaves = _take_apart(out, type(module).__name__)
+        spec, leaves = _take_apart(out, type(model).__name__)
         ids = {id(c): i for i, c in enumerate(caches)}
         aliases = OutputAliases(
             tuple((j, ids[id(x)]) for j, x in enumerate(leaves) if id(x) in ids)
@@ -62,7 +65,8 @@ def _compiled_call(module: torch.nn.Module, options: Options) -> Jitted[..., Any
         return [f"model.{name}" if name else "model" for name, _ in module.named_modules()]
 
     call.__qualname__ = type(module).__qualname__
-    statics = tuple(i + 2 for i in options.static_argnums)  # after params and buffers
+    # after params and buffers; a negative index counts from the end as it did
+    statics = tuple(i + 2 if i >= 0 else i for i in options.static_argnums)
     dynamic = _forward_names(module, options.dynamic)
     opts = dataclasses.replace(options, static_argnums=statics, dynamic=dynamic)
     return Jitted(call, opts, names)

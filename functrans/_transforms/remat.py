@@ -540,6 +540,9 @@ def remat(
     :data:`~functrans.policies.PolicyLike` names.
     ``prevent_cse`` and ``static_argnums`` are accepted for JAX compatibility: functrans graphs
     are never CSE'd across regions, and non-tensor arguments are passed through unchanged.
+    ``static_argnums`` must name positional parameters of ``f`` (checked when ``remat`` is
+    called where the signature says; negative ones count from the end), and a call that passes
+    a tensor at a static position raises :class:`~functrans.InvalidArgumentError` naming it.
     A policy that is none of these raises :class:`~functrans.policies.InvalidPolicyError` when
     ``remat`` is called.
 
@@ -554,7 +557,7 @@ def remat(
     >>> sorted(s.name for s in p.saved)
     ['mm', 'primals_1', 'primals_2']
     """
-    _check_options(f, prevent_cse, static_argnums)
+    statics = _check_options(f, prevent_cse, static_argnums)
     if f is None:
         policies.normalize(policy)  # a bad policy is refused here, not at the first call
         # mypy sees partial(remat) through remat's first overload only
@@ -564,24 +567,40 @@ def remat(
         return cast(RematDecorator, decorate)
     if isinstance(f, torch.nn.Module):
         return RematModule(f, policy=policy)
-    return _remat_function(f, policy)
+    return _remat_function(f, policy, statics=statics)
 
 
-def _check_options(f: object, prevent_cse: object, static_argnums: object) -> None:
-    from functrans._core.validate import check_bool, check_callable, check_static_argnums
+def _check_options(f: object, prevent_cse: object, static_argnums: object) -> tuple[int, ...]:
+    """``remat``'s own arguments, checked when ``remat`` is called; ``static_argnums`` must
+    name positional parameters of ``f`` (of a module's ``forward``) where its signature says
+    (where it cannot, each call checks them). Returns ``static_argnums`` as a tuple."""
+    from functrans._core.validate import (
+        check_bool,
+        check_callable,
+        check_static_argnums,
+        check_static_signature,
+    )
 
     if f is not None:
         check_callable("remat", "f", f)
     check_bool("remat", "prevent_cse", prevent_cse)
-    check_static_argnums("remat", static_argnums)
+    statics = check_static_argnums("remat", static_argnums)
+    if callable(f):
+        check_static_signature("remat", f, statics)
+    return statics
 
 
 def _remat_function(
-    f: Callable[_P, _R], policy: PolicyLike, options: Mapping[str, Any] | None = None
+    f: Callable[_P, _R],
+    policy: PolicyLike,
+    options: Mapping[str, Any] | None = None,
+    *,
+    statics: tuple[int, ...] = (),
 ) -> Callable[_P, _R]:
     decide = (
         _SAVE_NOTHING if policy in (None, policies.nothing_saveable) else policies.normalize(policy)
     )
+    check_statics = _statics_check(f, statics)
 
     name = fn_name(f)  # read here: Dynamo reads function attributes its own way
 
@@ -594,6 +613,8 @@ def _remat_function(
         return here(*args, **kwargs)
 
     def here(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        if check_statics is not None:
+            check_statics(args)
         with transform_frame("remat", f):
             if is_tracing():
                 return _traced(f, decide, args, kwargs)
@@ -616,6 +637,32 @@ def _remat_function(
                 ) from e
 
     return wrapped
+
+
+def _statics_check(
+    f: Callable[..., Any], statics: tuple[int, ...]
+) -> Callable[[tuple[Any, ...]], None] | None:
+    """What each call checks of ``static_argnums``: that they name arguments the call has
+    (where ``f``'s signature could not say when ``remat`` was called) and hold no tensor (a
+    static argument is a Python value; a tensor there would be differentiated as any input).
+    None where there is nothing to check."""
+    if not statics:
+        return None
+    from functrans._core.validate import (
+        check_static_range,
+        check_static_values,
+        positional_parameters,
+    )
+
+    found = positional_parameters(f)
+    settled = found is not None and found[1] is not None  # checked when remat was called
+
+    def check(args: tuple[Any, ...]) -> None:
+        if not settled:
+            check_static_range("remat", statics, len(args))
+        check_static_values("remat", f, args, statics)
+
+    return check
 
 
 class RematModule(ModuleView):

@@ -361,7 +361,18 @@ def greedy(p: CutProblem, costs: Sequence[float], max_bytes: int) -> list[fx.Nod
 
 def memory_budget(joint: JointGraph, **options: object) -> list[fx.Node] | Cut:
     """The ``"memory_budget"`` strategy: ``partition(jg, "memory_budget", budget=0.3)``."""
-    return parse_options(MemoryBudget, "memory_budget", options)(joint)
+    return _memory_budget_options(options)(joint)
+
+
+def _memory_budget_options(options: Mapping[str, object]) -> MemoryBudget:
+    """``memory_budget``'s options from ``partition``'s keywords (its declared option check:
+    an unknown name, a bad value or a missing limit raises ``InvalidArgumentError`` when
+    ``jit`` is made).
+
+    >>> _memory_budget_options({"budget": 0.5}).budget
+    0.5
+    """
+    return parse_options(MemoryBudget, "memory_budget", options)
 
 
 _OPTIMAL_HINTS = {
@@ -373,6 +384,16 @@ _OPTIMAL_HINTS = {
 def optimal(joint: JointGraph, **options: object) -> list[fx.Node] | Cut:
     """The ``"optimal"`` strategy: the exact ILP at a required ``budget`` (options ``budget``,
     ``cost``, ``time_limit``)."""
+    return _optimal_options(options)(joint)
+
+
+def _optimal_options(options: Mapping[str, object]) -> MemoryBudget:
+    """``optimal``'s options from ``partition``'s keywords (its declared option check): those
+    of ``memory_budget`` but ``solver`` and ``max_bytes``, and ``budget`` is required.
+
+    >>> _optimal_options({"budget": 0.3}).solver
+    'ilp'
+    """
     accepted = ("budget", "cost", "time_limit", "at", "offload")
     check_names("optimal", options, accepted, hints=_OPTIMAL_HINTS)
     if "budget" not in options:
@@ -380,7 +401,7 @@ def optimal(joint: JointGraph, **options: object) -> list[fx.Node] | Cut:
             f"optimal needs budget= ({_BUDGET}); got options: {', '.join(options) or 'none'}"
         )
     _check_values("optimal", options)
-    return parse_options(MemoryBudget, "optimal", {**options, "solver": "ilp"})(joint)
+    return parse_options(MemoryBudget, "optimal", {**options, "solver": "ilp"})
 
 
 register(
@@ -394,5 +415,6 @@ register(
         {"budget": 0.0, "offload": Offload(bandwidth=math.inf)},
         {"budget": 0.5, "offload": Offload(bandwidth=1e9, host_bytes=4096, compute_rate=1e9)},
     ),
+    check_options=_memory_budget_options,
 )
-register("optimal", optimal, examples=({"budget": 0.3},))
+register("optimal", optimal, examples=({"budget": 0.3},), check_options=_optimal_options)

@@ -28,6 +28,7 @@ predicates below.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch.fx as fx
@@ -187,7 +188,7 @@ def min_cut(joint: JointGraph, **options: object) -> list[fx.Node]:
     >>> [s.name for s in ft.partition(jg, "min_cut").saved]  # split drops unneeded inputs
     ['mm', 'permute', 'permute_1']
     """
-    opts = parse_options(MinCutOptions, "min_cut", options)
+    opts = _options(options)
     net = _network(cut_problem(joint), opts)
     order, n = net.values, 2 * len(net.values)
     cut = solve_min_cut(n + 2, net.src, net.dst, net.caps, n, n + 1, net.tiebreak)
@@ -206,4 +207,14 @@ def min_cut(joint: JointGraph, **options: object) -> list[fx.Node]:
     return saved
 
 
-register("min_cut", min_cut)
+def _options(options: Mapping[str, object]) -> MinCutOptions:
+    """``min_cut``'s options from ``partition``'s keywords (its declared option check: an
+    unknown name or a bad value raises ``InvalidArgumentError`` when ``jit`` is made).
+
+    >>> _options({"reduction_ratio": 2.0}).reduction_ratio
+    2.0
+    """
+    return parse_options(MinCutOptions, "min_cut", options)
+
+
+register("min_cut", min_cut, check_options=_options)

@@ -9,7 +9,7 @@ low end of ``ft.pareto(jg, by="peak")`` and the figure ``memory_budget`` names w
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch.fx as fx
@@ -55,7 +55,16 @@ class MinPeak:
 def min_peak(joint: JointGraph, **options: object) -> Cut:
     """The ``"min_peak"`` strategy: ``partition(jg, "min_peak")`` (options: ``cost``,
     ``time_limit``)."""
-    return parse_options(MinPeak, "min_peak", options)(joint)
+    return _options(options)(joint)
 
 
-register("min_peak", min_peak)
+def _options(options: Mapping[str, object]) -> MinPeak:
+    """``min_peak``'s options from ``partition``'s keywords (its declared option check).
+
+    >>> _options({"time_limit": 5.0})
+    MinPeak(cost='flops', time_limit=5.0)
+    """
+    return parse_options(MinPeak, "min_peak", options)
+
+
+register("min_peak", min_peak, check_options=_options)
