@@ -35,6 +35,7 @@ from functrans._core.state import autocast_off
 from functrans._core.validate import check_argnums, check_bool, check_callable
 
 from .decomp import Decompositions, decomposition_table
+from .escape import refuse_escapes
 from .passes import InputSpec, canonicalize, no_gc
 from .record import late_inputs, no_stack_traces, untraced
 from .regions import session as region_session
@@ -155,6 +156,16 @@ def joint(
             [t.requires_grad_(m) for t, m in zip(fakes, mask, strict=True)]
         )
         gm = trace_module(joint_fn, inputs, user_fn=f, table=table, input_paths=paths)
+        every = lambda: arg_names(f, fn_in, every_leaf=True)  # noqa: E731
+        refuse_escapes(
+            f,
+            gm,
+            "joint",
+            statics=fn_in.static,
+            static_names=every,
+            input_names=paths,
+            real_inputs=tensors,
+        )
         (outs,) = found
         out_tree, differentiable, fn_out = outs.tree, outs.differentiable, outs.flat
         wants_tangent, tangents = outs.wants_tangent, outs.tangents

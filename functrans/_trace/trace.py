@@ -69,6 +69,7 @@ from functrans._core.validate import (
 from functrans._core.zero_tensors import views_reach_fake_modes
 
 from .decomp import Decompositions, decomposition_table
+from .escape import refuse_escapes
 from .passes import InputSpec, canonicalize, identifier, out_of_place
 from .record import inputs_first, inputs_recorded, known_inputs, stack_traces
 from .rng import seeded_then_drew, tracing_guard
@@ -597,6 +598,16 @@ def trace(
             [t.detach() for t in tensors] if dims is None else symbolic_fakes(tensors, dims, names)
         )
         gm = trace_module(flat_fn, inputs, user_fn=f, table=table, input_paths=names)
+        every = lambda: arg_names(f, in_flat, every_leaf=True)  # noqa: E731
+        refuse_escapes(
+            f,
+            gm,
+            "trace",
+            statics=in_flat.static,
+            static_names=every,
+            input_names=names,
+            real_inputs=tensors,
+        )
         specs = [InputSpec(identifier(n), Role.PRIMAL, n) for n in names]
         graph = Graph(canonicalize(gm, specs, cse=cse), in_flat, out_box[-1])
         log("trace", f"graph of {getattr(f, '__qualname__', f)}", lambda: str(graph))

@@ -46,6 +46,7 @@ from functrans._core.validate import (
     torch_func_arguments,
     user_calls,
 )
+from functrans._trace.escape import refuse_batched_escapes, refuse_escapes
 from functrans._trace.trace import _no_saved_tensor_hooks
 
 from .grad import _value_and_grad_fn
@@ -130,7 +131,9 @@ def vmap(
                 return planned
         if compiled is not None and not runs_as_written():
             return compiled(*args, **kwargs)
-        return batched(*args, **kwargs)
+        out = batched(*args, **kwargs)
+        refuse_batched_escapes(func)  # a batched tensor f stored fails on first use
+        return out
 
     def hint() -> str:
         return f" (vmap's in_dims={in_dims!r}, out_dims={out_dims!r})"
@@ -413,11 +416,14 @@ def eval_shape(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
                 return torch.empty(x.shape, dtype=x.dtype, device=x.device)
         return x
 
+    originals = [p.read(func) for p in paths]
+    captured: list[torch.Tensor] = []
+
     def run() -> Any:
         # inside a trace or torch.func transform: shapes only, nothing recorded or transformed
         with _disable_current_modes():
             a, kw = optree.tree_map(fake, specs, namespace=NAMESPACE)
-            captured = [mode.from_tensor(p.read(func)) for p in paths]
+            captured[:] = [mode.from_tensor(t) for t in originals]
             with swapped(paths, func, captured), mode:
                 return func(*a, **kw)
 
@@ -426,6 +432,9 @@ def eval_shape(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     hide = torch._C._DisableFuncTorch() if functorch_active() else contextlib.nullcontext()
     with hide:
         out = run_traced(run, func)
+    # a captured tensor stored as it came in is handed over; anything else fake is refused
+    stand_ins = list(zip(captured, originals, strict=True))
+    refuse_escapes(func, mode, "eval_shape", stand_ins=stand_ins)
     return optree.tree_map(
         lambda t: (
             ShapeDtypeStruct(tuple(t.shape), t.dtype, t.device)
