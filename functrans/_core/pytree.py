@@ -44,6 +44,7 @@ __all__ = [
     "leaves_of",
     "plain",
     "rebuild_leaves",
+    "static_value",
     "tensor_leaves",
     "unflatten",
     "unwrap_static",
@@ -366,6 +367,15 @@ def wrap_static(args: Sequence[Any], static_argnums: Sequence[int]) -> tuple[Any
     return tuple(_Static(a) if i in picked else a for i, a in enumerate(args))
 
 
+def static_value(leaf: Any) -> Any:
+    """A static leaf's value (an argument ``static_argnums`` names is wrapped as one leaf).
+
+    >>> static_value(wrap_static((1, "a"), (1,))[1]), static_value(3)
+    ('a', 3)
+    """
+    return leaf.value if isinstance(leaf, _Static) else leaf
+
+
 def unwrap_static(tree: Any) -> Any:
     if isinstance(tree, tuple) and any(isinstance(a, _Static) for a in tree):
         return tuple(a.value if isinstance(a, _Static) else a for a in tree)
@@ -394,14 +404,17 @@ class Guards(Generic[_V]):
         # (layout, [(extra, guard, value), ...]): tuples, destructured on every jitted call
         self._by_layout: list[tuple[_Node, list[tuple[Any, _Guard, _V]]]] = []
 
-    def find(self, tree: Any, extra: Any) -> tuple[_V, tuple[torch.Tensor, ...]] | None:
-        """The value whose guard ``tree`` passes, and its tensor leaves in the value's order."""
+    def find(
+        self, tree: Any, extra: Any, valid: Callable[[_V], bool] | None = None
+    ) -> tuple[_V, tuple[torch.Tensor, ...]] | None:
+        """The value whose guard ``tree`` passes (and ``valid``, where given), and its tensor
+        leaves in the value's order."""
         for layout, guards in self._by_layout:
             leaves: list[Any] = []
             if _walk(layout, tree, leaves):
                 for x, guard, value in guards:
                     tensors = guard.check(leaves) if x == extra else None
-                    if tensors is not None:
+                    if tensors is not None and (valid is None or valid(value)):
                         return value, tensors
         return None
 

@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import operator
-import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -32,11 +30,9 @@ import torch
 __all__ = [
     "AUTOCAST_DEVICES",
     "GLOBAL_HOOKS",
-    "FunctionValues",
     "GlobalHooks",
     "ModuleFlags",
     "State",
-    "attribute_names",
     "autocast_off",
     "capture",
     "describe",
@@ -59,93 +55,10 @@ def _autocast(device: str) -> torch.dtype | None:
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
 
 
-#: ``(module, (module.training, its public scalar attributes, its hooks))`` for every module a
-#: function reaches, in walk order (see :func:`module_state`), then :data:`GLOBAL_HOOKS`.
+#: ``(module, (module.training, (), its hooks))`` for every module a function reaches, in walk
+#: order (see :func:`module_state`), then :data:`GLOBAL_HOOKS`. What a trace reads of a module's
+#: other attributes is guarded by the reads it recorded (:mod:`functrans._trace.reads`).
 ModuleFlags = tuple[tuple[Any, tuple[bool, tuple[Any, ...], tuple[Any, ...]]], ...]
-
-_VALUE_TYPES = (bool, int, float, str, type(None), torch.dtype, torch.device)
-# per module: the names of its scalar attributes and a C getter of their values
-_GETTERS: weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple[str, ...], Any]] = (
-    weakref.WeakKeyDictionary()
-)
-
-
-def _is_value(v: Any) -> bool:
-    kind = type(v)
-    return kind in _VALUE_TYPES or (kind is tuple and all(type(x) in _VALUE_TYPES for x in v))
-
-
-def _getter(m: torch.nn.Module) -> tuple[tuple[str, ...], Any]:
-    keys = tuple(
-        sorted(
-            k
-            for k, v in m.__dict__.items()
-            if not k.startswith("_") and k != "training" and _is_value(v)
-        )
-    )
-    if not keys:
-        get: Any = lambda d: ()  # noqa: E731
-    elif len(keys) == 1:
-        key = keys[0]
-        get = lambda d: (d[key],)  # noqa: E731
-    else:
-        get = operator.itemgetter(*keys)
-    _GETTERS[m] = (keys, get)
-    return keys, get
-
-
-class FunctionValues:
-    """The plain values a function's own code reads besides its arguments: scalar module
-    globals it names (``SCALE``) and scalar closure variables. They stand among the module
-    flags (a pseudo module, always "training"), so changing one compiles anew.
-
-    >>> SCALE = 2.0
-    >>> def f(x):
-    ...     return x * SCALE
-    >>> reads = FunctionValues(f)
-    >>> reads.names, reads.values()
-    (('SCALE',), (2.0,))
-    """
-
-    def __init__(self, f: Any, reached: Sequence[tuple[dict[str, Any], str, str]] = ()) -> None:
-        """``reached``: ``(namespace, key, name)`` of the plain globals of other code the
-        function reaches (a helper module's ``K``: ``functrans._trace.capture.reach`` finds
-        them)."""
-        code = getattr(f, "__code__", None)
-        glb = getattr(f, "__globals__", {})
-        cells = getattr(f, "__closure__", None) or ()
-        names = _names_of(code) if code is not None else set()
-        own = [(glb, k, k) for k in sorted(names) if k in glb and _is_value(glb[k])]
-        seen = {(id(d), k) for d, k, _ in own}
-        more = []
-        for d, k, n in reached:
-            if (id(d), k) not in seen and k in d and _is_value(d[k]):
-                seen.add((id(d), k))
-                more.append((d, k, n))
-        self._globals = [(d, k) for d, k, _ in own + more]
-        free = code.co_freevars if code is not None else ()
-        self._cells = [(name, c) for name, c in zip(free, cells, strict=False) if _cell_value(c)]
-        self.names = tuple(n for _, _, n in own + more) + tuple(n for n, _ in self._cells)
-
-    def values(self) -> tuple[Any, ...]:
-        glb = tuple(d.get(k) for d, k in self._globals)
-        return glb + tuple(c.cell_contents for _, c in self._cells)
-
-
-def _names_of(code: Any) -> set[str]:
-    """Global names a code object and the code nested in it (lambdas, comprehensions) use."""
-    names = set(code.co_names)
-    for const in code.co_consts:
-        if hasattr(const, "co_names"):
-            names |= _names_of(const)
-    return names
-
-
-def _cell_value(cell: Any) -> bool:
-    try:
-        return _is_value(cell.cell_contents)
-    except ValueError:  # an empty cell
-        return False
 
 
 class GlobalHooks:
@@ -160,32 +73,25 @@ GLOBAL_HOOKS = GlobalHooks()
 
 
 def module_state(
-    m: torch.nn.Module | FunctionValues | GlobalHooks,
+    m: torch.nn.Module | GlobalHooks,
 ) -> tuple[bool, tuple[Any, ...], tuple[Any, ...]]:
-    """What a trace reads of module ``m`` besides its tensors: ``training``, its public scalar
-    attributes (a temperature, a dropout's ``p``, a LayerNorm's ``eps``, ``in_features``), as
-    values, and its hooks (the handles of its forward, forward-pre, backward and backward-pre
-    hooks; ``()`` for none): changing one after a compile compiles anew, as eager would compute
-    anew. One C call per module (its attribute names are found once).
+    """What every call compares of module ``m`` besides what its traces read: ``training``
+    and its hooks (the handles of its forward, forward-pre, backward and backward-pre hooks;
+    ``()`` for none). Changing one compiles anew (a hook makes calls run as written). The
+    middle field is kept empty: the attributes a trace reads (a dropout's ``p``, a config
+    flag) are guarded by the reads it recorded, and the others are not guarded at all.
 
     >>> drop = torch.nn.Dropout(0.1)
     >>> module_state(drop)
-    (True, (False, 0.1), ())
+    (True, (), ())
     >>> handle = drop.register_forward_hook(lambda mod, args, out: None)
     >>> module_state(drop)[2] != ()
     True
     """
-    if isinstance(m, FunctionValues):
-        return True, m.values(), ()
     if isinstance(m, GlobalHooks):
         return True, (), global_hooks()
     d = m.__dict__
-    found = _GETTERS.get(m)
-    _, get = found if found is not None else _getter(m)
-    try:
-        return m.training, get(d), hooks_of(d)
-    except KeyError:  # an attribute was deleted: find the names again
-        return m.training, _getter(m)[1](d), hooks_of(d)
+    return m.training, (), hooks_of(d)
 
 
 _HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
@@ -243,16 +149,6 @@ def _global_tables() -> list[Any]:
         nn_module._global_backward_pre_hooks,
         nn_module._global_backward_hooks,
     ]
-
-
-def attribute_names(m: torch.nn.Module | FunctionValues | GlobalHooks) -> tuple[str, ...]:
-    """The names :func:`module_state` reads, in its order."""
-    if isinstance(m, FunctionValues):
-        return m.names
-    if isinstance(m, GlobalHooks):
-        return ()
-    found = _GETTERS.get(m)
-    return (found if found is not None else _getter(m))[0]
 
 
 class State(NamedTuple):
@@ -329,10 +225,6 @@ def describe(old: State, new: State, names: Sequence[str] = ()) -> list[str]:
                 out.append(f"{name}.training {was[0]} -> {now[0]}")
             if len(was) > 2 and was[2] != now[2]:
                 out.append(f"{name} hooks {_hook_count(was[2])} -> {_hook_count(now[2])}")
-            prefix = "" if type(m) is FunctionValues else f"{name}."
-            for attr, a, b in zip(attribute_names(m), was[1], now[1], strict=False):
-                if a != b:
-                    out.append(f"{prefix}{attr} {a!r} -> {b!r}")
     return out
 
 

@@ -22,6 +22,8 @@ from functrans._core.logs import log
 from functrans._core.pytree import Flat, Guards
 from functrans._core.state import State, describe
 
+from .read_guards import ALWAYS, ReadGuard
+
 __all__ = [
     "RECOMPILE_WARNING",
     "Cache",
@@ -167,15 +169,23 @@ class Slot(Generic[_E]):
     #: found under by inputs of any size (:func:`rank_key`); None for a static entry
     shape: Any = None
     rank: Any = None
+    #: what its trace read besides its arguments, checked before every reuse
+    reads: ReadGuard = ALWAYS
+
+    def valid(self) -> bool:
+        """Whether what its trace read still reads the same (its other guards matched)."""
+        return self.reads.holds()
 
 
 class Cache(Generic[_E]):
     """Entries by exact key and by guards (see :class:`~functrans._core.pytree.Guards`), at most
-    ``size`` of them; counts hits, misses and evictions for ``cache_info``."""
+    ``size`` of them; counts hits, misses and evictions for ``cache_info``. Entries of one key
+    differ in what their traces read (:attr:`Slot.reads`): a lookup takes the first whose reads
+    still read the same."""
 
     def __init__(self, owner: str, size: int) -> None:
         self.owner, self.size = owner, size
-        self.by_key: dict[Any, Slot[_E]] = {}
+        self.by_key: dict[Any, list[Slot[_E]]] = {}
         self.guards: Guards[Slot[_E]] = Guards()
         #: dynamic entries by :func:`rank_key` (most recent last)
         self.dynamic: dict[Any, list[Slot[_E]]] = {}
@@ -191,6 +201,20 @@ class Cache(Generic[_E]):
         self._last = slot
         self.hits += 1
 
+    def slots(self) -> list[Slot[_E]]:
+        """Every entry."""
+        return [s for slots in self.by_key.values() for s in slots]
+
+    def __len__(self) -> int:
+        return sum(map(len, self.by_key.values()))
+
+    def exact(self, key: Any) -> Slot[_E] | None:
+        """The entry compiled for ``key`` whose reads still read the same."""
+        for slot in self.by_key.get(key, ()):
+            if slot.valid():
+                return slot
+        return None
+
     def insert(self, tree: Any, leaves: list[Any], positions: list[int], slot: Slot[_E]) -> None:
         """Add ``slot`` (compiled after a miss), evicting the least recently used beyond
         ``size``; ``positions``: its tensors' positions among ``leaves``. Call with the
@@ -198,14 +222,17 @@ class Cache(Generic[_E]):
         self._explain(slot.signature)
         self.misses += 1
         slot.used = next(self._ticks)
-        self.by_key[slot.key] = slot
+        self.by_key.setdefault(slot.key, []).insert(0, slot)  # the newest first
         self.guards.add(tree, leaves, positions, slot.signature.state, slot, slot.shape)
         if slot.shape is not None:
             self.dynamic.setdefault(slot.rank, []).append(slot)
         self._last = slot
-        while len(self.by_key) > self.size:
-            victim = min(self.by_key.values(), key=lambda s: s.used)
-            del self.by_key[victim.key]
+        while len(self) > self.size:
+            victim = min(self.slots(), key=lambda s: s.used)
+            same_key = self.by_key[victim.key]
+            same_key.remove(victim)
+            if not same_key:
+                del self.by_key[victim.key]
             self.guards.remove(victim)
             if victim.shape is not None:
                 self.dynamic[victim.rank].remove(victim)
@@ -213,9 +240,9 @@ class Cache(Generic[_E]):
 
     def find_dynamic(self, rank: Any, tensors: Sequence[torch.Tensor]) -> Slot[_E] | None:
         """The most recent dynamic entry for inputs like these (same :func:`rank_key`) whose
-        shape guards ``tensors`` (the call's tensors, in flat order) pass."""
+        shape guards ``tensors`` (the call's tensors, in flat order) and reads pass."""
         for slot in reversed(self.dynamic.get(rank, ())):
-            if slot.shape.matches([tensors[i] for i in slot.order]):
+            if slot.shape.matches([tensors[i] for i in slot.order]) and slot.valid():
                 return slot
         return None
 
@@ -227,7 +254,7 @@ class Cache(Generic[_E]):
 
     def last_like(self, rank: Any) -> Slot[_E] | None:
         """The most recently used entry whose inputs differ from ``rank``'s only in sizes."""
-        found = [s for s in self.by_key.values() if s.rank == rank]
+        found = [s for s in self.slots() if s.rank == rank]
         return max(found, key=lambda s: s.used) if found else None
 
     def clear(self) -> None:
@@ -240,7 +267,8 @@ class Cache(Generic[_E]):
         old = self._last
         if old is None:
             return
-        reasons = differences(old.signature, new) or ["no difference found in the guards"]
+        reasons = differences(old.signature, new) + old.reads.changes()
+        reasons = reasons or ["no difference found in the guards"]
         log("recompiles", f"recompiling {self.owner}", lambda: "\n".join(reasons))
         for name in _changed_floats(old.signature, new):
             self._warn_float(name, reasons)

@@ -41,13 +41,13 @@ from functrans._core.pytree import (
     flatten_leaves,
     leaves_of,
     plain,
+    static_value,
     unflatten,
     wrap_static,
 )
 from functrans._core.stack import transform_frame
 from functrans._core.state import (
     GLOBAL_HOOKS,
-    FunctionValues,
     ModuleFlags,
     State,
     capture,
@@ -58,6 +58,7 @@ from functrans._core.state import (
 )
 from functrans._cut.partition import Partition
 from functrans._trace.capture import Reach, Reader, reach
+from functrans._trace.reads import Recorder, is_atom
 from functrans._trace.trace import ArgPaths, arg_names
 
 from . import plans
@@ -68,6 +69,7 @@ from .captures import CAPTURED, Captures, Lifted
 from .dims import build_dynamic, chosen_dims
 from .disk.store import DiskKey
 from .options import CACHE_SIZE, Options
+from .read_guards import ReadGuard
 
 __all__ = ["CACHE_SIZE", "DISK_STORES", "CacheInfo", "Jitted", "Outcome"]
 
@@ -96,6 +98,11 @@ REKEY = Outcome.REKEY
 _GENERATOR = torch.Generator
 
 
+def _VALID(slot: Slot[Entry]) -> bool:
+    """Whether what ``slot``'s trace read reads the same now (the guarded path's last check)."""
+    return slot.reads.holds()
+
+
 class Jitted(Generic[_P, _R]):
     """The callable ``jit(f)`` returns (see :func:`jit`): called like ``f``, with the same
     parameters and result type, plus :meth:`cache_info` and :meth:`partitions`."""
@@ -120,7 +127,6 @@ class Jitted(Generic[_P, _R]):
         self._walked: Reach | None = None  # that walk, until a first compile prelifts from it
         self._module_names: tuple[str, ...] = ()
         self._given_names = module_names
-        self._reads: tuple[FunctionValues, ...] = ()  # the plain globals f's code reads
         #: stand-ins for generator arguments, by (place among the call's generators, device)
         self._generators: dict[tuple[int, torch.device], torch.Generator] = {}
         functools.update_wrapper(self, f)
@@ -145,11 +151,11 @@ class Jitted(Generic[_P, _R]):
         """Hits, misses, entries, evictions and time spent tracing, partitioning, compiling."""
         c = self._cache
         counts = {"hits": c.hits, "misses": c.misses, "evictions": c.evictions}
-        return dataclasses.replace(self._times, entries=len(c.by_key), **counts)
+        return dataclasses.replace(self._times, entries=len(c), **counts)
 
     def partitions(self) -> list[Partition]:
         """The partition of every cached training specialization (saved values, bytes, ...)."""
-        return [s.entry.partition for s in self._cache.by_key.values() if s.entry.partition]
+        return [s.entry.partition for s in self._cache.slots() if s.entry.partition]
 
     def __call__(self, *args: _P.args, **kwargs: _P.kwargs) -> _R:
         if compiling():  # torch.compile around this call: it runs here, as a graph break
@@ -201,7 +207,7 @@ class Jitted(Generic[_P, _R]):
                 tree = (tree_args, {**kwargs, CAPTURED: captured})
             else:
                 tree = (tree_args, kwargs)
-            found = self._cache.guards.find(tree, state)
+            found = self._cache.guards.find(tree, state, _VALID)
             ordered: Sequence[torch.Tensor]
             if found is not None:
                 slot, ordered = found
@@ -276,12 +282,8 @@ class Jitted(Generic[_P, _R]):
             found = reach(self._f)
             reader = Reader([p for p, _ in found.modules]).readable(self._f)
             self._modules, self._walked = reader, found
-            self._module_names = tuple(p.name for p in reader.paths)
-            values = FunctionValues(self._f, found.values)
-            self._reads = (values,) if values.names else ()
-            self._module_names += ("",) * (len(self._reads) + 1)  # globals, global hooks
-        reads: ModuleFlags = tuple([(r, module_state(r)) for r in self._reads])
-        reads += ((GLOBAL_HOOKS, module_state(GLOBAL_HOOKS)),)
+            self._module_names = (*(p.name for p in reader.paths), "")  # and global hooks
+        reads: ModuleFlags = ((GLOBAL_HOOKS, module_state(GLOBAL_HOOKS)),)
         if not reader.size:
             return reads
         modules = reader.read(self._f)
@@ -331,10 +333,10 @@ class Jitted(Generic[_P, _R]):
                 f"{self._owner}: {e} in an input's metadata; this call runs as written",
             )
             return AS_WRITTEN
-        slot = self._cache.by_key.get(key) or self._cache.find_dynamic(rank_key(key), tensors)
+        slot = self._cache.exact(key) or self._cache.find_dynamic(rank_key(key), tensors)
         if slot is None:
             with self._lock:  # one thread compiles; the others wait and then hit
-                slot = self._cache.by_key.get(key)
+                slot = self._cache.exact(key)
                 walked, self._walked = self._walked, None
                 if slot is None and walked is not None and self._captures.prelift(walked, tensors):
                     return REKEY  # the module buffers it reads are inputs now: key again
@@ -441,16 +443,19 @@ class Jitted(Generic[_P, _R]):
             planned=plan is not None,
             store=self._builder.stores,
         )
-        built = build_dynamic(
-            self._builder,
-            self._owner,
-            self._warn_once,
-            Target(flat_f, plan, after_trace=self._captures.lift),
-            example,
-            training,
-            disk,
-            dims,
-        )
+        with Recorder(
+            self._f, also=_static_objects(flat, self._names(flat, every_leaf=True))
+        ) as recorder:
+            built = build_dynamic(
+                self._builder,
+                self._owner,
+                self._warn_once,
+                Target(flat_f, plan, after_trace=self._captures.lift),
+                example,
+                training,
+                disk,
+                dims,
+            )
         if isinstance(built, GradOn):  # the body turned grad mode on: a training entry
             torch._C._set_grad_enabled(False)  # as the caller had it (watch: grad was off)
             return self._compile(flat, tensors, state, key, True)
@@ -462,7 +467,21 @@ class Jitted(Generic[_P, _R]):
             entry = dataclasses.replace(entry, enable_grad=True)
         modules = self._module_names if self._given_names is None else self._given_names()
         signature = Signature.of(flat, self._names(flat, every_leaf=True), tensors, state, modules)
-        return Slot(entry, diff + other, signature, key, shape=entry.shape, rank=rank_key(key))
+        reads = ReadGuard(recorder.reads)
+        return Slot(
+            entry, diff + other, signature, key, shape=entry.shape, rank=rank_key(key), reads=reads
+        )
+
+
+def _static_objects(flat: Flat, names: Sequence[str]) -> list[tuple[Any, str]]:
+    """The static leaves of a call that are objects (a config passed as a static argument),
+    with their names: what the trace reads of them is guarded too."""
+    out = []
+    for value, name in zip(flat.static, names, strict=False):
+        value = static_value(value)
+        if value is not None and not is_atom(value) and not isinstance(value, torch.Tensor):
+            out.append((value, name))
+    return out
 
 
 def _execute(apply: Callable[..., Any], entry: Entry, ordered: Sequence[torch.Tensor]) -> Any:

@@ -7,11 +7,11 @@ gradient. :func:`reach` walks from the function to what it can read (closure cel
 globals its code names, the attributes of imported modules its code names (``helpers.SCALE``,
 ``helpers.apply`` and, through it, that module's globals), ``self`` of bound methods,
 ``functools.partial`` arguments, module parameters, buffers and submodules, containers and
-plain objects' attributes) and records a :class:`Path` to each tensor and module, and the
-plain values user code reads from module globals (:class:`Value`). ``jit`` lifts the captured
-tensors its trace actually used to graph inputs, re-reads them through their paths on every
-call (so a replaced or updated tensor is seen, and gradients reach captured parameters), and
-guards the ``training`` flags of the modules found and those plain values.
+plain objects' attributes) and records a :class:`Path` to each tensor and module. ``jit`` lifts
+the captured tensors its trace actually used to graph inputs, re-reads them through their
+paths on every call (so a replaced or updated tensor is seen, and gradients reach captured
+parameters), and guards the ``training`` flags of the modules found (everything else a trace
+reads is guarded by :mod:`functrans._trace.reads`).
 
 >>> import torch
 >>> w = torch.ones(2)
@@ -32,10 +32,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from functrans._core.context import classify
 from functrans._core.graph import SOURCE
 
-__all__ = ["Path", "Reach", "Reader", "Value", "captured_constants", "reach", "swapped"]
+__all__ = ["Path", "Reach", "Reader", "captured_constants", "reach", "swapped"]
 
 # a step from one object to the next: (kind, key); kinds are the rows of _READ
 PathStep = tuple[str, Any]
@@ -125,8 +124,6 @@ class Reach:
     root: Any
     tensors: dict[int, list[Path]] = field(default_factory=dict)
     modules: list[tuple[Path, torch.nn.Module]] = field(default_factory=list)
-    #: plain values user code reads from module globals (guarded by ``jit``), once each
-    values: list[Value] = field(default_factory=list)
 
 
 # Bounds on the walk: state hidden deeper than this is not found (and a trace that uses such a
@@ -155,8 +152,7 @@ def reach(f: Any) -> Reach:
     seen: set[int] = {id(f)}
     frontier: list[tuple[Any, tuple[PathStep, ...], str]] = [(f, (), "")]
     budget = _MAX_OBJECTS
-    home = getattr(f, "__globals__", None)  # the root's own globals: FunctionValues reads them
-    values: dict[tuple[int, str], Value] = {}
+    home = getattr(f, "__globals__", None)  # the root's own globals: named unqualified
     for _ in range(_MAX_DEPTH):
         nxt: list[tuple[Any, tuple[PathStep, ...], str]] = []
         for obj, steps, name in frontier:
@@ -165,12 +161,8 @@ def reach(f: Any) -> Reach:
                     to_tensor = Path((*steps, step), child_name, child_writable)
                     found.tensors.setdefault(id(child), []).append(to_tensor)
                     continue
-                if isinstance(child, _ATOMS) or type(child) is tuple:
-                    value = _value(obj, step, child_name, home)
-                    if value is not None:
-                        values.setdefault((id(value.namespace), value.key), value)
-                    if isinstance(child, _ATOMS):
-                        continue
+                if isinstance(child, _ATOMS):
+                    continue
                 if id(child) in seen:
                     continue
                 seen.add(id(child))
@@ -182,7 +174,6 @@ def reach(f: Any) -> Reach:
         frontier = nxt
         if not frontier or budget <= 0:
             break
-    found.values = list(values.values())
     return found
 
 
@@ -277,31 +268,6 @@ def _module_attrs(view: _ModuleView, name: str) -> Iterator[_Child]:
                 yield ("attr", key), _ModuleView(value, view.names), f"{name}.{key}", True
             continue
         yield ("attr", key), value, f"{name}.{key}", True
-
-
-class Value(NamedTuple):
-    """A plain value (a number, a string, a flag) some code the function reaches reads from a
-    module's globals: ``namespace[key]``, named ``name`` in messages."""
-
-    namespace: dict[str, Any]
-    key: str
-    name: str
-
-
-def _value(obj: Any, step: PathStep, name: str, home: Any) -> Value | None:
-    """The :class:`Value` a step to a plain value reads, where it is a global of user code
-    (a helper module's ``SCALE = 2.0``): installed packages' flags are theirs, and reading
-    all of them on every call would cost more than they are worth."""
-    kind, key = step
-    if kind == "global" and isinstance(obj, types.FunctionType):
-        if obj.__globals__ is home or classify(obj.__code__.co_filename) == "user":
-            return Value(obj.__globals__, key, name)
-        return None
-    if kind != "attr" or not isinstance(obj, _ModuleView):
-        return None
-    if classify(getattr(obj.module, "__file__", None) or "") not in ("user", "unknown"):
-        return None
-    return Value(vars(obj.module), key, name)
 
 
 @functools.lru_cache(maxsize=4096)

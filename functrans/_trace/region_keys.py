@@ -29,13 +29,13 @@ forward reads (a dropout ``p``, a sliding window) keeps differing blocks apart.
 from __future__ import annotations
 
 import contextlib
-import contextvars
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from . import reads
 
 __all__ = [
     "PLAIN",
@@ -51,6 +51,7 @@ __all__ = [
     "matches",
     "not_reading",
     "reading",
+    "replay",
     "restore_changed",
     "tensor_key",
     "value_key",
@@ -177,91 +178,89 @@ def restore_changed(snap: list[tuple[dict[str, Any], dict[str, Any]]]) -> bool:
 @dataclass
 class Reads:
     """The plain attributes a block's trace read (:attr:`everything`: it read an attribute
-    table as a whole, so every attribute counts)."""
+    table as a whole, so every attribute counts), and every read it made
+    (:attr:`recorded`: replayed onto a block that reuses the region, see :func:`replay`)."""
 
     attrs: set[Attr] = field(default_factory=set)
     everything: bool = False
-
-
-_READS: contextvars.ContextVar[tuple[Reads, dict[int, list[str]]] | None] = contextvars.ContextVar(
-    "functrans_region_reads", default=None
-)
-# nn.Module.__getattr__ (parameters, buffers, submodules) reads __dict__ for its tables only
-_MODULE_GETATTR = torch.nn.Module.__getattr__.__code__
-_RECORDING: dict[type, type] = {}
-
-
-def _recording(cls: type) -> type:
-    """``cls`` with every attribute read recorded while :func:`reading` is entered."""
-    found = _RECORDING.get(cls)
-    if found is not None:
-        return found
-    get: Any = cls.__getattribute__  # the class's own reading (object's, usually)
-
-    def __getattribute__(self: Any, name: str) -> Any:
-        seen = _READS.get()
-        if seen is not None:
-            reads, names = seen
-            if name == "__dict__":
-                if sys._getframe(1).f_code is not _MODULE_GETATTR:
-                    reads.everything = True
-            else:
-                for sub in names.get(id(self), ()):
-                    reads.attrs.add((sub, name))
-        return get(self, name)
-
-    namespace = {
-        "__getattribute__": __getattribute__,
-        "__module__": cls.__module__,
-        "__qualname__": cls.__qualname__,
-    }
-    found = _RECORDING[cls] = type(cls.__name__, (cls,), namespace)
-    return found
+    recorded: list[reads.Read] = field(default_factory=list)
 
 
 @contextlib.contextmanager
 def reading(m: torch.nn.Module) -> Iterator[Reads]:
-    """Record which plain attributes of ``m`` and its submodules are read meanwhile (their
-    classes swapped for recording subclasses, as ``torch.nn.utils.parametrize`` does). A class
-    that refuses the swap (``__slots__``) counts as having read everything."""
-    reads = Reads()
+    """Record which plain attributes of ``m`` and its submodules are read meanwhile: through
+    the trace's recorder (:mod:`functrans._trace.reads`; ``jit``'s, which guards what the
+    whole step reads), or one of its own where none runs. Filled when the block exits."""
+    found = Reads()
+    rec = reads.current()
+    own = rec is None
+    if rec is None:
+        rec = reads.Recorder(m).__enter__()
+    elif rec.source_of(m) is None:
+        rec.learn(m, reads.Source(None, type(m).__qualname__))
     names: dict[int, list[str]] = {}
-    swapped: list[tuple[Any, type]] = []
-    for name, sub in m.named_modules(remove_duplicate=False):
-        names.setdefault(id(sub), []).append(name)
+    with reads.not_reading():
+        for name, sub in m.named_modules(remove_duplicate=False):
+            names.setdefault(id(sub), []).append(name)
+    mark = rec.mark()
     try:
-        for sub in m.modules():
-            cls = type(sub)
-            try:
-                sub.__class__ = _recording(cls)
-            except TypeError:
-                reads.everything = True
-                continue
-            swapped.append((sub, cls))
-        token = _READS.set((reads, names))
-        try:
-            yield reads
-        finally:
-            _READS.reset(token)
+        yield found
     finally:
-        for sub, cls in swapped:
-            sub.__class__ = cls
+        found.recorded = rec.since(mark)
+        if own:
+            rec.__exit__(None, None, None)
+        for r in found.recorded:
+            subs = names.get(id(r.holder), ())
+            if r.how is reads.How.ATTR:
+                found.attrs.update((sub, r.key) for sub in subs)
+            elif r.how is reads.How.CONTENT and subs:
+                found.everything = True
 
 
-@contextlib.contextmanager
-def not_reading() -> Iterator[None]:
+def not_reading() -> contextlib.AbstractContextManager[None]:
     """Inside :func:`reading`: reads made meanwhile are not the block's (functrans' own
     bookkeeping around the call)."""
-    token = _READS.set(None)
-    try:
-        yield
-    finally:
-        _READS.reset(token)
+    return reads.not_reading()  # type: ignore[no-any-return]  # a context manager
 
 
-def matches(traced: dict[Attr, Any], reads: Reads, attrs: dict[Attr, Any]) -> bool:
+def replay(found: Reads, traced: torch.nn.Module, block: torch.nn.Module) -> None:
+    """Record for ``block``, which reuses the region ``traced``'s trace made, what that trace
+    read of ``traced`` (its own attributes, its submodules', the dicts and objects they hold),
+    read off ``block`` now: what the step depends on of ``block``. Reads of anything else
+    (shared configs, globals) were recorded by the trace already."""
+    rec = reads.current()
+    if rec is None or traced is block:
+        return
+    was, now = rec.source_of(traced), rec.source_of(block)
+    if was is None or now is None or was.path is None:
+        return
+    n = len(was.path)
+    out = []
+    for r in found.recorded:
+        path = r.where.path
+        if path is None or path[:n] != was.path:
+            continue
+        rel = path[n:]
+        try:
+            holder = reads.follow(block, rel)
+        except Exception:  # the blocks differ where the region's key did not look
+            continue
+        value = reads.read_now(holder, r.how, r.key)
+        if r.how in (reads.How.CONTENT, reads.How.CLASS_DICT):
+            value = reads.snapshot(value)
+        elif value is reads.NOTHING:
+            value = None
+        where = reads.Source(
+            None if now.path is None else (*now.path, *rel),
+            now.name + r.where.name[len(was.name) :],
+        )
+        out.append(reads.Read(holder, r.how, r.key, value, where))
+    rec.add(out)
+
+
+def matches(traced: dict[Attr, Any], found: Reads, attrs: dict[Attr, Any]) -> bool:
     """Whether a call with ``attrs`` may reuse a region traced with ``traced`` that read
-    ``reads``."""
-    if reads.everything:
+    ``found``."""
+    if found.everything:
         return traced == attrs
-    return all(attrs.get(a) == traced.get(a) for a in reads.attrs)
+    return all(attrs.get(a) == traced.get(a) for a in found.attrs)

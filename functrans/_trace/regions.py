@@ -73,6 +73,7 @@ from .region_keys import (
     matches,
     not_reading,
     reading,
+    replay,
     restore_changed,
     tensor_key,
     value_key,
@@ -105,11 +106,13 @@ FORWARD_OP, BACKWARD_OP = _FWD, _BWD
 
 
 class _Variant(NamedTuple):
-    """One region traced for a key: the attributes its trace read (and their values)."""
+    """One region traced for a key: the attributes its trace read (and their values), and
+    the block it traced (a block reusing the region replays its reads)."""
 
     reads: Reads
     attrs: dict[Attr, Any]
     rid: int
+    block: torch.nn.Module | None
 
 
 @dataclass
@@ -334,7 +337,10 @@ def _call_region(
         key = (key_parts, tuple(tensor_key(t) for t in tensors), aliasing(tensors), id(s.table))
     attrs = block[1] if block is not None else {}
     variants = s.by_key.setdefault(key, [])
-    rid = next((v.rid for v in variants if matches(v.attrs, v.reads, attrs)), None)
+    found = next((v for v in variants if matches(v.attrs, v.reads, attrs)), None)
+    rid = None if found is None else found.rid
+    if found is not None and found.block is not None and block is not None:
+        replay(found.reads, found.block, block[0])  # what the step reads of this block
     if rid is None:
         rid = len(s.regions)
         reads = Reads()
@@ -344,7 +350,8 @@ def _call_region(
             reads = seen or reads
         except _SideEffect:
             region = None
-        variants.append(_Variant(reads, {a: attrs.get(a) for a in reads.attrs}, rid))
+        traced = block[0] if block is not None else None
+        variants.append(_Variant(reads, {a: attrs.get(a) for a in reads.attrs}, rid, traced))
         s.regions.append(region)
         if region is not None:
             stats.traced += 1
@@ -411,13 +418,15 @@ def _module_region(m: torch.nn.Module, original: Callable[..., Any], args: Any, 
     def eager() -> Any:
         return original(m, *args, **kw)
 
-    if has_hooks(m) or global_hooks():
+    with not_reading():  # the block's key is functrans' reading, not the step's
+        hooked = has_hooks(m) or global_hooks()
+        state = None if hooked else block_state(m)
+    if state is None:
         return eager()
     split = _split_args(args, kw)
     if split is None:
         return eager()
     inputs, statics, leaves = split
-    state = block_state(m)
     slots = state.slots
     params = [table[k] for table, k in slots]
     tensors = [*inputs, *params]

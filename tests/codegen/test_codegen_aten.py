@@ -35,7 +35,7 @@ def test_fast_calls_dispatch_the_same_overloads_with_identical_results(name):
     jitted(params, args[1]).backward()
     p = jitted.partitions()[0]
     inputs = [t.detach() for t in ft_pytree.flatten(((params, args[1]), {}))[0]]
-    order = next(iter(jitted._cache.by_key.values())).order
+    order = jitted._cache.slots()[0].order
     inputs = [inputs[i] for i in order]
     slow, fast = AtenBackend(executor="fx"), AtenBackend(executor="python")
     rewritten = _fastcall.use_fast_calls(p.forward.graph_module)

@@ -39,6 +39,7 @@ import torch
 
 from functrans._core.context import classify
 from functrans._core.pytree import plain
+from functrans._trace.reads import DictView, class_attrs
 
 __all__ = ["Fingerprint", "Unhashable", "classify", "code_digest", "code_names"]
 
@@ -239,7 +240,7 @@ class Fingerprint:
             return
         for base in c.__bases__:
             self.add(base)
-        for k, v in vars(c).items():
+        for k, v in class_attrs(c).items():  # as written: without a trace's reading hooks
             if k not in _DUNDER_SKIP:
                 self._w("attr", k)
                 self.add(v)
@@ -376,6 +377,8 @@ _EXACT: dict[type, _Handler] = {
 @_per_type
 def _handler(t: type) -> _Handler:
     """How :class:`Fingerprint` hashes ``t``'s instances (every test is on the type alone)."""
+    if issubclass(t, DictView):  # a dict's recording copy, while a trace reads it: the dict
+        return lambda fp, obj, t, names: fp.add(obj._original, names)
     if issubclass(t, torch.Tensor):
         return lambda fp, obj, t, names: fp._tensor(obj)
     if issubclass(t, enum.Enum):

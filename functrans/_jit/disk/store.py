@@ -93,10 +93,11 @@ from typing import Any, TypeVar
 from functrans._core.errors import FunctransError
 from functrans._core.logs import log
 from functrans._core.private_dir import cache_root, private_dirs, untrusted
+from functrans._trace import reads
 
 from . import graph_json as graph_json
 from . import key as disk_key
-from . import region_json
+from . import reads_json, region_json
 from . import shapes as disk_shapes
 from .code_deps import (
     Recorder,
@@ -185,16 +186,19 @@ def traced(key: DiskKey, make: Callable[[], _G]) -> tuple[_G, bool]:
     except (Unhashable, graph_json.NotStorable) as e:
         _say(key, f"no disk cache: {e}")
         return make(), False
+    watching = reads.current()  # what the trace reads, guarded by the caller (jit)
     for path in _candidates(folder, digest):
-        found = _load(path, digest, key)
+        found = _load(path, digest, key, watching)
         if found is not None:
             return found, True
     if not key.store:
         return make(), False
+    mark = watching.mark() if watching is not None else 0
     with Recorder() as recorder:
         g = make()
     if recorder.ok:
-        _store(folder, digest, key, g, recorder, fingerprint)
+        read = watching.since(mark) if watching is not None else None
+        _store(folder, digest, key, g, recorder, fingerprint, read)
     return g, False
 
 
@@ -256,8 +260,10 @@ def _candidates(folder: Path, digest: str) -> list[Path]:
     return [Path(p) for _, p in sorted(found, reverse=True)]
 
 
-def _load(path: Path, digest: str, key: DiskKey) -> Any:
-    """The graph stored at ``path`` if it is there, valid and its dependencies hold."""
+def _load(path: Path, digest: str, key: DiskKey, watching: reads.Recorder | None) -> Any:
+    """The graph stored at ``path`` if it is there, valid and its dependencies hold, and
+    what its trace read still reads the same (then handed to ``watching``, which guards the
+    entry with them)."""
     reason = untrusted(path)
     if reason is not None:
         _refuse(reason)
@@ -276,6 +282,10 @@ def _load(path: Path, digest: str, key: DiskKey) -> Any:
         if stale is not None:
             _say(key, f"miss: {stale}")
             return None
+        read = reads_json.load(doc["reads"], key.fn)
+        if read is None:
+            _say(key, f"miss: {path.name} read state that changed since (or leads nowhere)")
+            return None
         if key.dims is None:
             g: Any = graph_json.load(doc["graph"], key.fn, verify=not signed)
             if "regions" in doc:
@@ -292,6 +302,8 @@ def _load(path: Path, digest: str, key: DiskKey) -> Any:
         return None
     _touch(path)
     _say(key, f"hit: {path.name}")
+    if watching is not None:
+        watching.add(read)
     return g
 
 
@@ -391,12 +403,21 @@ def _touch(path: Path) -> None:
 
 
 def _store(
-    folder: Path, digest: str, key: DiskKey, g: Any, recorder: Recorder, fp: Fingerprint
+    folder: Path,
+    digest: str,
+    key: DiskKey,
+    g: Any,
+    recorder: Recorder,
+    fp: Fingerprint,
+    read: list[reads.Read] | None,
 ) -> None:
+    """Store ``g``, traced from ``key`` with the code ``recorder`` saw run, and the reads the
+    trace made (``read``; None: no one was recording them, and none are stored)."""
     try:
         deps = dependencies(recorder, fp.closures, process_start()).to_json()
         entry: dict[str, Any] = {"format": FORMAT, "key": digest, "kind": key.kind}
         entry["created"], entry["deps"] = time.time(), deps
+        entry["reads"] = reads_json.dump(read or [])
         entry["graph"] = graph_json.dump(g, key.fn, symbolic=key.dims is not None)
         if getattr(g, "regions", ()):  # a joint trace that kept its region ops
             entry["regions"] = region_json.dump(list(g.regions))

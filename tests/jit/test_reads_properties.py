@@ -1,0 +1,101 @@
+"""Properties of the rule "a compiled entry depends on what its trace read" (``functrans/_trace/
+reads.py``), over generated functions that read state of many kinds (``_state_kinds.py``:
+closures, dicts nested in them, globals and dicts of another module, patched helpers and torch
+functions, namespaces, nested dataclass configs, class attributes, module attributes, lists
+and configs held by modules, patched forwards).
+
+1. Change one piece of state the function reads after its first jitted call: the next call
+   equals eager (values and gradients).
+2. Change state beside it that it does not read: the next call compiles nothing.
+"""
+
+from __future__ import annotations
+
+import _state_kinds as kinds
+import pytest
+import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+import functrans as ft
+
+_NAMES = sorted(kinds.KINDS)
+_pieces = st.lists(st.sampled_from(_NAMES), min_size=1, max_size=3, unique=True)
+
+
+def _function(pieces: list[kinds.Piece]):
+    readers = [p.read for p in pieces]
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        for read in readers:
+            x = read(x)
+        return x
+
+    return f
+
+
+def _step(f, x: torch.Tensor, grad: bool):
+    """The output and, with ``grad``, the input's gradient."""
+    x = x.detach().requires_grad_(grad)
+    out = f(x)
+    if not grad:
+        return out.detach(), None
+    (g,) = torch.autograd.grad(out.sum(), x)
+    return out.detach(), g
+
+
+def _check(jitted, f, x: torch.Tensor, grad: bool) -> None:
+    got, got_grad = _step(jitted, x, grad)
+    want, want_grad = _step(f, x, grad)
+    torch.testing.assert_close(got, want)
+    if grad:
+        torch.testing.assert_close(got_grad, want_grad)
+
+
+@settings(max_examples=60)
+@given(names=_pieces, which=st.integers(0, 2), grad=st.booleans(), seed=st.integers(0, 99))
+def test_property_a_change_to_state_the_function_reads_is_seen(names, which, grad, seed):
+    pieces = [kinds.KINDS[n]() for n in names]
+    f = _function(pieces)
+    jitted = ft.jit(f)
+    x = torch.randn(4, generator=torch.Generator().manual_seed(seed))
+    _check(jitted, f, x, grad)
+    undo = pieces[which % len(pieces)].change()
+    try:
+        _check(jitted, f, x, grad)
+    finally:
+        undo()
+
+
+@settings(max_examples=60)
+@given(names=_pieces, which=st.integers(0, 2), grad=st.booleans())
+def test_property_a_change_to_state_the_function_does_not_read_compiles_nothing(names, which, grad):
+    pieces = [kinds.KINDS[n]() for n in names]
+    beside = pieces[which % len(pieces)].change_unread
+    assume(beside is not None)
+    f = _function(pieces)
+    jitted = ft.jit(f)
+    x = torch.randn(4)
+    _check(jitted, f, x, grad)
+    undo = beside()
+    try:
+        _check(jitted, f, x, grad)
+        assert jitted.cache_info().misses == 1
+    finally:
+        undo()
+
+
+@pytest.mark.parametrize("name", _NAMES)
+def test_every_kind_is_seen(name):
+    """Each kind alone (the shrunk form of the first property), with a gradient."""
+    piece = kinds.KINDS[name]()
+    f = _function([piece])
+    jitted = ft.jit(f)
+    x = torch.randn(4)
+    _check(jitted, f, x, True)
+    undo = piece.change()
+    try:
+        _check(jitted, f, x, True)
+        assert jitted.cache_info().misses == 2
+    finally:
+        undo()
