@@ -106,14 +106,17 @@ def _run(
 
 
 def child_result(
-    code: str, env: dict[str, str], what: str, timeout: float = TIMEOUT_S
+    code: str, env: dict[str, str], what: str, timeout: float = TIMEOUT_S, cwd: Path = REPO
 ) -> dict[str, Any]:
-    """Run ``code`` in a fresh Python process (the repository root its working directory) and
+    """Run ``code`` in a fresh Python process (the repository root its working directory, or
+    ``cwd``: another checkout, whose ``functrans`` and ``benchmarks`` it then imports) and
     return the JSON of its last ``RESULT`` line; a failed child raises, naming ``what``."""
+    if cwd != REPO:
+        env = {**env, "PYTHONPATH": str(cwd)}
     done = subprocess.run(
         [sys.executable, "-c", code],
         env=env,
-        cwd=REPO,
+        cwd=cwd,
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -30,6 +30,11 @@ at 16 blocks at most 0.5x ``aot_eager``'s first call, and its 16-block first cal
 its 2-block one.
 
     python -m benchmarks.compile_time [--quick] [--no-inductor] [--repeats N] [--out PATH]
+        [--baseline CHECKOUT]
+
+``--baseline CHECKOUT`` adds ``ft_baseline``: ``ft.jit(model)`` as another checkout of functrans
+(``git worktree add /tmp/base <commit>``) builds it, in processes interleaved with this one's,
+so a change's first-call cost is measured side by side with the code before it.
 
 ``--quick`` measures depths 1, 2 and 16 (the full run: 1, 2, 4, 8, 16, 32). Writes
 ``benchmarks/results/compile_time.json``.
@@ -43,6 +48,7 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -101,26 +107,39 @@ def child(compiler: str, depth: int) -> None:
     print("RESULT " + json.dumps(row), flush=True)
 
 
-def _run(compiler: str, depth: int) -> dict[str, float]:
+BASELINE = "ft_baseline"  # ft_regions, built by the --baseline checkout
+
+
+def _run(compiler: str, depth: int, baseline: Path | None = None) -> dict[str, float]:
     root = _disk_first_call.fresh_root()  # a cold on-disk trace cache
     env = {**os.environ, "FUNCTRANS_CACHE": "1", "OMP_NUM_THREADS": "1"}
     env["FUNCTRANS_CACHE_DIR"] = str(root)
     env["TORCHINDUCTOR_CACHE_DIR"] = str(root / "inductor")  # torch's caches cold too
     env["FUNCTRANS_REGIONS"] = REGIONS.get(compiler, "1")
+    cwd = REPO
+    if compiler == BASELINE:
+        assert baseline is not None
+        compiler, cwd = "ft_regions", baseline
     code = f"from benchmarks.compile_time import child; child({compiler!r}, {depth})"
     try:
-        return _disk_first_call.child_result(code, env, f"{compiler} at depth {depth}", TIMEOUT_S)
+        what = f"{compiler} at depth {depth}"
+        return _disk_first_call.child_result(code, env, what, TIMEOUT_S, cwd=cwd)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def measure(depths: tuple[int, ...], compilers: tuple[str, ...], repeats: int) -> dict[str, Any]:
+def measure(
+    depths: tuple[int, ...],
+    compilers: tuple[str, ...],
+    repeats: int,
+    baseline: Path | None = None,
+) -> dict[str, Any]:
     rows: dict[str, dict[str, Any]] = {}
     for depth in depths:
         runs: dict[str, list[dict[str, float]]] = {c: [] for c in compilers}
         for _ in range(repeats):
             for c in compilers:
-                runs[c].append(_run(c, depth))
+                runs[c].append(_run(c, depth, baseline))
         rows[str(depth)] = {
             c: {
                 "s": statistics.median(r["s"] for r in runs[c]),
@@ -195,19 +214,35 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-inductor", action="store_true", help="skip torch.compile's default")
     parser.add_argument("--repeats", type=int, default=3, help="processes per figure (median)")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument(
+        "--baseline", type=Path, default=None, help="another checkout, measured beside this one"
+    )
     args = parser.parse_args(argv)
     compilers = tuple(c for c in COMPILERS if not (args.no_inductor and c == "inductor"))
+    if args.baseline is not None:
+        compilers = (compilers[0], BASELINE, *compilers[1:])
     depths = QUICK_DEPTHS if args.quick else DEPTHS
-    result = measure(depths, compilers, args.repeats)
+    result = measure(depths, compilers, args.repeats, args.baseline)
     result["config"] = {
         "model": "benchmarks.dynamic.GPT(d=64, heads=4)",
         "batch": [2, 32],
         "repeats": args.repeats,
         "threads": 1,
+        "baseline": _describe_checkout(args.baseline),
     }
     print(format_table(result, compilers))
     write_results(args.out, RESULTS, args.quick, result)
     return 0
+
+
+def _describe_checkout(path: Path | None) -> str | None:
+    """``path``'s commit (None: no baseline)."""
+    if path is None:
+        return None
+    done = subprocess.run(
+        ["git", "-C", str(path), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    )
+    return f"{path} at {done.stdout.strip() or 'an unknown commit'}"
 
 
 if __name__ == "__main__":

@@ -29,8 +29,14 @@
    ``ft.jit`` vs through the cached entry's compiled forward (``entry.forward(x)``), with
    ``requires_grad`` False and True (no backward). Overhead = (jit - direct) / calls. Target:
    <= 30 us.
+5. Cache hits of functions that read state (:mod:`benchmarks._hit_cost`): the overhead above
+   and forward calls of a 16-block GPT and a 4-layer Hugging Face GPT-2 as ``ft.jit``, eager and
+   ``torch.compile(backend="aot_eager")``, with the guard of the reads alone, in fresh
+   processes; with ``--baseline CHECKOUT`` (another checkout of functrans, ``git worktree add
+   /tmp/base <commit>``) its processes alternate with this one's, side by side.
 
     python -m benchmarks.runtime [--quick] [--threads N] [--processes N] [--profile]
+        [--baseline CHECKOUT] [--hits-only]
 
 ``--profile`` adds a wall-clock attribution of the jit step (graphs alone, flattening, no
 decompositions, no recompute) and cProfile listings of jit's first call and steady steps.
@@ -66,7 +72,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch.utils._pytree import tree_leaves
 
 import functrans as ft
-from benchmarks import _disk_first_call, output_path, remat, zoo
+from benchmarks import _disk_first_call, _hit_cost, output_path, remat, zoo
 from functrans import codegen
 from functrans.codegen.aten import AtenBackend
 from functrans.extend import tensor_leaves
@@ -270,7 +276,7 @@ def overhead(requires_grad: bool, calls: int, repeats: int) -> dict[str, Any]:
     x = torch.ones(1, requires_grad=requires_grad)
     jitted = ft.jit(double)
     jitted(x)  # compile
-    entry = next(iter(jitted._cache.by_key.values())).entry
+    entry = jitted._cache.slots()[0].entry
     fns: dict[str, Callable[..., Any]] = {"jit": jitted, "direct": entry.forward, "eager": double}
     us: dict[str, list[float]] = {k: [] for k in fns}
     gc.collect()
@@ -336,7 +342,7 @@ def attribution(case: Case, steps: int) -> dict[str, Any]:
     variants["jit_nodecomp"] = ft.jit(fn, partition="min_cut", decompositions=None)
     variants["jit_default"] = ft.jit(fn, partition="default")
     ms = interleaved(variants, params, x, steps, warmup=3)
-    slot = next(iter(jitted._cache.by_key.values()))
+    slot = jitted._cache.slots()[0]
     entry, order = slot.entry, slot.order
     tensors = tensor_leaves(((params, x), {}))
     ordered = [tensors[i] for i in order]
@@ -400,7 +406,20 @@ def main(argv: list[str] | None = None) -> int:
         "--processes", type=int, default=3, help="fresh processes per steady-state case"
     )
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument(
+        "--baseline", type=Path, default=None, help="another checkout, its cache hits beside ours"
+    )
+    parser.add_argument(
+        "--hits-only", action="store_true", help="only the cache hits of 5 (JSON to --out)"
+    )
     args = parser.parse_args(argv)
+    if args.hits_only:
+        hits = _hit_cost.side_by_side(args.baseline, 20 if args.quick else 100, 5, args.processes)
+        print(_hit_cost.table(hits))
+        if args.out is not None:
+            doc = {**hits, "baseline_checkout": str(args.baseline or "")}
+            args.out.write_text(json.dumps(doc, indent=1) + "\n")
+        return 0
     args.out = output_path(args.out, RESULTS, args.quick)
     # one thread: these ops are too small to gain from more, and spinning OpenMP workers on a
     # loaded machine turn millisecond steps into much longer ones
@@ -452,6 +471,10 @@ def main(argv: list[str] | None = None) -> int:
     over_cols |= {k: f"{k}_us" for k in ("jit", "direct", "eager", "overhead")}
     over_cols[f"target <={OVERHEAD_TARGET_US:g}"] = "target_met"
     print(_table(overheads, over_cols), end="\n\n")
+    hit_processes = 1 if args.quick else args.processes
+    hits = _hit_cost.side_by_side(args.baseline, 20 if args.quick else 100, 5, hit_processes)
+    print("cache hits of functions that read state (fresh processes; benchmarks._hit_cost)")
+    print(_hit_cost.table(hits), end="\n\n")
     print(f"total {time.perf_counter() - t_start:.1f} s")
 
     if args.profile:
@@ -460,6 +483,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"quick": args.quick, "threads": torch.get_num_threads(), "torch": torch.__version__}
     doc = {"meta": meta, "first_call": firsts, "steady_state": steady, "overhead": overheads}
     doc["fresh_process_first_call"] = fresh
+    doc["guarded_hits"] = {**hits, "baseline_checkout": str(args.baseline or "")}
     args.out.write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n")
     print(f"wrote {args.out}")
     return 0
