@@ -903,7 +903,9 @@ class Recorder:
                 self._slot_learn(value, where.then(("contents", None), var), _cell_put(cell))
         if role == "machinery":
             return
-        if user:
+        if user:  # its code and defaults, swapped wholesale (``f.__code__ = g.__code__``)
+            self._record(fn, How.COMPUTED, "__code__", code, source)
+            self._record(fn, How.COMPUTED, "__defaults__", fn.__defaults__, source)
             self._defaults(fn, source)
         names, chains = code_reads(code)
         namespace = fn.__globals__
@@ -927,9 +929,14 @@ class Recorder:
     def _defaults(self, fn: types.FunctionType, source: Source) -> None:
         """A user function's default values: a default dict is read through a recording
         copy put in its place (``def f(x, cfg=CFG)``)."""
-        for i, value in enumerate(fn.__defaults__ or ()):
-            where = source.then(("default", i), f"{source.name}(default {i})")
-            self._slot_learn(value, where, _default_put(fn, i))
+        defaults = fn.__defaults__ or ()
+        learned = tuple(
+            self.learn(value, source.then(("default", i), f"{source.name}(default {i})"))
+            for i, value in enumerate(defaults)
+        )
+        if any(a is not b for a, b in zip(learned, defaults, strict=True)):
+            fn.__defaults__ = learned  # the very tuple it had is put back after
+            self._slots.append((_defaults_back(fn), learned, defaults))
         kwdefaults = fn.__kwdefaults__ or {}
         for key, value in kwdefaults.items():
             where = source.then(("kwdefault", key), f"{source.name}(default {key})")
@@ -1099,14 +1106,15 @@ def _item_put(namespace: dict[str, Any], key: str) -> Callable[[Any], None]:
     return put
 
 
-def _default_put(fn: types.FunctionType, i: int) -> Callable[[Any], None]:
-    def put(value: Any) -> None:
-        defaults = list(fn.__defaults__ or ())
-        defaults[i] = value
-        fn.__defaults__ = tuple(defaults)
+def _defaults_back(fn: types.FunctionType) -> Callable[[tuple[Any, Any]], None]:
+    """Put ``fn``'s own defaults tuple back, unless the traced code replaced it meanwhile."""
 
-    put.slot = (fn, i)  # type: ignore[attr-defined]  # read back by _swap_back
-    return put
+    def back(pair: tuple[Any, Any]) -> None:
+        learned, original = pair
+        if fn.__defaults__ is learned:
+            fn.__defaults__ = original
+
+    return back
 
 
 def _swap_back(put: Callable[[Any], None]) -> Callable[[tuple[Any, Any]], None]:
@@ -1122,11 +1130,8 @@ def _swap_back(put: Callable[[Any], None]) -> Callable[[tuple[Any, Any]], None]:
             except ValueError:
                 return
         else:
-            holder, key = put.slot  # type: ignore[attr-defined]  # set by _item_put/_default_put
-            if issubclass(type(holder), types.FunctionType):
-                now = (holder.__defaults__ or ())[key]
-            else:
-                now = holder.get(key, _ABSENT)
+            holder, key = put.slot  # type: ignore[attr-defined]  # set by _item_put
+            now = holder.get(key, _ABSENT)
         if now is view:
             put(original)
 

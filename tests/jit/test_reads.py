@@ -11,7 +11,6 @@ import argparse
 import importlib
 import os
 import sys
-import time
 import types
 
 import pytest
@@ -204,10 +203,11 @@ def test_state_the_function_does_not_read_compiles_nothing():
 
 def _old_module(tmp_path, monkeypatch, name: str, source: str):
     """``source`` as module ``name``, its file older than this process (the disk cache stores
-    no trace of code edited after the process started)."""
+    no trace of code edited after the process started, and a test worker may have started
+    minutes ago)."""
     path = tmp_path / f"{name}.py"
     path.write_text(source)
-    past = time.time() - 60
+    past = 1e9  # 2001
     os.utime(path, (past, past))
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, name, raising=False)
@@ -367,3 +367,18 @@ def test_a_numpy_array_changed_in_place_is_seen():
 
     got, want, _ = _after_change(f, change, torch.ones(3))
     assert float(got) == float(want) == 7.0
+
+
+def test_a_helper_whose_code_was_replaced_runs_the_new_code():
+    def helper(x: torch.Tensor) -> torch.Tensor:
+        return x.sin()
+
+    def other(x: torch.Tensor) -> torch.Tensor:
+        return x.cos()
+
+    got, want, _ = _after_change(
+        lambda x: helper(x).sum(),
+        lambda: setattr(helper, "__code__", other.__code__),
+        torch.ones(2),
+    )
+    _same(got, want)
