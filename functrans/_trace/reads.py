@@ -809,6 +809,9 @@ class Recorder:
             self._module_tree(obj, source)
         else:
             self._object(obj, source)
+            wrapped = getattr(obj, "__wrapped__", None)  # functools.lru_cache, a decorator's
+            if issubclass(type(wrapped), types.FunctionType):
+                self.learn(wrapped, source.then(("attr", "__wrapped__"), source.name))
         return obj
 
     def _object(self, obj: Any, source: Source) -> None:

@@ -382,3 +382,22 @@ def test_a_helper_whose_code_was_replaced_runs_the_new_code():
         torch.ones(2),
     )
     _same(got, want)
+
+
+def test_a_global_read_by_a_cached_helper_is_guarded(tmp_path, monkeypatch):
+    mod = _old_module(
+        tmp_path,
+        monkeypatch,
+        "rd_lru_mod",
+        "import functools\n\nK = 2.0\n\n@functools.lru_cache\ndef k():\n    return K\n",
+    )
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return (x * mod.k()).sum()
+
+    def change() -> None:
+        mod.K = 3.0
+        mod.k.cache_clear()
+
+    got, want, _ = _after_change(f, change, torch.ones(2))
+    assert float(got) == float(want) == 6.0
