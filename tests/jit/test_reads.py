@@ -214,11 +214,16 @@ def _old_module(tmp_path, monkeypatch, name: str, source: str):
     return importlib.import_module(name)
 
 
-def test_an_entry_from_disk_is_guarded_by_its_stored_reads(tmp_path, monkeypatch):
+def _cached_module(tmp_path, monkeypatch, name: str, source: str):
+    """:func:`_old_module`, with the on-disk trace cache on in a folder of its own."""
     monkeypatch.setenv("FUNCTRANS_CACHE", "1")
     monkeypatch.setenv("FUNCTRANS_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("FUNCTRANS_NATIVE", "0")
-    mod = _old_module(
+    return _old_module(tmp_path, monkeypatch, name, source)
+
+
+def test_an_entry_from_disk_is_guarded_by_its_stored_reads(tmp_path, monkeypatch):
+    mod = _cached_module(
         tmp_path,
         monkeypatch,
         "rd_disk_mod",
@@ -239,10 +244,7 @@ def test_an_entry_from_disk_is_guarded_by_its_stored_reads(tmp_path, monkeypatch
 def test_an_entry_from_disk_is_stale_when_a_library_function_was_patched(tmp_path, monkeypatch):
     """torch's own code is not in the disk key (its version is): what the trace read of it
     (``F.gelu``, read by ``nn.GELU.forward``) is checked when the entry is loaded."""
-    monkeypatch.setenv("FUNCTRANS_CACHE", "1")
-    monkeypatch.setenv("FUNCTRANS_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setenv("FUNCTRANS_NATIVE", "0")
-    mod = _old_module(
+    mod = _cached_module(
         tmp_path,
         monkeypatch,
         "rd_gelu_mod",
