@@ -5,7 +5,8 @@ autograd Functions, whose operands must be tensors. What both do to a call is he
 arguments bound to positions by the function's signature (:func:`positional`), the argument
 pytrees split into tensor operands and static leaves kept in a :class:`Call` record
 (:func:`apply_rule`), the outputs rebuilt from the Function's flat result, and a rule that closes
-over a tensor an enclosing transform differentiates refused (its derivative would be lost).
+over a tensor an enclosing transform differentiates refused (its derivative would be lost),
+whether or not the call itself runs the rule.
 The rules themselves, what differs between reverse and forward mode, stay in ``custom``.
 """
 
@@ -32,6 +33,7 @@ __all__ = [
     "SLOT",
     "Call",
     "apply_rule",
+    "bound_positional",
     "checked_argnums",
     "distinct_outputs",
     "fill_slots",
@@ -40,7 +42,9 @@ __all__ = [
     "needs_rule",
     "positional",
     "rebuild_args",
+    "refuse_differentiated_closures",
     "split_tensors",
+    "stop_nondiff",
     "tree_flatten",
     "tree_unflatten",
 ]
@@ -142,6 +146,20 @@ def positional(
 ) -> tuple[Any, ...]:
     """``args`` and ``kwargs`` as positional arguments only, by ``fun``'s signature with its
     defaults filled in (JAX's ``resolve_kwargs``); the ``nondiff`` ones stop gradients."""
+    return stop_nondiff(bound_positional(fun, what, args, kwargs, nondiff), nondiff)
+
+
+def stop_nondiff(args: tuple[Any, ...], nondiff: tuple[int, ...]) -> tuple[Any, ...]:
+    """``args`` with gradients stopped at the ``nondiff`` positions."""
+    if not nondiff:
+        return args
+    return tuple(stop_gradient(a) if i in nondiff else a for i, a in enumerate(args))
+
+
+def bound_positional(
+    fun: Any, what: str, args: tuple[Any, ...], kwargs: dict[str, Any], nondiff: tuple[int, ...]
+) -> tuple[Any, ...]:
+    """:func:`positional` before gradients are stopped: the very objects the caller passed."""
     name = fn_name(fun)
     try:
         bound = inspect.signature(fun).bind(*args, **kwargs)
@@ -169,9 +187,7 @@ def positional(
             f"{what} {name}: nondiff_argnums={nondiff} names argument {bad[0]}, but it was "
             f"called with {len(args)} arguments"
         )
-    if not nondiff:
-        return args
-    return tuple(stop_gradient(a) if i in nondiff else a for i, a in enumerate(args))
+    return args
 
 
 def needs_rule(args: Any) -> bool:
@@ -192,8 +208,8 @@ def apply_rule(
     nondiff: tuple[int, ...] = (),
 ) -> Any:
     """``function.apply`` on the tensor leaves of ``args`` (the rest travel as statics), and
-    the rule's function's outputs rebuilt (residual outputs, after them, are left out)."""
-    _refuse_differentiated_closures(rule, transform)
+    the rule's function's outputs rebuilt (residual outputs, after them, are left out). The
+    caller has checked the rule's closures (:func:`refuse_differentiated_closures`)."""
     leaves, spec = tree_flatten(args)
     tensors, statics = split_tensors(leaves)
     call = Call(spec, statics, len(args), [is_tensor(x) for x in leaves], nondiff)
@@ -212,10 +228,13 @@ def _differentiated(t: torch.Tensor) -> bool:
     return t.requires_grad and torch.is_grad_enabled()  # autograd (a functrans trace) tracks it
 
 
-def _refuse_differentiated_closures(rule: Any, transform: str) -> None:
-    """A rule's functions closing over a tensor a torch.func grad/jvp differentiates: its
-    derivative would be lost (or torch asserts), so it is refused, as JAX refuses
-    closed-over tracers in custom_vjp."""
+def refuse_differentiated_closures(rule: Any, transform: str) -> None:
+    """A rule's functions closing over a tensor an enclosing transform differentiates (a
+    torch.func grad/jvp level, or autograd: a functrans trace, eager ``requires_grad``): its
+    derivative would be lost (or torch asserts), so it is refused, as JAX refuses closed-over
+    tracers in custom_jvp and custom_vjp. Checked on every call that is not inside the rule,
+    whether it runs the rule or the plain function: whether the *arguments* carry a gradient
+    must not decide whether the closure is refused (``ft.grad`` and ``ft.jvp`` agree)."""
     fns = [rule.fun, getattr(rule, "jvp", None), getattr(rule, "fwd", None)]
     fns.append(getattr(rule, "bwd", None))
     for fn in fns:

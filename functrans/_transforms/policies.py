@@ -498,13 +498,16 @@ def convention(policy: Callable[..., Any]) -> str:
     ``"torch"`` for torch's ``policy_fn(ctx, op, *args, **kwargs)`` (torch's selective
     checkpointing, torchtitan, torchtune), ``"jax"`` for ``policy(op, *args, **kwargs)`` (JAX's
     ``jax.checkpoint`` policies, functrans' own). A first parameter named ``ctx`` (or a second
-    named ``op``/``func``) means torch's; one named ``op``/``func``/``prim``, or a single
-    positional parameter, JAX's. Anything else is ambiguous and refused by name: a policy that
-    read a context as the op would silently decide wrong for every op.
+    named ``op``/``func``) means torch's; one named ``op``/``func``/``prim``, a single
+    positional parameter, or only ``*args`` (a catch-all such as ``lambda *_, **__: True``),
+    JAX's. Anything else is ambiguous and refused by name: a policy that read a context as the
+    op would silently decide wrong for every op.
 
     >>> convention(lambda ctx, op, *args, **kwargs: True)
     'torch'
     >>> convention(lambda op, *args, **kwargs: True)
+    'jax'
+    >>> convention(lambda *_, **__: True)  # a catch-all: torch's always name ctx first
     'jax'
     >>> convention(lambda a, b, *rest: True)
     Traceback (most recent call last):
@@ -525,6 +528,10 @@ def convention(policy: Callable[..., Any]) -> str:
         return "torch"
     if len(names) == 1:
         return "jax"
+    if not names and sig and _takes_varargs(sig):
+        # (*args, **kwargs): torch's policies always name ctx first, so a catch-all is JAX's
+        # (its RematTest.test_remat_basic passes policy=lambda *_, **__: True)
+        return "jax"
     shown = f"({', '.join(str(p) for p in sig.parameters.values())})" if sig else "(unknown)"
     raise InvalidPolicyError(
         f"remat policy {getattr(policy, '__name__', type(policy).__name__)} takes {shown}: "
@@ -532,6 +539,10 @@ def convention(policy: Callable[..., Any]) -> str:
         "**kwargs) or JAX's policy(op, *args, **kwargs); name its first parameter ctx "
         "(torch's) or op (JAX's)"
     )
+
+
+def _takes_varargs(sig: inspect.Signature) -> bool:
+    return any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in sig.parameters.values())
 
 
 def _torch_context() -> Any:
