@@ -294,6 +294,31 @@ class JointGraph(Graph):
         """
         return tuple(i for i, g in enumerate(self.grad_outputs()) if _zero_fill(g))
 
+    def grad_tangents(self) -> tuple[frozenset[int], ...]:
+        """Per gradient output, the tangents (indices into :meth:`tangents`) it is computed
+        from: a gradient is linear in the tangents, so with all of those zero it is zero, and
+        eager autograd, which finds the input unreachable from those outputs, leaves it None.
+
+        >>> import torch, functrans as ft
+        >>> jg = ft.joint(lambda a, b: (a.sin().sum(), b.cos().sum()), argnums=(0, 1))(
+        ...     torch.ones(3), torch.ones(2)
+        ... )
+        >>> jg.grad_tangents()
+        (frozenset({0}), frozenset({1}))
+        """
+        tangents = {n: i for i, n in enumerate(self.tangents())}
+        reached: dict[fx.Node, frozenset[int]] = {}
+        empty: frozenset[int] = frozenset()
+        for node in self._graph.nodes:
+            if node in tangents:
+                reached[node] = frozenset((tangents[node],))
+            else:
+                parents = [reached[a] for a in node.all_input_nodes if reached.get(a)]
+                reached[node] = frozenset().union(*parents) if parents else empty
+        return tuple(
+            reached.get(g, empty) if isinstance(g, fx.Node) else empty for g in self.grad_outputs()
+        )
+
 
 _ZERO_FILLS = frozenset(
     {

@@ -39,6 +39,7 @@ __all__ = [
     "Wrapper",
     "check_matches",
     "exact_key",
+    "first_of_pair",
     "flatten",
     "flatten_leaves",
     "leaves_of",
@@ -169,6 +170,22 @@ def flatten(tree: Any, *, static_argnums: tuple[int, ...] = ()) -> tuple[list[to
     become single opaque static leaves.
     """
     return flatten_leaves(*leaves_of(wrap_tree(tree, static_argnums)), static_argnums)
+
+
+def first_of_pair(flat: Flat) -> Flat:
+    """The :class:`Flat` of ``a`` where ``flat`` is that of a pair ``(a, b)`` (``a``'s leaves
+    come first).
+
+    >>> import torch
+    >>> _, pair = flatten(((torch.ones(1), 2), (torch.ones(1),)))
+    >>> first = first_of_pair(pair)
+    >>> first.is_tensor, first.static
+    ((True, False), (None, 2))
+    """
+    spec = flat.spec.children()[0]
+    n = spec.num_leaves
+    wrappers = flat.wrappers[: sum(flat.is_tensor[:n])] if flat.wrappers else ()
+    return Flat(spec, flat.is_tensor[:n], flat.static[:n], flat.static_argnums, wrappers)
 
 
 def flatten_leaves(

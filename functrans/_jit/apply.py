@@ -3,14 +3,22 @@
 :class:`Entry` holds one specialization's flat-tensor callables; :class:`Apply` runs its
 forward graph as one autograd node that saves exactly the partition's saved values, and its
 backward graph in backward (:class:`ApplySubclass` for tensor-subclass inputs such as DTensor).
-A compiled backward is not differentiable again: under ``create_graph=True`` its gradients raise
-when differentiated (:func:`_once`), rather than dropping a gradient penalty's term.
+
+A backward autograd runs with ``create_graph=True`` (a gradient penalty, a Hessian-vector
+product, ``torch.autograd.functional.hessian``) must itself be differentiable: the compiled
+one is not (it computes from saved values with no history). There, :class:`Twice` runs the
+function again, eagerly, on the call's own inputs (held weakly since the forward: nothing more
+stays alive) and lets autograd differentiate it with ``create_graph=True``: eager's double
+backward, its formulas included, at the cost of one more forward where it is asked for.
+Steps that draw random numbers (dropout) raise a named error there: a second run would draw
+other numbers.
 """
 
 from __future__ import annotations
 
 import contextvars
 import functools
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -18,8 +26,9 @@ from typing import Any
 import torch
 
 from functrans._core.dtypes import differentiable
+from functrans._core.errors import UnsupportedOpError
 from functrans._core.ops import is_view_op
-from functrans._core.pytree import Flat, Wrapper, rebuild_leaves
+from functrans._core.pytree import Flat, Wrapper, flatten, rebuild_leaves
 from functrans._core.shapes import ShapeGuard
 from functrans._core.state import autocast_off
 from functrans._cut.partition import Partition
@@ -32,11 +41,14 @@ __all__ = [
     "ApplySubclass",
     "Entry",
     "OutMeta",
+    "Twice",
     "apply_graphs",
     "inner_tangent",
     "inner_tensors",
     "run_backward",
     "run_forward",
+    "unreached",
+    "write_back",
 ]
 
 
@@ -84,6 +96,10 @@ class Entry:
     saved_tensors: tuple[bool, ...] | None = None
     #: differentiated inputs no output depends on: their gradient is None, as in eager
     absent: tuple[int, ...] = ()
+    #: per differentiated input, the flat outputs its gradient is computed from: with none
+    #: of them given a gradient (``autograd.grad(out0, (w1, w2), allow_unused=True)``), it
+    #: is None, as eager finds the input unreachable
+    grad_outputs: tuple[frozenset[int], ...] = ()
     #: the function turns grad mode on itself (``torch.enable_grad()`` in a body called under
     #: ``torch.no_grad()``): run through autograd with grad mode on, as its body ran
     enable_grad: bool = False
@@ -93,6 +109,11 @@ class Entry:
     #: an inference entry's forward graph (a training entry's are its partition's): what an
     #: error names its node and line from
     forward_graph: torch.fx.GraphModule | None = None
+    #: how a training entry's backward is differentiated again (``create_graph=True``)
+    twice: Twice | None = None
+    #: the inputs the function writes in place (positions among the entry's inputs): its
+    #: last flat outputs are their final values, copied into them after each call
+    writes: tuple[int, ...] = ()
 
     @functools.cached_property
     def frozen(self) -> tuple[int, ...]:
@@ -115,7 +136,8 @@ def _unshared(entry: Entry, tensors: Sequence[torch.Tensor], flat: list[Any]) ->
     """Replace, in ``flat``, saved values that alias an input the caller overwrites by copies
     of the same sizes and strides."""
     hook = OVERWRITES.get()
-    written = hook(entry, tensors) if hook is not None else None
+    written = hook(entry, tensors) if hook is not None else set()
+    written = {*written, *entry.writes}  # and what its own write-back overwrites
     if not written:
         return
     n = len(entry.out_meta)
@@ -166,12 +188,68 @@ def run_backward(entry: Entry, args: list[Any]) -> list[Any]:
         raise
 
 
+class Twice:
+    """How one entry's backward is differentiated: the function run again, eagerly, on the
+    call's own inputs, and differentiated by autograd with ``create_graph=True``: eager's own
+    double backward, formulas included (see the module docstring).
+
+    >>> import torch, functrans as ft
+    >>> f = ft.jit(lambda x: (x.sin() * x).sum())
+    >>> x = torch.tensor([0.5, 1.0], requires_grad=True)
+    >>> (g,) = torch.autograd.grad(f(x), x, create_graph=True)
+    >>> torch.autograd.grad(g.sum(), x)[0]  # d2/dx2 of sum(sin(x) x): 2 cos x - x sin x
+    tensor([1.5155, 0.2391])
+    """
+
+    def __init__(
+        self, fn: Callable[..., Any], num_diff: int, owner: str, random: object | None
+    ) -> None:
+        """``fn``: the entry's flat function ``(diff_leaves, other_leaves) -> result``;
+        ``random``: a random op its graph draws with (None: none)."""
+        self._fn, self._num_diff, self._owner, self._random = fn, num_diff, owner, random
+
+    def grads(
+        self, inputs: Sequence[torch.Tensor], tangents: Sequence[torch.Tensor | None]
+    ) -> list[Any]:
+        """The gradients of the first ``num_diff`` inputs given a tangent per flat output
+        (None: none), differentiable in ``inputs`` and ``tangents``."""
+        if self._random is not None:
+            raise UnsupportedOpError(
+                f"{self._owner}: differentiating the compiled backward again "
+                "(create_graph=True) runs the step again from its inputs, and it draws "
+                f"random numbers ({self._random}): a second run would draw others. Call this "
+                "function without ft.jit where its gradient is differentiated, or take the "
+                "inner gradient inside the jitted function"
+            )
+        n = self._num_diff
+        with torch.enable_grad():
+            result = self._fn(tuple(inputs[:n]), tuple(inputs[n:]))
+        outs, _ = flatten(result)
+        pairs = [
+            (o, t) for o, t in zip(outs, tangents, strict=True) if t is not None and o.requires_grad
+        ]
+        if not pairs:
+            return [None] * n
+        return list(
+            torch.autograd.grad(
+                [o for o, _ in pairs],
+                list(inputs[:n]),
+                [t for _, t in pairs],
+                create_graph=True,
+                allow_unused=True,
+            )
+        )
+
+
 class Apply(torch.autograd.Function):
     """Runs a compiled forward graph; its backward runs the compiled backward graph."""
 
     @staticmethod
     def forward(ctx: Any, entry: Entry, *tensors: torch.Tensor) -> Any:
         n = len(entry.out_meta)
+        if entry.twice is not None:  # weakly: a create_graph backward recomputes from them
+            ctx.inputs = tuple(map(weakref.ref, tensors))
+        ctx.set_materialize_grads(False)  # which outputs got no gradient: see unreached()
         flat = run_forward(entry, tensors)
         if entry.saved_inputs:
             flat = list(flat)
@@ -205,12 +283,16 @@ class Apply(torch.autograd.Function):
                 for g, m, shape in zip(grads, entry.out_meta, ctx.shapes, strict=True)
                 if m.takes_tangent
             ]
+        none = unreached(entry, grads)
+        if torch.is_grad_enabled() and entry.twice is not None:  # create_graph=True
+            flat_grads = _twice(ctx, entry, grads, none)
+            return (None, *flat_grads, *([None] * (entry.num_inputs - entry.num_diff)))
         args = _consume_saved(ctx, entry)
         args += tangents
         del tangents
         with autocast_off(), torch.no_grad():  # the backward graph holds its own casts
             flat_grads = run_backward(entry, args)  # frees each saved value after its last use
-        flat_grads = _once(_without(flat_grads, entry.absent))
+        flat_grads = _once(_without(flat_grads, none))
         return (None, *flat_grads, *([None] * (entry.num_inputs - entry.num_diff)))
 
 
@@ -224,6 +306,7 @@ class ApplySubclass(torch.autograd.Function):
         ctx.ins = [Wrapper.of(t) for t in tensors]
         flat = run_forward(entry, inner_tensors(tensors))
         ctx.entry = entry
+        ctx.set_materialize_grads(False)
         ctx.save_for_backward(*flat[n:])
         outs = rebuild_leaves(entry.out_flat, flat[:n])
         if entry.frozen:
@@ -240,18 +323,57 @@ class ApplySubclass(torch.autograd.Function):
             for g, w, m in zip(grads, wrappers, entry.out_meta, strict=True)
             if m.takes_tangent
         ]
+        none = unreached(entry, grads)
         args = _consume_saved(ctx, entry)
         args += tangents
         del tangents
         with autocast_off(), torch.no_grad():
             flat_grads = run_backward(entry, args)
-        flat_grads = _once(_without(flat_grads, entry.absent))
+        flat_grads = _once(_without(flat_grads, none))
         ins = ctx.ins[: entry.num_diff]
         wrapped = [
             g if w is None or g is None else w.rebuild(g)
             for g, w in zip(flat_grads, ins, strict=True)
         ]
         return (None, *wrapped, *([None] * (entry.num_inputs - entry.num_diff)))
+
+
+def write_back(entry: Entry, outs: list[Any], inputs: Sequence[torch.Tensor]) -> list[Any]:
+    """Copy the final values of the inputs ``entry`` writes in place (its last outputs) into
+    those inputs, as AOTAutograd does; the other outputs. Under autograd the copy is recorded
+    as eager records the in-place op: a leaf that requires grad refuses it as eager does, a
+    value computed from one gets a history through the compiled function."""
+    k = len(entry.writes)
+    for at, value in zip(entry.writes, outs[-k:], strict=True):
+        inputs[at].copy_(value)
+    return outs[:-k]
+
+
+def unreached(entry: Entry, grads: Sequence[torch.Tensor | None]) -> tuple[int, ...]:
+    """The differentiated inputs whose gradient is None in eager: those no output depends on
+    (:attr:`Entry.absent`), and those whose outputs all got no gradient (None) this time."""
+    if all(g is not None for g in grads) or not entry.grad_outputs:
+        return entry.absent
+    given = {i for i, g in enumerate(grads) if g is not None}
+    return tuple(i for i, outs in enumerate(entry.grad_outputs) if outs.isdisjoint(given))
+
+
+def _twice(
+    ctx: Any, entry: Entry, grads: Sequence[torch.Tensor | None], none: tuple[int, ...]
+) -> list[Any]:
+    """The backward of ``entry`` as a differentiable function of its inputs and ``tangents``
+    (:class:`Twice`)."""
+    assert entry.twice is not None
+    inputs = [r() for r in ctx.inputs]
+    if any(t is None for t in inputs):
+        raise UnsupportedOpError(
+            "functrans.jit: differentiating a compiled backward again (create_graph=True) "
+            "recomputes the step from the inputs of its call, and one of them is gone (a "
+            "temporary freed since the forward). Keep the inputs alive until the backward, or "
+            "call the function without ft.jit there"
+        )
+    ctx.maybe_clear_saved_tensors()  # the compiled backward's values are not used
+    return _without(entry.twice.grads(inputs, grads), none)
 
 
 def _without(grads: Sequence[Any], absent: tuple[int, ...]) -> list[Any]:

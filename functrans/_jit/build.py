@@ -20,7 +20,6 @@ entry instead (see :meth:`~functrans._jit.jitted.Jitted._compile`).
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import time
 from collections.abc import Callable, Sequence
@@ -159,6 +158,14 @@ class Builder:
         self.options, self._times = options, times
         self.disk_misses = 0  # traces the on-disk cache did not have
 
+    def decompositions(self) -> Any:
+        """The decompositions its traces use: the option, or the backend's (``"auto"``)."""
+        decompositions = self.options.decompositions
+        if decompositions == "auto":
+            backend = get_backend(self.options.backend)
+            decompositions = getattr(backend, "decompositions", "core")
+        return decompositions
+
     @property
     def stores(self) -> bool:
         """Whether the next trace the on-disk cache misses is stored (the first few are)."""
@@ -205,9 +212,7 @@ class Builder:
         dims: Dims | None,
     ) -> Built:
         backend = get_backend(self.options.backend)
-        decompositions = self.options.decompositions
-        if decompositions == "auto":
-            decompositions = getattr(backend, "decompositions", "core")
+        decompositions = self.decompositions()
         inputs = inner_tensors([*example[0], *example[1]])
         subclass = not all(map(plain, [*example[0], *example[1]]))
         t0 = time.perf_counter()
@@ -274,16 +279,15 @@ class Builder:
         if stop is not None:
             self._times.trace_s += time.perf_counter() - t0
             return stop
-        if not any(jg.differentiable):  # e.g. a body under torch.no_grad(): nothing to save
-            self._times.trace_s += time.perf_counter() - t0
-            built = self.build(Target(target.fn), example, False, disk, dims)
-            assert not isinstance(built, GradOn | Stopped)  # not watched; the joint was checked
-            entry = built
-            # its inputs require grad: run it as the body did, with autograd off
-            return dataclasses.replace(entry, forward=_without_grad(entry.forward))
         t1 = time.perf_counter()
         if outlines and jg.regions:
             jg = outline(jg, self.options.partition, self.options.partition_options, backend)
+        if not any(jg.differentiable):  # e.g. a body under torch.no_grad(): nothing to save
+            # the joint's forward, which saves nothing (a forward trace of its own would not
+            # have its inputs require grad: a torch.autograd.grad the body takes of them would
+            # fail there), run as the body ran, with autograd off
+            self._times.trace_s += t1 - t0
+            return self._forward_of(jg, inputs, subclass, dims)
         p = partition(jg, self.options.partition, **self.options.partition_options)
         t2 = time.perf_counter()
         fwd = backend.compile(p.forward, inputs)
@@ -313,9 +317,42 @@ class Builder:
             subclass=subclass,
             dims=dims,
             absent=jg.absent_grads(),
+            grad_outputs=_grad_outputs(jg, wants),
             saved_inputs=saved_inputs(p.forward.graph_module, len(outputs), len(example[0])),
         )
         return entry
+
+    def _forward_of(
+        self, jg: JointGraph, inputs: list[torch.Tensor], subclass: bool, dims: Dims | None
+    ) -> Entry:
+        """An inference entry running ``jg``'s forward (a training call whose outputs do not
+        require grad), without autograd."""
+        p = partition(jg, "default")
+        t1 = time.perf_counter()
+        fwd = get_backend(self.options.backend).compile(p.forward, inputs)
+        self._times.compile_s += time.perf_counter() - t1
+        outputs = jg.forward_outputs()
+        n = len(outputs)
+
+        def forward(*tensors: torch.Tensor) -> list[Any]:  # the outputs, not what it saves
+            with torch.no_grad():
+                return list(fwd(*tensors))[:n]
+
+        return _entry(
+            forward=forward,
+            backward=None,
+            out_flat=jg.fn_out,
+            primals=p.forward.placeholders(),
+            outputs=outputs,
+            wants=[False] * len(outputs),
+            differentiable=[False] * len(outputs),
+            num_diff=0,
+            num_inputs=len(inputs),
+            partition=None,
+            subclass=subclass,
+            dims=dims,
+            forward_graph=p.forward.graph_module,
+        )
 
     def _outlines(self, dims: Dims | None, subclass: bool) -> bool:
         """Whether a training step compiles its repeated regions once
@@ -352,6 +389,7 @@ def _entry(
     subclass: bool,
     dims: Dims | None,
     absent: tuple[int, ...] = (),
+    grad_outputs: tuple[frozenset[int], ...] = (),
     saved_inputs: tuple[tuple[int, int], ...] = (),
     forward_graph: torch.fx.GraphModule | None = None,
 ) -> Entry:
@@ -376,6 +414,7 @@ def _entry(
             _saved_tensors(partition) if backward is not None and partition is not None else None
         ),
         absent=absent,
+        grad_outputs=grad_outputs,
         saved_inputs=saved_inputs,
         forward_graph=forward_graph,
     )
@@ -394,14 +433,6 @@ def _saved_tensors(p: Partition) -> tuple[bool, ...] | None:
     return None if all(mask) else mask
 
 
-def _without_grad(forward: Callable[..., list[Any]]) -> Callable[..., list[Any]]:
-    def run(*tensors: torch.Tensor) -> list[Any]:
-        with torch.no_grad():
-            return forward(*tensors)
-
-    return run
-
-
 _COPY_OPS = (torch.ops.aten.clone.default, torch.ops.aten.alias.default)
 
 
@@ -415,6 +446,14 @@ def _copies(inputs: list[Any], outputs: list[Any]) -> dict[int, int]:
         if node in where:
             found[i] = where[node]
     return found
+
+
+def _grad_outputs(jg: JointGraph, wants: Sequence[bool]) -> tuple[frozenset[int], ...]:
+    """Per gradient, the flat outputs it is computed from (:attr:`Entry.grad_outputs`):
+    :meth:`~functrans._core.graph.JointGraph.grad_tangents` with each tangent replaced by the
+    output it is the tangent of."""
+    output_of = [i for i, w in enumerate(wants) if w]
+    return tuple(frozenset(output_of[t] for t in ts) for ts in jg.grad_tangents())
 
 
 def _tangent_mask(jg: Any) -> list[bool]:

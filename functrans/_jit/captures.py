@@ -155,6 +155,23 @@ class Captures:
         self.reader = Reader(self.paths)
         return Lifted(tuple(new))
 
+    def lift_tensors(self, tensors: Sequence[torch.Tensor]) -> Lifted | None:
+        """Lift the captured ``tensors`` (a trace writes to them in place: as inputs, the
+        write is copied back after each call); None where none has a writable path."""
+        found = reach(self._f)
+        lifted = {p.steps for p in self.paths}
+        new = [
+            p
+            for t in tensors
+            for p in found.tensors.get(id(t), [])
+            if p.writable and p.steps not in lifted
+        ]
+        if not new:
+            return None
+        self.paths = (*self.paths, *new)
+        self.reader = Reader(self.paths)
+        return Lifted(tuple(new))
+
     def _baked(self, t: torch.Tensor, paths: list[Path], where: str) -> None:
         if not paths:
             what = f"a captured tensor ({_describe(t)}) that functrans cannot find a path to"

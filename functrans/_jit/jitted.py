@@ -35,9 +35,11 @@ from functrans._core.dtypes import differentiable
 from functrans._core.dynamo_skip import compiling, outside_dynamo
 from functrans._core.errors import TraceError, UnsupportedOpError
 from functrans._core.marks import leave
+from functrans._core.ops import is_random
 from functrans._core.pytree import (
     Flat,
     exact_key,
+    first_of_pair,
     flatten_leaves,
     leaves_of,
     plain,
@@ -59,10 +61,19 @@ from functrans._core.state import (
 from functrans._cut.partition import Partition
 from functrans._trace.capture import Reach, Reader, reach
 from functrans._trace.reads import Recorder, is_atom
-from functrans._trace.trace import ArgPaths, arg_names
+from functrans._trace.trace import ArgPaths, InputMutation, arg_names
 
 from . import plans
-from .apply import Apply, ApplySubclass, Entry, apply_graphs, inner_tensors, run_forward
+from .apply import (
+    Apply,
+    ApplySubclass,
+    Entry,
+    Twice,
+    apply_graphs,
+    inner_tensors,
+    run_forward,
+    write_back,
+)
 from .build import DISK_STORES, Builder, GradOn, Stopped, Target, grad_off, watched
 from .cache import Cache, CacheInfo, Signature, Slot, leaves_order, rank_key
 from .captures import CAPTURED, Captures, Lifted
@@ -127,6 +138,8 @@ class Jitted(Generic[_P, _R]):
         self._walked: Reach | None = None  # that walk, until a first compile prelifts from it
         self._module_names: tuple[str, ...] = ()
         self._given_names = module_names
+        #: the function with the modules a call passes bound (see _with_modules), by modules
+        self._bound: dict[Any, Jitted[..., Any]] = {}
         #: stand-ins for generator arguments, by (place among the call's generators, device)
         self._generators: dict[tuple[int, torch.device], torch.Generator] = {}
         functools.update_wrapper(self, f)
@@ -167,6 +180,8 @@ class Jitted(Generic[_P, _R]):
         if runs_as_written():
             with transform_frame("jit", self._f):
                 return self._f(*args, **kwargs)
+        if _holds_module(args, kwargs):
+            return self._with_modules(args, kwargs)  # type: ignore[no-any-return]  # f's result
         ran = self._run(args, kwargs, None)
         if ran is None:
             with transform_frame("jit", self._f):
@@ -174,6 +189,55 @@ class Jitted(Generic[_P, _R]):
         outs, entry, _ = ran
         result: _R = unflatten(entry.out_flat, outs)  # the same tree f returns
         return result
+
+    def _with_modules(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A call that passes modules as arguments (``step(model, x)``), run as the function
+        with those modules bound, as if it closed over them: their parameters and buffers are
+        read on every call (gradients reach them, buffers it updates are written back), what
+        its trace reads of them is guarded. One jitted function per set of modules."""
+        at = tuple(i for i, a in enumerate(args) if isinstance(a, torch.nn.Module))
+        names = tuple(k for k, v in kwargs.items() if isinstance(v, torch.nn.Module))
+        key = (tuple((i, id(args[i])) for i in at), tuple((k, id(kwargs[k])) for k in names))
+        with self._lock:
+            inner = self._bound.get(key)
+            if inner is None:
+                inner = self._bound[key] = self._bind(args, kwargs, at, names)
+        rest = tuple(a for i, a in enumerate(args) if i not in at)
+        return inner(*rest, **{k: v for k, v in kwargs.items() if k not in names})
+
+    def _bind(
+        self,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        at: tuple[int, ...],
+        names: tuple[str, ...],
+    ) -> Jitted[..., Any]:
+        f = self._f
+        if len(at) + len(names) == 1:  # guards name it model, as jit(model)'s do
+            model = args[at[0]] if at else kwargs[names[0]]
+
+            def bound(*rest: Any, **kw: Any) -> Any:
+                if not at:
+                    return f(*rest, **kw, **{names[0]: model})
+                full = list(rest)
+                full.insert(at[0], model)
+                return f(*full, **kw)
+
+        else:
+            models: dict[int | str, Any] = {i: args[i] for i in at}
+            models.update({k: kwargs[k] for k in names})
+
+            def bound(*rest: Any, **kw: Any) -> Any:
+                full = list(rest)
+                for i in at:
+                    full.insert(i, models[i])
+                return f(*full, **kw, **{k: models[k] for k in names})
+
+        functools.update_wrapper(bound, f)
+        statics = tuple(
+            i - sum(1 for j in at if j < i) for i in self._opts.static_argnums if i not in at
+        )
+        return Jitted(bound, dataclasses.replace(self._opts, static_argnums=statics))
 
     def run_or_none(
         self, args: Any, kwargs: Any, module_flags: ModuleFlags
@@ -225,17 +289,23 @@ class Jitted(Generic[_P, _R]):
             entry = slot.entry
             if entry.enable_grad:  # see _compile: grad mode off outside, on in the body
                 with torch.enable_grad(), no_autocast(state):
-                    return _execute(apply, entry, ordered), entry, ordered
-            if entry.subclass:
+                    outs = _execute(apply, entry, ordered)
+            elif entry.subclass:
                 apply = ApplySubclass.apply
                 if entry.backward is None:
                     ordered = inner_tensors(ordered)
-            if state.autocast_cpu is not None or state.autocast_cuda is not None:  # no_autocast
                 with no_autocast(state):
-                    return _execute(apply, entry, ordered), entry, ordered
-            if entry.backward is None:
-                return run_forward(entry, ordered), entry, ordered
-            return list(apply(entry, *ordered)), entry, ordered
+                    outs = _execute(apply, entry, ordered)
+            elif state.autocast_cpu is not None or state.autocast_cuda is not None:
+                with no_autocast(state):
+                    outs = _execute(apply, entry, ordered)
+            elif entry.backward is None:
+                outs = run_forward(entry, ordered)
+            else:
+                outs = list(apply(entry, *ordered))
+            if entry.writes:  # the inputs it writes in place: written back, as eager leaves them
+                outs = write_back(entry, outs, ordered)
+            return outs, entry, ordered
         raise TraceError(f"{self._owner}: the captured tensors keep changing while compiling")
 
     def _run_drawing(
@@ -291,6 +361,31 @@ class Jitted(Generic[_P, _R]):
             self._forget()
             return self._module_flags()
         return tuple([(m, module_state(m)) for m in modules]) + reads
+
+    def _writing(
+        self,
+        mutation: InputMutation,
+        flat: Flat,
+        tensors: list[torch.Tensor],
+        state: State,
+        key: Any,
+        grad_inside: bool,
+        writes: tuple[int, ...],
+    ) -> Slot[Entry] | Lifted:
+        """The entry of a function that writes in place to its inputs (``x.add_(1)``, a
+        batch norm's running statistics it reaches through ``functional_call``), as
+        AOTAutograd compiles one: traced again with each written input copied first, the
+        copies' final values returned beside its outputs and copied into the inputs after
+        every call (:func:`~functrans._jit.apply.write_back`). A captured tensor it writes is
+        lifted to an input first (the call is keyed again)."""
+        if mutation.captured:
+            lifted = self._captures.lift_tensors(mutation.captured)
+            if lifted is not None:
+                return lifted
+        more = tuple(sorted(set(writes) | set(mutation.inputs)))
+        if more == writes:  # nothing new to copy: the trace's refusal stands
+            raise mutation
+        return self._compile(flat, tensors, state, key, grad_inside, more)
 
     def _forget(self) -> None:
         """A captured tensor or module moved: forget the paths and entries, walk again."""
@@ -386,6 +481,7 @@ class Jitted(Generic[_P, _R]):
         state: State,
         key: Any,
         grad_inside: bool = False,
+        writes: tuple[int, ...] = (),
     ) -> Slot[Entry] | Lifted:
         """The entry for this call, or the captured tensors its trace baked in that are now
         lifted (the call's key changed: the caller keys it again). ``grad_inside``: called
@@ -406,17 +502,27 @@ class Jitted(Generic[_P, _R]):
         if watch:
             call = watched(call)
 
+        n_leaves = len(tensors)  # not the tensors: the entry keeps flat_f (Twice)
+
         def flat_f(
             diff_leaves: tuple[torch.Tensor, ...], other_leaves: tuple[torch.Tensor, ...]
         ) -> Any:
-            leaves: list[Any] = [None] * len(tensors)
+            leaves: list[Any] = [None] * n_leaves
             for i, t in zip(diff, diff_leaves, strict=True):
                 leaves[i] = t
             for i, t in zip(other, other_leaves, strict=True):
                 leaves[i] = t
+            if not writes:
+                a, kw = unflatten(flat, leaves)
+                return call(*a, **kw)
+            copies = [leaves[i].clone() for i in written]  # what the function writes to
+            for i, c in zip(written, copies, strict=True):
+                leaves[i] = c
             a, kw = unflatten(flat, leaves)
-            return call(*a, **kw)
+            return call(*a, **kw), tuple(copies)
 
+        order = diff + other
+        written = [order[p] for p in writes]  # the written inputs, by leaf
         names = self._names(flat)
         paths = [names[i] for i in diff + other]
         leave(flat_f, ArgPaths(tuple(paths)))  # errors name the arguments, not the tuples
@@ -443,19 +549,25 @@ class Jitted(Generic[_P, _R]):
             planned=plan is not None,
             store=self._builder.stores,
         )
-        with Recorder(
-            self._f, also=_static_objects(flat, self._names(flat, every_leaf=True))
-        ) as recorder:
-            built = build_dynamic(
-                self._builder,
-                self._owner,
-                self._warn_once,
-                Target(flat_f, plan, after_trace=self._captures.lift),
-                example,
-                training,
-                disk,
-                dims,
-            )
+        scalars = _scalars(self._f)  # make_fx runs ops on captured one-element tensors
+        try:
+            with Recorder(
+                self._f, also=_static_objects(flat, self._names(flat, every_leaf=True))
+            ) as recorder:
+                built = build_dynamic(
+                    self._builder,
+                    self._owner,
+                    self._warn_once,
+                    Target(flat_f, plan, after_trace=self._captures.lift),
+                    example,
+                    training,
+                    disk,
+                    dims,
+                )
+        except InputMutation as e:  # it writes its inputs in place: see _writing
+            if e.captured:  # the trace ran those writes on the captured scalars themselves
+                _restore(e.captured, scalars)
+            return self._writing(e, flat, tensors, state, key, grad_inside, writes)
         if isinstance(built, GradOn):  # the body turned grad mode on: a training entry
             torch._C._set_grad_enabled(False)  # as the caller had it (watch: grad was off)
             return self._compile(flat, tensors, state, key, True)
@@ -465,12 +577,54 @@ class Jitted(Generic[_P, _R]):
         entry = built
         if grad_inside and entry.backward is not None:
             entry = dataclasses.replace(entry, enable_grad=True)
+        if entry.backward is not None and not entry.subclass:
+            twice = Twice(flat_f, len(diff), self._owner, _random_op(entry))
+            entry = dataclasses.replace(entry, twice=twice)
+        if writes:  # its last outputs are the written inputs' values; the user's, the rest
+            out_flat = first_of_pair(entry.out_flat)
+            entry = dataclasses.replace(entry, out_flat=out_flat, writes=writes)
         modules = self._module_names if self._given_names is None else self._given_names()
         signature = Signature.of(flat, self._names(flat, every_leaf=True), tensors, state, modules)
         reads = ReadGuard(recorder.reads)
         return Slot(
             entry, diff + other, signature, key, shape=entry.shape, rank=rank_key(key), reads=reads
         )
+
+
+def _scalars(f: Any) -> dict[int, torch.Tensor]:
+    """Copies of the one-element tensors ``f`` reaches (a batch norm's step counter): a trace
+    keeps such captured constants real and runs ops on them, so one that writes to them in
+    place changes them (see :func:`_restore`)."""
+    with torch.no_grad():
+        return {
+            tid: t.clone()
+            for tid, paths in reach(f).tensors.items()
+            if (t := paths[0].read(f)).numel() <= 1 and plain(t)
+        }
+
+
+def _restore(written: Sequence[torch.Tensor], scalars: dict[int, torch.Tensor]) -> None:
+    """Put back the values a failed trace wrote to captured one-element tensors."""
+    with torch.no_grad():
+        for t in written:
+            old = scalars.get(id(t))
+            if old is not None:
+                t.copy_(old)
+
+
+def _holds_module(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a call passes a module as an argument (a few type checks a call)."""
+    return any(isinstance(a, torch.nn.Module) for a in args) or any(
+        isinstance(v, torch.nn.Module) for v in kwargs.values()
+    )
+
+
+def _random_op(entry: Entry) -> object | None:
+    """A random op ``entry``'s forward graph draws with, or None."""
+    p = entry.partition
+    if p is None:
+        return None
+    return next((n.target for n in p.forward.graph_module.graph.nodes if is_random(n)), None)
 
 
 def _static_objects(flat: Flat, names: Sequence[str]) -> list[tuple[Any, str]]:

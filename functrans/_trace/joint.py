@@ -38,6 +38,7 @@ from .decomp import Decompositions, decomposition_table
 from .escape import refuse_escapes
 from .passes import InputSpec, canonicalize, no_gc
 from .record import late_inputs, no_stack_traces, untraced
+from .regions import Undifferentiable
 from .regions import session as region_session
 from .trace import (
     arg_names,
@@ -129,8 +130,12 @@ def joint(
         try:
             # under torch.inference_mode() autograd records nothing: the backward would be
             # zeros. The trace runs on fake tensors, so leaving inference mode costs nothing
-            with no_gc(), torch.inference_mode(False), region_session(table):
-                return build(*args, **kwargs)
+            try:
+                with no_gc(), torch.inference_mode(False), region_session(table):
+                    return build(*args, **kwargs)
+            except Undifferentiable:  # a gradient differentiated again: blocks inline
+                with no_gc(), torch.inference_mode(False), region_session(table, on=False):
+                    return build(*args, **kwargs)
         except RuntimeError as e:
             if "in-place operation" in str(e):  # autograd refused to mutate a leaf: name it
                 trace(f, decompositions=decompositions)(*args, **kwargs)

@@ -50,6 +50,7 @@ from functrans._core.errors import InvalidArgumentError
 from functrans._core.graph import lazy_module
 from functrans._core.logs import log
 from functrans._core.marks import leave, marked
+from functrans._core.stack import ControlFlow
 
 from .record import CallRecorder, call_recorder, no_stack_traces
 from .region_graph import (
@@ -84,6 +85,7 @@ __all__ = [
     "BACKWARD_OP",
     "FORWARD_OP",
     "Deferred",
+    "Undifferentiable",
     "deferred",
     "enabled",
     "expand",
@@ -197,9 +199,26 @@ def deferred() -> Iterator[Deferred]:
         _DEFER.reset(token)
 
 
+class Undifferentiable(ControlFlow):
+    """A region's backward ran with grad mode on: the trace differentiates a gradient again
+    (``torch.autograd.grad(..., create_graph=True)`` in the traced function, an ``ft.grad``
+    of an ``ft.grad``), and a region's backward is one opaque op with no derivative. Raised
+    from the region's backward; the joint trace starts again with regions off
+    (:func:`session` ``on=False``), every block inline, so the second derivative holds every
+    term (MAML's second-order one among them)."""
+
+
 @contextlib.contextmanager
-def session(table: Any) -> Iterator[None]:
-    """Regions are traced and reused while this is entered (one joint trace)."""
+def session(table: Any, on: bool = True) -> Iterator[None]:
+    """Regions are traced and reused while this is entered (one joint trace); ``on=False``:
+    every block is traced inline meanwhile, in an enclosing session's trace too."""
+    if not on:
+        token = _SESSION.set(None)
+        try:
+            yield
+        finally:
+            _SESSION.reset(token)
+        return
     if not enabled() or _SESSION.get() is not None:
         yield
         return
@@ -262,6 +281,8 @@ class _Apply(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        if torch.is_grad_enabled():  # its backward is differentiated: see Undifferentiable
+            raise Undifferentiable
         with _no_torch_functions():
             return _Apply._backward(ctx, *grads)
 

@@ -77,6 +77,7 @@ from .rng import seeded_then_drew, tracing_guard
 __all__ = [
     "ArgPaths",
     "Decompositions",
+    "InputMutation",
     "arg_names",
     "check_inputs",
     "flatten_args",
@@ -361,10 +362,29 @@ def run_traced(fn: Callable[..., Any], user_fn: Callable[..., Any]) -> Any:
     return result
 
 
+class InputMutation(TraceError):
+    """A traced function writes in place to its inputs or to tensors it captures: which
+    (``inputs``: positions among the graph's placeholders; ``captured``: the captured tensors
+    themselves). ``jit`` takes such functions anyway: it traces again with the written inputs
+    copied first, returns their final values and writes them back after each call, as
+    AOTAutograd does; ``trace`` and ``joint``, whose graphs are pure functions, refuse them."""
+
+    def __init__(
+        self, message: str, inputs: tuple[int, ...], captured: tuple[torch.Tensor, ...]
+    ) -> None:
+        super().__init__(message)
+        self.inputs, self.captured = inputs, captured
+
+
 def check_no_input_mutation(gm: fx.GraphModule, paths: Sequence[str]) -> None:
-    """Raise TraceError if an op writes to a placeholder or to a view of one."""
+    """Raise :class:`InputMutation` if an op writes to a placeholder or to a view of one, or
+    to a captured tensor (named by the first such op)."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     where = dict(zip(placeholders, paths, strict=False))
+    position = {n: i for i, n in enumerate(placeholders)}
+    written: dict[int, None] = {}
+    captured: dict[int, torch.Tensor] = {}
+    first = ""
     for node in gm.graph.nodes:
         target = node.target
         if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
@@ -374,8 +394,16 @@ def check_no_input_mutation(gm: fx.GraphModule, paths: Sequence[str]) -> None:
                 continue
             value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
             base = view_base(value)
-            captured = isinstance(base, fx.Node) and base.op == "get_attr"
-            if base in where or captured:
+            is_captured = isinstance(base, fx.Node) and base.op == "get_attr"
+            if base not in where and not is_captured:
+                continue
+            if base in where:
+                written[position[base]] = None
+            else:
+                held = getattr(gm, str(base.target), None)
+                if isinstance(held, torch.Tensor):
+                    captured.setdefault(id(held), held)
+            if not first:
                 src = node.meta.get(SOURCE) or _src(node)
                 what = (
                     f"input {where[base]}"
@@ -383,12 +411,16 @@ def check_no_input_mutation(gm: fx.GraphModule, paths: Sequence[str]) -> None:
                     else "a tensor the function captures (a closure, global or module "
                     "attribute, not an argument)"
                 )
-                raise TraceError(
+                first = (
                     f"`{op_name(target)}` mutates {what} in place"
                     f"{f' at {src}' if src else ''}. functrans traces pure functions: use the "
                     "out-of-place op (e.g. `y = x.add(1)` instead of `x.add_(1)`, "
-                    "`torch.where`/`index_put` instead of item assignment) and return the result."
+                    "`torch.where`/`index_put` instead of item assignment) and return the "
+                    "result (ft.jit takes such functions: it writes the inputs back after "
+                    "each call)."
                 )
+    if first:
+        raise InputMutation(first, tuple(written), tuple(captured.values()))
 
 
 def check_static_shapes(gm: fx.GraphModule) -> None:

@@ -8,6 +8,7 @@ to find them and once more with them as inputs), and a replaced or updated buffe
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -85,15 +86,27 @@ def test_a_replaced_buffer_is_read_on_the_next_call(traces: list[int]) -> None:
     assert f.cache_info().misses == 1
 
 
-def test_a_buffer_the_forward_updates_in_place_is_refused() -> None:
+def test_a_buffer_the_forward_updates_in_place_is_written_back() -> None:
     # BatchNorm in training mode updates its running statistics; under functional_call the
-    # buffers are not arguments, so a compiled step could not hand the update back as eager
-    # does: refused (its one-element counter first: those are not lifted before the trace)
+    # buffers are not arguments: refused until issue 49, now lifted to inputs (its one-element
+    # counter too) and written back after each call, as eager updates them
+    torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    twin = copy.deepcopy(model)
     params = {k: v.detach().requires_grad_() for k, v in model.named_parameters()}
+    twin_params = {k: v.detach().requires_grad_() for k, v in twin.named_parameters()}
     f = ft.jit(_loss(model))
-    with pytest.raises(ft.TraceError, match=r"`aten.add_.Tensor` mutates .* in place"):
-        f(params, torch.randn(8, 4))
+    for _ in range(3):
+        x = torch.randn(8, 4)
+        got, want = f(params, x), _loss(twin)(twin_params, x)
+        torch.testing.assert_close(got, want)
+        got.backward()
+        want.backward()
+    for (name, a), b in zip(model.named_buffers(), twin.buffers(), strict=True):
+        torch.testing.assert_close(a, b, msg=name)
+    for k in params:
+        torch.testing.assert_close(params[k].grad, twin_params[k].grad)
+    assert f.cache_info().hits >= 1
 
 
 def test_buffers_passed_as_detached_arguments_alias_the_lifted_originals() -> None:
