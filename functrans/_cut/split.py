@@ -194,6 +194,10 @@ def just_in_time(body: list[fx.Node]) -> list[fx.Node]:
             if expanded:
                 done.add(n)
                 order.append(n)
+                for u in n.users:  # a multi-output op unpacked at once: its tuple dies here
+                    if is_getitem(u) and u in members and u not in done:
+                        done.add(u)
+                        order.append(u)
                 continue
             stack.append((n, True))
             stack.extend((a, False) for a in reversed(n.all_input_nodes) if a in members)

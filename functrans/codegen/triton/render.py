@@ -55,7 +55,10 @@ from .traced import first_output
 
 __all__ = ["Rendered", "render"]
 
-_HEADER = "import triton\nimport triton.language as tl\n\n\n@triton.jit\n"
+_TL = "import triton.language as tl\n"
+#: imported by kernels that call a libdevice function (others keep the plain header)
+_LIBDEVICE = "from triton.language.extra import libdevice\n"
+_HEADER = f"import triton\n{_TL}\n\n@triton.jit\n"
 
 
 @dataclass(frozen=True)
@@ -109,7 +112,8 @@ def render(
     constexprs = {"XBLOCK": geo.xblock} | ({"RBLOCK": geo.rblock} if geo.reduce else {})
     head = ", ".join([*params, *(f"{c}: tl.constexpr" for c in constexprs)])
     body = "\n".join(em.lines)
-    source = f"{_HEADER}def {name}({head}):\n{body}\n"
+    header = _HEADER if "libdevice." not in body else _HEADER.replace(_TL, _TL + _LIBDEVICE)
+    source = f"{header}def {name}({head}):\n{body}\n"
     signature = {em.params[r]: pointer_type(first_output(r).dtype) for r in (*inputs, *outputs)}
     grid = ((geo.xnumel + geo.xblock - 1) // geo.xblock,)
     read = sum(_read_bytes(r, em.reads[r]) for r in inputs)
