@@ -26,6 +26,9 @@ from ._cut.partition import Partition as Partition
 from ._cut.partition import SavedValue as SavedValue
 from ._cut.partition import partition as partition
 from ._cut.split import split as split
+from ._jit.functional import grad as grad
+from ._jit.functional import value_and_grad as value_and_grad
+from ._jit.functional import vjp as vjp
 from ._trace.joint import joint as joint
 from ._trace.trace import trace as trace
 from ._transforms.custom import custom_jvp as custom_jvp
@@ -39,9 +42,6 @@ from ._transforms.func import jvp as jvp
 from ._transforms.func import linearize as linearize
 from ._transforms.func import stop_gradient as stop_gradient
 from ._transforms.func import vmap as vmap
-from ._transforms.grad import grad as grad
-from ._transforms.grad import value_and_grad as value_and_grad
-from ._transforms.grad import vjp as vjp
 
 __version__ = "0.1.0"
 from . import policies as policies

@@ -41,10 +41,13 @@ __all__ = ["TransformError", "describe_stack", "transform_frame"]
 
 @dataclass(frozen=True)
 class Frame:
-    """One running transform: its name (``grad``) and the function it transforms."""
+    """One running transform: its name (``grad``) and the function it transforms; ``shown``:
+    named in messages (a ``jit`` that ``grad`` runs under to reuse its trace is not: it is the
+    user's ``grad`` that runs, though it traces once, as a jit)."""
 
     transform: str
     fn: Callable[..., Any]
+    shown: bool = True
 
 
 _STACK: contextvars.ContextVar[tuple[Frame, ...]] = contextvars.ContextVar(
@@ -81,6 +84,7 @@ def describe_stack(frames: tuple[Frame, ...]) -> str:
     >>> describe_stack((Frame("jit", print), Frame("grad", len)))
     'jit(grad(len))'
     """
+    frames = tuple(f for f in frames if f.shown)
     text = fn_name(frames[-1].fn) if frames else "?"
     for frame in reversed(frames):
         text = f"{frame.transform}({text})"
@@ -97,8 +101,8 @@ class transform_frame:  # used as a function: with transform_frame(...)
     transforms (see the module docstring). A class, not a generator: a ``StopIteration`` raised
     inside passes through as itself."""
 
-    def __init__(self, transform: str, fn: Callable[..., Any]) -> None:
-        self.frames = (*_STACK.get(), Frame(transform, fn))
+    def __init__(self, transform: str, fn: Callable[..., Any], shown: bool = True) -> None:
+        self.frames = (*_STACK.get(), Frame(transform, fn, shown))
 
     def __enter__(self) -> None:
         self.token = _STACK.set(self.frames)
@@ -107,7 +111,7 @@ class transform_frame:  # used as a function: with transform_frame(...)
         _STACK.reset(self.token)
         named = (
             isinstance(e, Exception)
-            and len(self.frames) >= 2
+            and sum(f.shown for f in self.frames) >= 2
             and not marked(e, Named)
             and not isinstance(e, ControlFlow)
             and not isinstance(e, StopIteration | StopAsyncIteration)

@@ -123,11 +123,16 @@ class Jitted(Generic[_P, _R]):
         f: Callable[_P, _R],
         options: Options,
         module_names: Callable[[], Sequence[str]] | None = None,
+        shown: bool = True,
+        owner: str | None = None,
     ) -> None:
         """``module_names``: for a caller that passes the module flags itself (``jit(module)``
-        does), the names of the modules behind them."""
+        does), the names of the modules behind them; ``shown``: named in messages (False for
+        the jit ``grad`` runs through); ``owner``: the name its warnings and errors give it
+        (``jit(f)`` unless given)."""
         self._f, self._opts = f, options
-        self._owner = f"jit({getattr(f, '__qualname__', type(f).__name__)})"
+        self._shown = shown  # named in messages (not where grad reuses its trace through it)
+        self._owner = owner or f"jit({getattr(f, '__qualname__', type(f).__name__)})"
         self._cache: Cache[Entry] = Cache(self._owner, options.cache_size)
         self._lock = threading.RLock()
         self._times = CacheInfo()
@@ -178,13 +183,13 @@ class Jitted(Generic[_P, _R]):
 
     def _call_here(self, *args: _P.args, **kwargs: _P.kwargs) -> _R:
         if runs_as_written():
-            with transform_frame("jit", self._f):
+            with transform_frame("jit", self._f, self._shown):
                 return self._f(*args, **kwargs)
         if _holds_module(args, kwargs):
             return self._with_modules(args, kwargs)  # type: ignore[no-any-return]  # f's result
         ran = self._run(args, kwargs, None)
         if ran is None:
-            with transform_frame("jit", self._f):
+            with transform_frame("jit", self._f, self._shown):
                 return self._f(*args, **kwargs)
         outs, entry, _ = ran
         result: _R = unflatten(entry.out_flat, outs)  # the same tree f returns
@@ -436,7 +441,7 @@ class Jitted(Generic[_P, _R]):
                 if slot is None and walked is not None and self._captures.prelift(walked, tensors):
                     return REKEY  # the module buffers it reads are inputs now: key again
                 if slot is None:
-                    with transform_frame("jit", self._f):
+                    with transform_frame("jit", self._f, self._shown):
                         compiled = self._compile(flat, tensors, state, key)
                     if isinstance(compiled, Lifted):  # the key now covers them: key again
                         self._cache.clear()  # entries compiled before take fewer inputs

@@ -458,7 +458,7 @@ def _message(
     *,
     batched: bool = False,
 ) -> str:
-    frames = current_stack()
+    frames = tuple(fr for fr in current_stack() if fr.shown)
     name = fn_name(f)
     # trace and joint build for the transform that called them (grad, jit): the innermost
     # frame still running once the trace has returned
@@ -531,11 +531,12 @@ def _why(outer: str, name: str, batched: bool) -> str:
             "Outside vmap it has no meaning: torch fails on its first use ('your tensor may "
             "have escaped from inside a function being vmapped')."
         )
-    if outer == "jit":
+    if outer == "jit" or any(fr.transform == "jit" for fr in current_stack()):
         return (
-            f"jit traces {name} on fake tensors once and then runs the compiled graph without "
-            f"its Python code, so what is stored there holds no data (a FakeTensor, left where "
-            f"{name} stored it) and later calls would not store anything."
+            f"{outer} traces {name} on fake tensors once (per input signature) and then runs "
+            "the compiled graph without its Python code, so what is stored there holds no "
+            f"data (a FakeTensor, left where {name} stored it) and later calls would not store "
+            "anything."
         )
     return (
         f"{outer} traces {name} on fake tensors, so what is stored there holds no data (a "
