@@ -35,6 +35,10 @@ Every class and function here documents itself with an example. The other names:
   :class:`InvalidArgumentError` for a name the strategy does not take or a value it refuses,
   so ``jit(f, partition=name, **options)`` raises when it is made, not at a training step
   (:func:`check_strategy_options` runs it);
+- ``local=True`` and ``peak_goal=`` of ``register_strategy``: a strategy declares that its cut
+  of a block depends on that block alone, or what its options ask of the step's peak (a
+  :class:`PeakGoal`, ``PeakGoalOf``); ``jit`` then plans a step of repeated blocks block by
+  block (:func:`registered` reads what a strategy declared);
 - ``STRATEGY_GROUP`` and ``BACKEND_GROUP``: the entry point groups installed strategies and
   backends are discovered in (the registries are the core's; ``functrans.partitioners`` and
   ``functrans.codegen`` fill them and re-export these functions under shorter names).
@@ -94,6 +98,11 @@ False
 Traceback (most recent call last):
 ...
 functrans._core.errors.InvalidArgumentError: keep: unknown option kep=0.5 (did you mean keep?); ...
+>>> from functrans.extend import PeakGoal, PeakGoalOf, registered
+>>> cap: PeakGoalOf = lambda options: PeakGoal(options.get("cap"))  # a peak goal, planned per block
+>>> _ = register_strategy("capped", lambda joint, **o: [], peak_goal=cap, replace=True)
+>>> registered("capped").peak_goal({"cap": 4096}), registered("capped").local
+(PeakGoal(limit=4096), False)
 >>> from functrans.extend import BACKEND_GROUP, STRATEGY_GROUP
 >>> STRATEGY_GROUP, BACKEND_GROUP
 ('functrans.partitioners', 'functrans.backends')
@@ -138,9 +147,12 @@ from ._core.shapes import hint as hint
 from ._core.shapes import sizes_at as sizes_at
 from ._core.strategies import STRATEGY_GROUP as STRATEGY_GROUP
 from ._core.strategies import OptionsCheck as OptionsCheck
+from ._core.strategies import PeakGoal as PeakGoal
+from ._core.strategies import PeakGoalOf as PeakGoalOf
 from ._core.strategies import RegisteredStrategy as RegisteredStrategy
 from ._core.strategies import check_strategy_options as check_strategy_options
 from ._core.strategies import register_strategy as register_strategy
+from ._core.strategies import registered as registered
 from ._core.strategies import registered_strategy as registered_strategy
 from ._core.strategies import strategy_examples as strategy_examples
 from ._core.strategies import strategy_names as strategy_names

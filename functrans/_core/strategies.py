@@ -32,9 +32,12 @@ OptionsCheck = Callable[[Mapping[str, Any]], object]
 __all__ = [
     "STRATEGY_GROUP",
     "OptionsCheck",
+    "PeakGoal",
+    "PeakGoalOf",
     "RegisteredStrategy",
     "check_strategy_options",
     "register_strategy",
+    "registered",
     "registered_strategy",
     "strategy_examples",
     "strategy_names",
@@ -45,10 +48,34 @@ STRATEGY_GROUP = "functrans.partitioners"
 
 
 @dataclass(frozen=True)
+class PeakGoal:
+    """What a strategy asks of a whole training step: a peak of at most ``limit`` bytes (None:
+    the lowest peak found), then the least recompute. A strategy that declares one
+    (``peak_goal=`` of :func:`register_strategy`) lets ``ft.jit`` plan the step as it runs,
+    repeated blocks as regions each cut its own way (:mod:`functrans._jit.step_plan`), rather
+    than only the unrolled step's graph.
+
+    >>> PeakGoal(limit=2**20)
+    PeakGoal(limit=1048576)
+    """
+
+    limit: int | None
+
+
+#: A strategy's declared step goal for a set of options: the :class:`PeakGoal` they state,
+#: or None where they state none (``memory_budget`` with ``budget=`` bounds the saved bytes,
+#: not the peak).
+PeakGoalOf = Callable[[Mapping[str, Any]], PeakGoal | None]
+
+
+@dataclass(frozen=True)
 class RegisteredStrategy:
     """One registered strategy: the callable, the option sets the property suite runs it with
     (read-only; :func:`examples` hands out copies) and the check of its options it declared
     (:data:`OptionsCheck`; None: its signature says which options it takes, no more).
+    ``local``: its cut of a block depends on that block alone (``default``, ``min_cut``,
+    ``full_remat``), so ``ft.jit`` cuts a repeated block once and reuses that cut for every
+    call; ``peak_goal``: what its options ask of the step's peak (:data:`PeakGoalOf`).
 
     >>> r = RegisteredStrategy(lambda joint: [], examples=(MappingProxyType({"budget": 0.5}),))
     >>> r.examples[0]["budget"], r.check_options
@@ -58,6 +85,8 @@ class RegisteredStrategy:
     strategy: Strategy
     examples: tuple[Mapping[str, Any], ...] = (MappingProxyType({}),)
     check_options: OptionsCheck | None = None
+    local: bool = False
+    peak_goal: PeakGoalOf | None = None
 
 
 def _adopt(name: str, obj: object) -> object:
@@ -87,6 +116,8 @@ def register_strategy(
     replace: bool = False,
     examples: Sequence[Mapping[str, Any]] = ({},),
     check_options: OptionsCheck | None = None,
+    local: bool = False,
+    peak_goal: PeakGoalOf | None = None,
 ) -> Strategy:
     """Register ``strategy`` under ``name`` (and ``aliases``); returns it.
 
@@ -95,7 +126,10 @@ def register_strategy(
     how the strategy checks its options (:data:`OptionsCheck`): a strategy that takes
     ``**options`` needs one for a misspelt name or a bad value to raise when ``jit(f,
     partition=name, ...)`` is made rather than at its first training step. Registering the same
-    callable again under its name is allowed; another one needs ``replace=True``.
+    callable again under its name is allowed; another one needs ``replace=True``. ``local``
+    declares that its cut of a block depends on that block alone, ``peak_goal`` what its
+    options ask of the step's peak (see :class:`RegisteredStrategy`): both let ``ft.jit`` plan
+    a step of repeated blocks block by block.
 
     >>> from functrans import partitioners
     >>> def keep_inputs(joint, *, keep=1.0):
@@ -105,7 +139,7 @@ def register_strategy(
     (True, ({'keep': 0.5},))
     """
     frozen = tuple(MappingProxyType(dict(e)) for e in examples)
-    record = RegisteredStrategy(strategy, frozen, check_options)
+    record = RegisteredStrategy(strategy, frozen, check_options, local, peak_goal)
     _STRATEGIES.register(name, record, aliases=aliases, replace=replace)
     return strategy
 
@@ -135,6 +169,16 @@ def check_strategy_options(name: str, options: Mapping[str, Any]) -> None:
     check = _STRATEGIES.get(name).check_options
     if check is not None:
         check(options)
+
+
+def registered(name: str) -> RegisteredStrategy:
+    """The registration of ``name``: the strategy and what it declared.
+
+    >>> from functrans import partitioners
+    >>> registered("min_cut").local, registered("memory_budget").local
+    (True, False)
+    """
+    return _STRATEGIES.get(name)
 
 
 def registered_strategy(name: str) -> Strategy:

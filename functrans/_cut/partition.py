@@ -43,6 +43,7 @@ from .cost import (
 from .memory import MemoryProfile, simulate
 from .offload import Cut, insert_transfers
 from .problem import cut_problem
+from .scratch import inner_recompute
 from .split import resolve_nodes, split
 
 __all__ = [
@@ -151,6 +152,8 @@ class Partition:
     backward: Graph
     saved: tuple[SavedValue, ...]
     recomputed: tuple[fx.Node, ...]
+    #: FLOPs the backward recomputes: its own recomputed ops', and those compiled blocks it
+    #: calls recompute inside them (an outlined region's cut, :mod:`functrans._jit.outline`)
     recompute_flops: int
     #: values the shared save/recompute rules (:meth:`~functrans.extend.CutProblem.legalize`)
     #: added to or removed from the strategy's choice, and values it asked to offload that the
@@ -517,7 +520,7 @@ def apply_cut(joint: JointGraph, cut: Cut, strategy: str = "cut") -> Partition:
         backward=backward,
         saved=saved,
         recomputed=s.recomputed,
-        recompute_flops=sum(flops(n) for n in s.recomputed),
+        recompute_flops=sum(flops(n) for n in s.recomputed) + inner_recompute(backward.fx_graph),
         adjusted=_adjusted(joint, set(picked), set(legal), set(asked), set(host)),
         offloaded=tuple(v for v in saved if v.node in host),
     )

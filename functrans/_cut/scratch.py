@@ -32,7 +32,14 @@ from functrans._core.shapes import hint
 
 from .allocator import cpu_allocations
 
-__all__ = ["CALL_SCRATCH", "SCRATCH_OPS", "CallMemory", "scratch_bytes"]
+__all__ = [
+    "CALL_RECOMPUTE",
+    "CALL_SCRATCH",
+    "SCRATCH_OPS",
+    "CallMemory",
+    "inner_recompute",
+    "scratch_bytes",
+]
 
 aten = torch.ops.aten
 
@@ -60,6 +67,22 @@ class CallMemory(NamedTuple):
 #: storage) pairs, and says which of them die inside it (not one the graph returns, which
 #: lives until the call ends) and the bytes. Filled by the modules that define the ops.
 CALL_SCRATCH: dict[Any, Callable[[fx.Node, tuple[tuple[int, int], ...]], CallMemory]] = {}
+
+#: Ops that run a compiled graph, with the FLOPs a call recomputes inside it (an outlined
+#: region's backward reruns what its own cut chose to recompute): a step's
+#: :attr:`~functrans.Partition.recompute_flops` adds them to what its backward recomputes.
+CALL_RECOMPUTE: dict[Any, Callable[[fx.Node], int]] = {}
+
+
+def inner_recompute(graph: fx.Graph) -> int:
+    """FLOPs the calls of compiled graphs in ``graph`` recompute inside them
+    (:data:`CALL_RECOMPUTE`); 0 for a graph without such calls."""
+    return sum(
+        CALL_RECOMPUTE[n.target](n)
+        for n in graph.nodes
+        if n.op == "call_function" and n.target in CALL_RECOMPUTE
+    )
+
 
 _MEASURED: dict[tuple[Any, ...], int] = {}
 _LOCK = threading.Lock()

@@ -28,14 +28,16 @@ from typing import Any, Literal, TypeVar
 
 import torch
 
-from functrans._core.backends import get_backend
+from functrans._core.backends import Backend, get_backend
 from functrans._core.boxed import boxed
 from functrans._core.dtypes import differentiable
+from functrans._core.errors import InvalidPartitionError
 from functrans._core.graph import JointGraph
 from functrans._core.logs import log
 from functrans._core.pytree import Flat, plain
 from functrans._core.shapes import Dims, ShapeGuard, shape_env_of
 from functrans._core.stack import ControlFlow
+from functrans._core.strategies import PeakGoal, registered
 from functrans._cut.partition import Partition, partition
 from functrans._trace.joint import joint
 from functrans._trace.passes import no_gc
@@ -49,8 +51,9 @@ from .cache import CacheInfo
 from .disk import store as disk_cache
 from .disk.store import DiskKey
 from .options import Options
-from .outline import LOCAL_STRATEGIES, outline
+from .outline import outline, uniform
 from .plans import Plan
+from .step_plan import Outcome, plan_step
 
 __all__ = [
     "DISK_STORES",
@@ -280,16 +283,32 @@ class Builder:
             self._times.trace_s += time.perf_counter() - t0
             return stop
         t1 = time.perf_counter()
+        planned: Partition | None = None
+        unmet: Outcome | None = None
         if outlines and jg.regions:
-            jg = outline(jg, self.options.partition, self.options.partition_options, backend)
+            found = self._outlined(jg, backend)
+            if isinstance(found, JointGraph):
+                jg = found
+            elif found.planned is not None:
+                jg, planned = found.planned.joint, found.planned.partition
+            else:  # a peak goal no block-by-block plan meets: the unrolled step's ILP
+                unmet = found
+                jg = self._traced(disk, "joint", decompositions, traced_joint, dims)
         if not any(jg.differentiable):  # e.g. a body under torch.no_grad(): nothing to save
             # the joint's forward, which saves nothing (a forward trace of its own would not
             # have its inputs require grad: a torch.autograd.grad the body takes of them would
             # fail there), run as the body ran, with autograd off
             self._times.trace_s += t1 - t0
             return self._forward_of(jg, inputs, subclass, dims)
-        p = partition(jg, self.options.partition, **self.options.partition_options)
+        try:
+            p = planned or partition(jg, self.options.partition, **self.options.partition_options)
+        except InvalidPartitionError as e:
+            if unmet is None:
+                raise
+            raise InvalidPartitionError(f"{e}. {unmet.why()}") from e
         t2 = time.perf_counter()
+        for o in jg.outlined:  # the region cuts the step calls (a plan's others never are)
+            o.compile()
         fwd = backend.compile(p.forward, inputs)
         bwd = boxed(backend.compile(p.backward, []))
         log(
@@ -356,15 +375,33 @@ class Builder:
 
     def _outlines(self, dims: Dims | None, subclass: bool) -> bool:
         """Whether a training step compiles its repeated regions once
-        (the default, :mod:`functrans._jit.outline`)."""
+        (the default, :mod:`functrans._jit.outline`): under a strategy that cuts a block by
+        itself, or one whose options state a goal for the step's peak (planned block by
+        block, :mod:`functrans._jit.step_plan`)."""
         strategy = self.options.partition
-        return (
-            region_mode() == "compiled"
-            and dims is None
-            and not subclass
-            and isinstance(strategy, str)
-            and strategy in LOCAL_STRATEGIES
-        )
+        if region_mode() != "compiled" or dims is not None or subclass:
+            return False
+        if not isinstance(strategy, str):
+            return False
+        return registered(strategy).local or self._peak_goal() is not None
+
+    def _peak_goal(self) -> PeakGoal | None:
+        strategy = self.options.partition
+        if not isinstance(strategy, str):
+            return None
+        goal_of = registered(strategy).peak_goal
+        return None if goal_of is None else goal_of(self.options.partition_options)
+
+    def _outlined(self, jg: JointGraph, backend: Backend) -> JointGraph | Outcome:
+        """``jg`` with its block calls outlined (the strategy's cut of each region), or where
+        the options state a peak goal, the block-by-block plan's outcome."""
+        hands_over = bool(getattr(backend, "hands_over", False))
+        strategy, options = self.options.partition, self.options.partition_options
+        goal = self._peak_goal()
+        if goal is None:
+            return outline(jg, uniform(jg, strategy, options, backend), hands_over)
+        assert isinstance(strategy, str)
+        return plan_step(jg, goal, strategy, backend, hands_over)
 
 
 def _after_trace(target: Target, gm: torch.fx.GraphModule) -> Stopped | None:

@@ -7,8 +7,10 @@ into the step's joint graph block by block (``FUNCTRANS_REGIONS=unrolled``, and 
 block. Here the step's joint graph keeps one opaque op per block call instead:
 
 1. each region (one per structural key) becomes a joint graph of its own, cut with the
-   step's strategy, and its forward and backward graphs are compiled once by the step's
-   backend (:func:`_compile_region`);
+   step's strategy (:func:`cut_region`; a step planned for a peak,
+   :mod:`functrans._jit.step_plan`, may cut one region several ways, one per block call), and
+   its forward and backward graphs are compiled once by the step's backend
+   (:meth:`Outlined.compile`);
 2. in the step's joint graph, a block call's ``region_fwd`` becomes ``outlined_fwd(id,
    inputs)``, which returns the block's outputs and the values its backward reads (its
    residuals), and its ``region_bwd`` becomes ``outlined_bwd(id, [*residuals,
@@ -28,7 +30,9 @@ simulation counts a block call's outputs and residuals, and its temporaries (wit
 handed to it) as the op's scratch, read from the region's graphs simulated alone.
 
 Outlining applies to training steps traced with static shapes under strategies that cut a
-block by itself (:data:`LOCAL_STRATEGIES`); anything else is unrolled as before.
+block by itself (registered ``local=True``) or state a goal for the step's peak (registered
+with a ``peak_goal``, planned by :mod:`functrans._jit.step_plan`); anything else is unrolled
+as before.
 
 >>> import torch, functrans as ft
 >>> ops = [torch.ops.functrans.outlined_fwd.default, torch.ops.functrans.outlined_bwd.default]
@@ -38,6 +42,7 @@ block by itself (:data:`LOCAL_STRATEGIES`); anything else is unrolled as before.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import operator
 import weakref
@@ -69,16 +74,12 @@ from functrans._cut.cost import flops, storage_of
 from functrans._cut.memory import call_scratch
 from functrans._cut.offload import Cut
 from functrans._cut.partition import Partition, Strategy, apply_cut, partition
-from functrans._cut.scratch import CALL_SCRATCH, CallMemory
+from functrans._cut.scratch import CALL_RECOMPUTE, CALL_SCRATCH, CallMemory
 from functrans._trace.passes import InputSpec, canonicalize
 from functrans._trace.region_graph import Region, Storages, results_like
 from functrans._trace.regions import BACKWARD_OP, FORWARD_OP
 
-__all__ = ["LOCAL_STRATEGIES", "Outlined", "inner_graph", "outline"]
-
-#: strategies whose cut of a block depends on that block only: a region cut once is the cut
-#: of every call (a memory budget is the whole step's, so ``memory_budget`` is unrolled)
-LOCAL_STRATEGIES = frozenset({"default", "min_cut", "full_remat"})
+__all__ = ["Outlined", "copy_joint", "cut_region", "inner_graph", "outline", "uniform"]
 
 _LIB = torch.library.Library("functrans", "FRAGMENT")  # type: ignore[no-untyped-call]  # torch.library is unannotated
 _LIB.define("outlined_fwd(int id, Tensor[] inputs) -> Tensor[]")  # type: ignore[no-untyped-call]  # torch.library is unannotated
@@ -103,12 +104,13 @@ class Residual(NamedTuple):
 
 @dataclass(frozen=True, eq=False)
 class Outlined:
-    """One region, cut and compiled: what its two ops run."""
+    """One region, cut (and compiled on first use, or by :meth:`compile`): what its two ops
+    run."""
 
     id: int
     partition: Partition
-    forward: Callable[[list[Any]], list[Any]]  # boxed: [*inputs] -> [*outputs, *saved]
-    backward: Callable[[list[Any]], list[Any]]  # boxed: [*saved, *cotangents] -> gradients
+    backend: Backend
+    examples: tuple[Any, ...]  # the region's primals (fake): what its forward is compiled for
     kept: tuple[int, ...]  # positions of the forward's results the op returns
     residuals: tuple[Residual, ...]  # the backward's saved inputs, in its order
     returned: tuple[torch.Tensor, ...]  # fake values of the forward op's results
@@ -123,6 +125,20 @@ class Outlined:
     _memory: dict[tuple[bool, tuple[tuple[int, int], ...]], CallMemory] = field(
         default_factory=dict, repr=False, compare=False
     )
+
+    @functools.cached_property
+    def forward(self) -> Callable[[list[Any]], list[Any]]:
+        """Boxed: ``[*inputs] -> [*outputs, *saved]``."""
+        return boxed(self.backend.compile(self.partition.forward, list(self.examples)))
+
+    @functools.cached_property
+    def backward(self) -> Callable[[list[Any]], list[Any]]:
+        """Boxed: ``[*saved, *cotangents] -> gradients``."""
+        return boxed(self.backend.compile(self.partition.backward, []))
+
+    def compile(self) -> None:
+        """Compile both graphs now (a candidate cut a planner discards is never compiled)."""
+        _ = self.forward, self.backward
 
     def call_memory(self, backward: bool, candidates: tuple[tuple[int, int], ...]) -> CallMemory:
         """What a call of the forward or ``backward`` graph holds beyond its results and the
@@ -215,6 +231,7 @@ for _packet in (_OPS.outlined_fwd, _OPS.outlined_fwd_random):
 for _op in (FORWARD, FORWARD_RANDOM, BACKWARD):
     CALL_SCRATCH[_op] = _scratch
     HANDOVER_OPS[_op] = _handover
+CALL_RECOMPUTE[BACKWARD] = lambda node: _OUTLINED[cast(int, node.args[0])].partition.recompute_flops
 
 
 def _region_joint(r: Region) -> JointGraph:
@@ -243,9 +260,10 @@ def _region_joint(r: Region) -> JointGraph:
     )
 
 
-def _compile_region(
+def cut_region(
     r: Region, strategy: str | Strategy, options: dict[str, Any], backend: Backend
 ) -> Outlined:
+    """Region ``r`` cut with ``strategy`` (compiled by ``backend`` when first run)."""
     jg = _region_joint(r)
     p = _bases_not_views(partition(jg, strategy, **options))
     primals, outputs = jg.primals(), jg.forward_outputs()
@@ -260,12 +278,11 @@ def _compile_region(
             residuals.append(Residual(False, len(kept)))
             kept.append(n_out + i)
     results = [n.meta["val"] for n in p.forward.output_nodes()]
-    examples = [n.meta["val"] for n in primals]
     o = Outlined(
         id=next(_IDS),
         partition=p,
-        forward=boxed(backend.compile(p.forward, examples)),
-        backward=boxed(backend.compile(p.backward, [])),
+        backend=backend,
+        examples=tuple(n.meta["val"] for n in primals),
         kept=tuple(kept),
         residuals=tuple(residuals),
         made_by=tuple(_made_by(p.forward.output_nodes()[i]) for i in kept),
@@ -305,34 +322,56 @@ def _base(node: fx.Node) -> fx.Node:
     return next((u for u in root.users if is_getitem(u) and u.args[1] == index), node)
 
 
-def outline(
-    jg: JointGraph,
-    strategy: str | Strategy,
-    options: dict[str, Any],
-    backend: Backend,
-) -> JointGraph:
-    """``jg`` (traced with its region ops kept, :func:`functrans._trace.regions.deferred`,
-    its regions in ``jg.regions``) with each region call turned into calls of that region's
-    compiled forward and backward (see the module docstring). Rewrites ``jg``'s graph in place
-    and returns ``jg``, which holds the compiled regions (``jg.outlined``) as long as it
-    lives."""
-    compiled: dict[int, Outlined] = {}
-    handed_over = bool(getattr(backend, "hands_over", False))
+#: how a step's block calls are cut: ``(region key, call number) -> the region's cut``
+CutOf = Callable[[int, int], Outlined]
+
+
+def uniform(
+    jg: JointGraph, strategy: str | Strategy, options: dict[str, Any], backend: Backend
+) -> CutOf:
+    """Every call of a region cut one way: ``strategy``'s cut of the region."""
+    cuts: dict[int, Outlined] = {}
+
+    def cut_of(key: int, call: int) -> Outlined:
+        if key not in cuts:
+            region = jg.regions[key]
+            assert region is not None, "a region op without its region"
+            cuts[key] = cut_region(region, strategy, options, backend)
+        return cuts[key]
+
+    return cut_of
+
+
+def region_calls(jg: JointGraph) -> list[tuple[int, int]]:
+    """``(region key, call number)`` of each block call in ``jg``, in forward order."""
+    return [
+        (cast(int, n.args[0]), cast(int, n.args[1]))
+        for n in jg.fx_graph.nodes
+        if n.op == "call_function" and n.target is FORWARD_OP
+    ]
+
+
+def outline(jg: JointGraph, cut_of: CutOf, hands_over: bool) -> JointGraph:
+    """A copy of ``jg`` (traced with its region ops kept,
+    :func:`functrans._trace.regions.deferred`, its regions in ``jg.regions``) with each
+    region call turned into calls of its region's cut forward and backward, ``cut_of(key,
+    call)`` (see the module docstring); ``hands_over``: the backend's executor runs those
+    calls with their inputs handed over. The copy holds the cut regions (``.outlined``) as
+    long as it lives; ``jg`` is left as it is."""
+    jg = copy_joint(jg)
+    used: dict[int, Outlined] = {}
     graph = jg.fx_graph
     forward_of: dict[int, tuple[fx.Node, list[fx.Node], Outlined]] = {}  # by call
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target not in (FORWARD_OP, BACKWARD_OP):
             continue
         key, call, args = cast(tuple[int, int, list[fx.Node]], node.args)
-        if key not in compiled:
-            region = jg.regions[key]
-            assert region is not None, "a region op without its region"
-            compiled[key] = _compile_region(region, strategy, options, backend)
-        o = compiled[key]
         if node.target is FORWARD_OP:
+            o = cut_of(key, call)
+            used[o.id] = o
             op = FORWARD_RANDOM if o.random else FORWARD
             new = _replace(graph, node, op, (o.id, args), list(o.returned))
-            new.meta[HANDED_OVER] = handed_over
+            new.meta[HANDED_OVER] = hands_over
             forward_of[call] = (new, args, o)
             continue
         fwd, inputs, o = forward_of.pop(call)
@@ -341,12 +380,39 @@ def outline(
             for r in o.residuals
         ]
         bwd = _replace(graph, node, BACKWARD, (o.id, [*saved, *args]), list(o.grads))
-        bwd.meta[HANDED_OVER] = handed_over
+        bwd.meta[HANDED_OVER] = hands_over
         _say_made_by(fwd, o)
     graph.lint()
     jg.graph_module.recompile()
-    jg.outlined = tuple(compiled.values())
+    jg.outlined = tuple(used.values())
     return jg
+
+
+def copy_joint(jg: JointGraph) -> JointGraph:
+    """A copy of ``jg`` with a graph of its own: the nodes copied (their meta shallowly, the
+    values shared), the regions and the rest of its record the same."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    out = graph.graph_copy(jg.fx_graph, env, return_output_node=True)
+    assert isinstance(out, tuple)
+    result, old = out
+    graph._codegen = jg.fx_graph._codegen  # how its code takes and returns pytrees
+    new = graph.output(result, type_expr=getattr(old, "type", None))
+    new.meta = dict(old.meta)
+    gm = fx.GraphModule(jg.graph_module, graph)
+    copy = JointGraph(
+        gm,
+        jg.in_flat,
+        jg.out_flat,
+        fn_in=jg.fn_in,
+        fn_out=jg.fn_out,
+        grads_flat=jg.grads_flat,
+        num_outputs=jg.num_outputs,
+        argnums=jg.argnums,
+        differentiable=jg.differentiable,
+    )
+    copy.regions = jg.regions
+    return copy
 
 
 def _replace(

@@ -37,4 +37,4 @@ def _prefers_recompute(value: ForwardValue) -> bool:
     return value.tag is Policy.PREFER_RECOMPUTE
 
 
-register("default", default)
+register("default", default, local=True)

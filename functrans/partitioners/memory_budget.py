@@ -59,6 +59,7 @@ from functrans.extend import (
     InvalidPartitionError,
     JointGraph,
     Offload,
+    PeakGoal,
     activation_bytes,
     check_names,
     check_number,
@@ -404,6 +405,23 @@ def _optimal_options(options: Mapping[str, object]) -> MemoryBudget:
     return parse_options(MemoryBudget, "optimal", {**options, "solver": "ilp"})
 
 
+#: options that change nothing of a peak budget but the unrolled step's ILP
+_TUNING = frozenset({"peak_bytes", "solver", "cost", "time_limit"})
+
+
+def _peak_goal(options: Mapping[str, Any]) -> PeakGoal | None:
+    """A ``peak_bytes`` limit is a goal for the whole step (with ``budget``, ``max_bytes``,
+    ``offload`` or ``at`` too, the unrolled step's ILP plans it: they bound saved bytes).
+
+    >>> _peak_goal({"peak_bytes": 1024}), _peak_goal({"budget": 0.5})
+    (PeakGoal(limit=1024), None)
+    """
+    peak = options.get("peak_bytes")
+    if peak is None or not set(options) <= _TUNING or options.get("cost", "flops") != "flops":
+        return None
+    return PeakGoal(limit=int(peak))
+
+
 register(
     "memory_budget",
     memory_budget,
@@ -416,5 +434,6 @@ register(
         {"budget": 0.5, "offload": Offload(bandwidth=1e9, host_bytes=4096, compute_rate=1e9)},
     ),
     check_options=_memory_budget_options,
+    peak_goal=lambda options: _peak_goal(options),
 )
 register("optimal", optimal, examples=({"budget": 0.3},), check_options=_optimal_options)

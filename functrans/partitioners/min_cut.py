@@ -217,4 +217,4 @@ def _options(options: Mapping[str, object]) -> MinCutOptions:
     return parse_options(MinCutOptions, "min_cut", options)
 
 
-register("min_cut", min_cut, check_options=_options)
+register("min_cut", min_cut, check_options=_options, local=True)

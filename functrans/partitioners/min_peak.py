@@ -14,7 +14,15 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from functrans.extend import Cut, JointGraph, check_number, check_option, cut_problem, parse_options
+from functrans.extend import (
+    Cut,
+    JointGraph,
+    PeakGoal,
+    check_number,
+    check_option,
+    cut_problem,
+    parse_options,
+)
 
 from . import register
 from ._plan_peak import lowest_peak
@@ -67,4 +75,9 @@ def _options(options: Mapping[str, object]) -> MinPeak:
     return parse_options(MinPeak, "min_peak", options)
 
 
-register("min_peak", min_peak, check_options=_options)
+def _peak_goal(options: Mapping[str, object]) -> PeakGoal:
+    """The lowest step peak, whatever the options (they tune the unrolled step's ILP)."""
+    return PeakGoal(limit=None)
+
+
+register("min_peak", min_peak, check_options=_options, peak_goal=_peak_goal)
