@@ -37,12 +37,10 @@ from functrans._core.logs import log
 from functrans._core.pytree import Flat, plain
 from functrans._core.shapes import Dims, ShapeGuard, shape_env_of
 from functrans._core.stack import ControlFlow
-from functrans._core.strategies import PeakGoal, registered
 from functrans._cut.partition import Partition, partition
 from functrans._trace.joint import joint
 from functrans._trace.passes import no_gc
 from functrans._trace.regions import deferred as deferred_regions
-from functrans._trace.regions import mode as region_mode
 from functrans._trace.regions import stats as region_stats
 from functrans._trace.trace import trace
 
@@ -51,9 +49,8 @@ from .cache import CacheInfo
 from .disk import store as disk_cache
 from .disk.store import DiskKey
 from .options import Options
-from .outline import outline, uniform
 from .plans import Plan
-from .step_plan import Outcome, plan_step
+from .step_plan import Outcome, blockwise, outlined
 
 __all__ = [
     "DISK_STORES",
@@ -220,7 +217,7 @@ class Builder:
         subclass = not all(map(plain, [*example[0], *example[1]]))
         t0 = time.perf_counter()
         if not training:
-            stitched = target.plan(decompositions) if target.plan is not None else None
+            stitched = target.plan(decompositions, backend) if target.plan is not None else None
             traced = target.fn if stitched is None else stitched.fn
             try:
                 g = self._traced(
@@ -375,33 +372,12 @@ class Builder:
 
     def _outlines(self, dims: Dims | None, subclass: bool) -> bool:
         """Whether a training step compiles its repeated regions once
-        (the default, :mod:`functrans._jit.outline`): under a strategy that cuts a block by
-        itself, or one whose options state a goal for the step's peak (planned block by
-        block, :mod:`functrans._jit.step_plan`)."""
-        strategy = self.options.partition
-        if region_mode() != "compiled" or dims is not None or subclass:
-            return False
-        if not isinstance(strategy, str):
-            return False
-        return registered(strategy).local or self._peak_goal() is not None
-
-    def _peak_goal(self) -> PeakGoal | None:
-        strategy = self.options.partition
-        if not isinstance(strategy, str):
-            return None
-        goal_of = registered(strategy).peak_goal
-        return None if goal_of is None else goal_of(self.options.partition_options)
+        (the default, :mod:`functrans._jit.outline`)."""
+        opts = self.options
+        return dims is None and not subclass and blockwise(opts.partition, opts.partition_options)
 
     def _outlined(self, jg: JointGraph, backend: Backend) -> JointGraph | Outcome:
-        """``jg`` with its block calls outlined (the strategy's cut of each region), or where
-        the options state a peak goal, the block-by-block plan's outcome."""
-        hands_over = bool(getattr(backend, "hands_over", False))
-        strategy, options = self.options.partition, self.options.partition_options
-        goal = self._peak_goal()
-        if goal is None:
-            return outline(jg, uniform(jg, strategy, options, backend), hands_over)
-        assert isinstance(strategy, str)
-        return plan_step(jg, goal, strategy, backend, hands_over)
+        return outlined(jg, self.options.partition, self.options.partition_options, backend)
 
 
 def _after_trace(target: Target, gm: torch.fx.GraphModule) -> Stopped | None:

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from functrans._core.backends import Backend
+from functrans._core.graph import JointGraph
 from functrans._core.marks import leave
 from functrans._core.pytree import Flat, unflatten
 from functrans._core.shapes import Dims
@@ -29,6 +31,7 @@ from functrans._core.stack import transform_frame
 from functrans._cut.partition import Partition, partition
 from functrans._trace.decomp import Decompositions
 from functrans._trace.joint import joint
+from functrans._trace.regions import deferred as deferred_regions
 from functrans._trace.trace import ArgPaths
 from functrans._transforms.grad import check_differentiable, scalar_output
 from functrans._transforms.plans import (
@@ -41,6 +44,7 @@ from functrans._transforms.plans import (
 )
 
 from .captures import Captures
+from .step_plan import blockwise, outlined
 
 __all__ = ["Plan", "Stitched", "plan"]
 
@@ -54,8 +58,9 @@ class Stitched:
     partition: Partition
 
 
-#: Given the decompositions, the function to trace (None: the plan does not apply).
-Plan = Callable[[Decompositions], Stitched | None]
+#: Given the decompositions and the backend, the function to trace (None: the plan does not
+#: apply).
+Plan = Callable[[Decompositions, Backend], Stitched | None]
 
 
 def plan(
@@ -70,7 +75,7 @@ def plan(
     """The plan for an inference entry of jitted ``f`` (None: ``f`` is traced as it is)."""
     spec, batched = plan_of(f, GradSpec), plan_of(f, VmapOfGrad)
     if spec is not None and _chosen(spec, dims):
-        return _planned_grad(spec, captures, owner, flat, example, paths)
+        return _planned_grad(spec, captures, owner, flat, example, paths, dims)
     if batched is not None and _chosen(batched.spec, dims):
         return _planned_per_example(batched, captures, owner, flat, example, paths)
     return None
@@ -85,24 +90,37 @@ def _chosen(spec: GradSpec, dims: Dims | None) -> bool:
 
 
 def _planned_grad(
-    spec: GradSpec, captures: Captures, owner: str, flat: Flat, example: Any, paths: list[str]
+    spec: GradSpec,
+    captures: Captures,
+    owner: str,
+    flat: Flat,
+    example: Any,
+    paths: list[str],
+    dims: Dims | None,
 ) -> Plan:
     """For ``jit(grad(f, partition=s))``: ``f``'s joint graph cut by ``s``, its forward then
-    its backward."""
+    its backward; repeated blocks kept as regions and cut block by block as a training step's
+    are (:mod:`functrans._jit.step_plan`), so a peak goal is planned as the step runs."""
     leaves = [*example[1]]  # an inference entry: no input is differentiated
     target = captures.swapping(spec.f)
+    options = dict(spec.options)
 
-    def make(decompositions: Decompositions) -> Stitched:
+    def make(decompositions: Decompositions, backend: Backend) -> Stitched:
         a, kw = unflatten(flat, leaves)
-        with transform_frame(grad_name(spec), spec.f):  # errors name jit(grad(f))
-            check_differentiable(spec.f, a, spec.argnums)
-            jg = joint(
-                target,
-                argnums=spec.argnums,
-                has_aux=spec.has_aux,
-                decompositions=decompositions,
-            )(*a, **kw)
-        p = partition(jg, spec.partition, **dict(spec.options))
+
+        def traced() -> JointGraph:
+            with transform_frame(grad_name(spec), spec.f):  # errors name jit(grad(f))
+                check_differentiable(spec.f, a, spec.argnums)
+                return joint(
+                    target,
+                    argnums=spec.argnums,
+                    has_aux=spec.has_aux,
+                    decompositions=decompositions,
+                )(*a, **kw)
+
+        p = _blockwise(traced, spec.partition, options, backend, dims)
+        if p is None:
+            p = partition(traced(), spec.partition, **options)
 
         def stitched(diff: tuple[Any, ...], other: tuple[Any, ...]) -> Any:
             a, kw = unflatten(flat, list(other))
@@ -134,7 +152,7 @@ def _planned_per_example(
     def plan_for(a: tuple[Any, ...]) -> PerExample | None:
         return plan_per_example(spec, target, batched.in_dims, batched.randomness, a)
 
-    def make(decompositions: Decompositions) -> Stitched | None:
+    def make(decompositions: Decompositions, backend: Backend) -> Stitched | None:
         a, kw = unflatten(flat, leaves)
         first = plan_for(a)
         if first is None:
@@ -156,6 +174,36 @@ def _planned_per_example(
         return _stitched(stitched, p, spec, owner, paths)
 
     return make
+
+
+def _blockwise(
+    traced: Callable[[], JointGraph],
+    strategy: Any,
+    options: dict[str, Any],
+    backend: Backend,
+    dims: Dims | None,
+) -> Partition | None:
+    """The joint graph ``traced()`` gives, its repeated blocks kept as regions and cut block
+    by block, partitioned; None where that does not apply (no regions, symbolic sizes, a
+    strategy that is neither local nor a peak goal, or a goal no block-by-block plan meets:
+    the unrolled graph's strategy decides, and names the floor)."""
+    if dims is not None or not blockwise(strategy, options):
+        return None
+    with deferred_regions() as held:
+        jg = traced()
+    jg.regions = tuple(held.regions)
+    if not jg.regions:
+        return partition(jg, strategy, **options)
+    found = outlined(jg, strategy, options, backend)
+    if isinstance(found, JointGraph):
+        p = partition(found, strategy, **options)
+    elif found.planned is None:
+        return None
+    else:
+        p = found.planned.partition
+    for o in p.joint.outlined:
+        o.compile()
+    return p
 
 
 def _stitched(

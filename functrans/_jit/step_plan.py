@@ -51,12 +51,13 @@ from typing import Any, NamedTuple
 from functrans._core.backends import Backend
 from functrans._core.graph import JointGraph
 from functrans._core.logs import log
-from functrans._core.strategies import PeakGoal
-from functrans._cut.partition import Partition, partition
+from functrans._core.strategies import PeakGoal, registered
+from functrans._cut.partition import Partition, Strategy, partition
+from functrans._trace.regions import mode as region_mode
 
-from .outline import CutOf, Outlined, cut_region, outline, region_calls
+from .outline import CutOf, Outlined, cut_region, outline, region_calls, uniform
 
-__all__ = ["CHOICES", "Choice", "Outcome", "Planned", "plan_step"]
+__all__ = ["CHOICES", "Choice", "Outcome", "Planned", "blockwise", "outlined", "plan_step"]
 
 
 @dataclass(frozen=True)
@@ -155,6 +156,38 @@ class _Planner:
             p = partition(outlined, a.step)
             self.seen[a] = Planned(a, outlined, p, p.peak_bytes, p.recompute_flops)
         return self.seen[a]
+
+
+def goal_of(strategy: str | Strategy, options: dict[str, Any]) -> PeakGoal | None:
+    """What ``strategy`` with ``options`` asks of the step's peak (None: no goal; a strategy
+    object, not a registered name, declares none)."""
+    if not isinstance(strategy, str):
+        return None
+    goal = registered(strategy).peak_goal
+    return None if goal is None else goal(options)
+
+
+def blockwise(strategy: str | Strategy, options: dict[str, Any]) -> bool:
+    """Whether a training step cut with ``strategy`` keeps its repeated blocks as regions
+    (:mod:`functrans._jit.outline`): regions compiled (the default) and a strategy that cuts
+    a block by itself (registered ``local``) or states a peak goal, planned here."""
+    if region_mode() != "compiled" or not isinstance(strategy, str):
+        return False
+    return registered(strategy).local or goal_of(strategy, options) is not None
+
+
+def outlined(
+    jg: JointGraph, strategy: str | Strategy, options: dict[str, Any], backend: Backend
+) -> JointGraph | Outcome:
+    """``jg`` (traced with its regions kept) with its block calls outlined, each region cut
+    by ``strategy``; or, where the options state a peak goal, the block-by-block plan's
+    outcome (:func:`plan_step`)."""
+    hands_over = bool(getattr(backend, "hands_over", False))
+    goal = goal_of(strategy, options)
+    if goal is None:
+        return outline(jg, uniform(jg, strategy, options, backend), hands_over)
+    assert isinstance(strategy, str)
+    return plan_step(jg, goal, strategy, backend, hands_over)
 
 
 def plan_step(
