@@ -76,8 +76,10 @@ def _hf_model(
     name: str,
     build: Callable[[Any], torch.nn.Module],
     batch: Callable[[torch.Generator, int, int], Any] = _causal_batch,
+    sizes: tuple[tuple[int, int], tuple[int, int]] = ((1, 8), (2, 32)),
 ) -> Model:
-    """Wrap a randomly initialized transformers model with a loss as ``fn(params, x) -> loss``."""
+    """Wrap a randomly initialized transformers model with a loss as ``fn(params, x) -> loss``;
+    ``sizes`` holds ``batch``'s (batch, seq) at "small" and at "bench"."""
     transformers = importlib.import_module("transformers")
     transformers.logging.set_verbosity_error()  # config notes about unused defaults
     module = build(transformers).eval()
@@ -89,7 +91,7 @@ def _hf_model(
     def make(
         size: str = "small", dtype: torch.dtype = torch.float32, seed: int = 0
     ) -> tuple[Params, Any]:
-        b, t = pick(size, (1, 8), (2, 32))
+        b, t = pick(size, *sizes)
         with torch.random.fork_rng():  # the model's own initialization, seeded
             torch.manual_seed(seed)
             fresh = build(transformers)
