@@ -36,6 +36,7 @@ __all__ = [
     "autocast_off",
     "capture",
     "describe",
+    "eager_fast_path",
     "global_hooks",
     "hooked",
     "hooks_of",
@@ -130,6 +131,35 @@ def hooked(flags: ModuleFlags) -> str | None:
             return f"torch.nn has global module {' and '.join(kinds)}"
         if kinds:
             return f"a {type(m).__name__} has {' and '.join(kinds)}"
+    return None
+
+
+def eager_fast_path(flags: ModuleFlags) -> str | None:
+    """The first module of ``flags`` whose eager forward may take a fast path whose results
+    differ from the path a trace follows, described, or None. ``nn.TransformerEncoder`` in
+    eval mode with ``enable_nested_tensor=True``, with autograd off, runs on nested tensors
+    when given a ``src_key_padding_mask``: its padded positions come back as zeros, which the
+    traced (padded) path does not give.
+
+    >>> enc = torch.nn.TransformerEncoder(
+    ...     torch.nn.TransformerEncoderLayer(8, 2, batch_first=True), 1, enable_nested_tensor=True
+    ... ).eval()
+    >>> with torch.no_grad():
+    ...     print(eager_fast_path(((enc, (False, (), ())),)))
+    an nn.TransformerEncoder in eval mode with enable_nested_tensor=True, under no_grad
+    """
+    if torch.is_grad_enabled():
+        return None
+    for m, _ in flags:
+        if (
+            isinstance(m, torch.nn.TransformerEncoder)
+            and not m.training
+            and getattr(m, "use_nested_tensor", False)
+        ):
+            return (
+                "an nn.TransformerEncoder in eval mode with enable_nested_tensor=True, under "
+                "no_grad"
+            )
     return None
 
 

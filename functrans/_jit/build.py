@@ -287,7 +287,13 @@ class Builder:
             if isinstance(found, JointGraph):
                 jg = found
             elif found.planned is not None:
-                jg, planned = found.planned.joint, found.planned.partition
+
+                def unrolled() -> JointGraph:
+                    return self._traced(disk, "joint", decompositions, traced_joint, dims)
+
+                opts = self.options
+                planned = found.best(unrolled, str(opts.partition), opts.partition_options)
+                jg = planned.joint
             else:  # a peak goal no block-by-block plan meets: the unrolled step's ILP
                 unmet = found
                 jg = self._traced(disk, "joint", decompositions, traced_joint, dims)

@@ -53,6 +53,7 @@ from functrans._core.state import (
     ModuleFlags,
     State,
     capture,
+    eager_fast_path,
     grad_enabled,
     hooked,
     module_state,
@@ -411,6 +412,16 @@ class Jitted(Generic[_P, _R]):
                 "cache, a patch) and a compiled graph would have run it once, while tracing; "
                 "calls run as written (eagerly) while hooks are registered, and compile "
                 "again once they are removed",
+            )
+            return AS_WRITTEN
+        fast = eager_fast_path(state.modules)
+        if fast is not None:  # eager's results there differ from the traced path's
+            self._warn_once(
+                "fast path",
+                f"{self._owner}: {fast}: eager runs it on nested tensors when given a padding "
+                "mask (padded positions come back as zeros), a path a trace cannot follow; "
+                "calls run as written (eagerly) meanwhile. Build it with "
+                "enable_nested_tensor=False to compile it (its results are the padded path's)",
             )
             return AS_WRITTEN
         leaves, spec = leaves_of(tree)

@@ -200,7 +200,7 @@ def _blockwise(
     elif found.planned is None:
         return None
     else:
-        p = found.planned.partition
+        p = found.best(traced, strategy, options)
     for o in p.joint.outlined:
         o.compile()
     return p

@@ -337,3 +337,29 @@ def test_property_random_programs_writing_their_inputs_equal_eager(prog, op, whi
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, equal_nan=True)
         for a, b in zip(ins, twins, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, equal_nan=True)
+
+
+@pytest.mark.parametrize("nested", [True, False])
+def test_transformer_encoder_fast_path_is_matched(nested: bool) -> None:
+    """Eval-mode ``nn.TransformerEncoder`` under no_grad with a padding mask: eager runs it on
+    nested tensors (zeros at padded positions); jit runs such calls as written, saying so, and
+    compiles an encoder built with ``enable_nested_tensor=False`` (eager's padded path)."""
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(16, 2, batch_first=True)
+    enc = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=nested).eval()
+    x = torch.randn(2, 5, 16)
+    mask = torch.tensor([[False] * 5, [False] * 3 + [True] * 2])
+
+    def f(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        return enc(x, src_key_padding_mask=m)  # type: ignore[no-any-return]
+
+    jitted = ft.jit(f)
+    with torch.no_grad():
+        want = f(x, mask)
+        if nested:
+            with pytest.warns(UserWarning, match="enable_nested_tensor=False"):
+                got = jitted(x, mask)
+        else:
+            got = jitted(x, mask)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert (jitted.cache_info().misses == 0) is nested
