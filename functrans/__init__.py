@@ -50,7 +50,7 @@ from ._cut.residuals import print_saved_residuals as print_saved_residuals
 from ._cut.residuals import saved_residuals as saved_residuals
 from ._jit.api import jit as jit
 from ._jit.dynamo import dynamo_backend as dynamo_backend
+from ._jit.eager_budget import remat as remat
 from ._trace.names import checkpoint_name as checkpoint_name
 from ._trace.regions import region as region
 from ._transforms.checkpoint import checkpoint as checkpoint
-from ._transforms.remat import remat as remat

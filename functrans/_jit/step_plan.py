@@ -205,16 +205,21 @@ def outlined(
 
 
 def plan_step(
-    jg: JointGraph, goal: PeakGoal, name: str, backend: Backend, hands_over: bool
+    jg: JointGraph,
+    goal: PeakGoal,
+    name: str,
+    backend: Backend,
+    hands_over: bool,
+    levels: Sequence[int] | None = None,
 ) -> Outcome:
     """The assignment of cuts to ``jg``'s block calls that recomputes least within ``goal``
-    (see the module docstring), its partition named ``name``."""
+    (see the module docstring), its partition named ``name``; ``levels``: the cuts of
+    :data:`CHOICES` (their indices) a block may take (all of them unless given)."""
     planner = _Planner(jg, backend, hands_over)
     n = len(planner.calls)
+    offered = tuple(range(len(CHOICES)) if levels is None else sorted(levels))
     uniform = [
-        planner.evaluate(Assignment((level,) * n, step))
-        for step in STEP_CUTS
-        for level in range(len(CHOICES))
+        planner.evaluate(Assignment((level,) * n, step)) for step in STEP_CUTS for level in offered
     ]
     limit = min(u.peak for u in uniform) if goal.limit is None else goal.limit
     within = [u for u in uniform if u.peak <= limit]
@@ -222,7 +227,7 @@ def plan_step(
     if not within:
         return Outcome(None, lowest, goal)
     best = min(within, key=lambda u: (u.recompute, u.peak))
-    best = _staircase(planner, best, limit)
+    best = _staircase(planner, best, limit, offered)
     log(
         "partition",
         f"{name}: planned block by block",
@@ -232,13 +237,13 @@ def plan_step(
     return Outcome(dataclasses.replace(best, partition=p), lowest, goal)
 
 
-def _staircase(planner: _Planner, start: Planned, limit: int) -> Planned:
+def _staircase(planner: _Planner, start: Planned, limit: int, offered: Sequence[int]) -> Planned:
     """``start`` with its last calls moved to cuts that save more, as many as stay within
     ``limit``: for each cut from the one that saves most, a bisection on how many of the last
     calls still below it take it."""
     best = start
     levels = list(start.assignment.levels)
-    for level in range(len(CHOICES) - 1, -1, -1):
+    for level in reversed(offered):
         below = [i for i, lv in enumerate(levels) if lv < level]  # calls that may move up
         if not below:
             continue

@@ -177,9 +177,11 @@ def enabled() -> bool:
 
 @dataclass
 class Deferred:
-    """The regions of a trace whose region ops :func:`expand` left in place."""
+    """The regions of a trace whose region ops :func:`expand` left in place, and the module
+    each block call ran (by call number: what an eager plan checkpoints)."""
 
     regions: list[Region | None] = field(default_factory=list)
+    blocks: dict[int, torch.nn.Module] = field(default_factory=dict)
 
 
 _DEFER: contextvars.ContextVar[Deferred | None] = contextvars.ContextVar(
@@ -384,6 +386,9 @@ def _call_region(
     if region is None:
         return eager()
     s.calls += 1
+    held = _DEFER.get()
+    if held is not None and block is not None:
+        held.blocks[s.calls] = block[0]
     recorder = call_recorder(tensors)
     # recorded (not dispatched): the call runs with the trace's dispatch modes off, which
     # would otherwise see each of the two dozen device queries autograd makes of its inputs

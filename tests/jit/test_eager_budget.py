@@ -1,0 +1,188 @@
+"""``ft.remat(model, peak_bytes=N)``: a peak budget for a model that runs eagerly.
+
+The rules: a training step's measured peak is at most ``N`` wherever a plan is given; the
+gradients (and buffers) are eager's, dropout included; a larger ``N`` checkpoints no more
+blocks; a limit below every plan is refused by name at the first training call; eval and
+no_grad calls run as written.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import functrans as ft
+from functrans.testing import measure_peak
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, p: float) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.o = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(self.ln1(x)).chunk(3, -1)
+        a = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).softmax(-1)
+        x = x + self.drop(self.o(a @ v))
+        return x + self.drop(self.down(F.gelu(self.up(self.ln2(x)))))
+
+
+class Stack(nn.Module):
+    def __init__(self, n: int = 6, d: int = 32, p: float = 0.0) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(d, p) for _ in range(n))
+        self.head = nn.Linear(d, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x).square().mean()
+
+
+def _step(model: nn.Module, params: list[nn.Parameter], x: torch.Tensor) -> list[torch.Tensor]:
+    for p in params:
+        p.grad = None
+    torch.manual_seed(7)
+    model(x).backward()
+    return [p.grad.clone() for p in params if p.grad is not None]
+
+
+def _peak(model: nn.Module, params: list[nn.Parameter], x: torch.Tensor) -> int:
+    for p in params:
+        p.grad = None
+    torch.manual_seed(7)
+    return measure_peak(lambda: model(x).backward()).peak_bytes
+
+
+@pytest.fixture(scope="module")
+def stack() -> tuple[Stack, torch.Tensor, int]:
+    torch.manual_seed(0)
+    m = Stack()
+    x = torch.randn(4, 32, 32)
+    return m, x, _peak(m, list(m.parameters()), x)
+
+
+@pytest.mark.parametrize("frac", [0.9, 0.6, 0.45])
+def test_the_measured_peak_is_within_the_limit(
+    stack: tuple[Stack, torch.Tensor, int], frac: float
+) -> None:
+    m, x, eager = stack
+    params = list(m.parameters())
+    limit = int(frac * eager)
+    budgeted = ft.remat(m, peak_bytes=limit)
+    for a, b in zip(_step(budgeted, params, x), _step(m, params, x), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert _peak(budgeted, params, x) <= limit
+    (plan,) = budgeted.plans()
+    assert plan.calls == 6 and 0 < plan.checkpointed <= 6
+
+
+def test_a_larger_budget_checkpoints_no_more_blocks(stack: tuple[Stack, torch.Tensor, int]) -> None:
+    m, x, eager = stack
+    counts = []
+    for frac in (0.45, 0.6, 0.9, 2.0):
+        budgeted = ft.remat(m, peak_bytes=int(frac * eager))
+        _step(budgeted, list(m.parameters()), x)
+        counts.append(budgeted.plans()[0].checkpointed)
+    assert counts == sorted(counts, reverse=True)
+    assert counts[-1] == 0  # twice eager's peak: nothing to checkpoint
+
+
+def test_dropout_blocks_train_as_eager() -> None:
+    torch.manual_seed(1)
+    m = Stack(n=4, p=0.2)
+    x = torch.randn(4, 16, 32)
+    params = list(m.parameters())
+    budgeted = ft.remat(m, peak_bytes=int(0.8 * _peak(m, params, x)))
+    for a, b in zip(_step(budgeted, params, x), _step(m, params, x), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_a_limit_below_every_plan_is_refused_by_name(
+    stack: tuple[Stack, torch.Tensor, int],
+) -> None:
+    m, x, _ = stack
+    budgeted = ft.remat(m, peak_bytes=1024)
+    with pytest.raises(ft.InvalidPartitionError, match=r"remat\(Stack, peak_bytes=1024\).*6 rep"):
+        budgeted(x)
+
+
+def test_eval_and_no_grad_run_as_written_and_new_shapes_plan_again(
+    stack: tuple[Stack, torch.Tensor, int],
+) -> None:
+    m, x, eager = stack
+    budgeted = ft.remat(m, peak_bytes=int(0.6 * eager))
+    with torch.no_grad():
+        torch.testing.assert_close(budgeted(x), m(x))
+    m.eval()
+    try:
+        torch.testing.assert_close(budgeted(x), m(x))
+    finally:
+        m.train()
+    assert budgeted.plans() == []
+    budgeted(x).backward()
+    budgeted(x[:2]).backward()
+    assert len(budgeted.plans()) == 2
+    assert list(budgeted.state_dict()) == list(m.state_dict())
+
+
+@pytest.mark.parametrize(
+    ("f", "kw", "match"),
+    [
+        (lambda x: x, {}, "takes a module"),
+        (nn.Linear(2, 2), {"policy": "dots_saveable"}, "takes no policy"),
+        (nn.Linear(2, 2), {"peak_bytes_bad": True}, None),
+    ],
+)
+def test_bad_arguments_are_refused_when_made(f: Any, kw: dict[str, Any], match: str | None) -> None:
+    if match is None:
+        with pytest.raises(ft.InvalidArgumentError, match="peak_bytes=-1"):
+            ft.remat(f, peak_bytes=-1)
+        return
+    with pytest.raises(ft.InvalidArgumentError, match=match):
+        ft.remat(f, peak_bytes=1 << 20, **kw)
+
+
+def test_a_hugging_face_model_from_a_config() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attn_implementation="eager",
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).train()
+    ids = torch.randint(0, 64, (4, 48))
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def step(m: nn.Module) -> list[torch.Tensor]:
+        for p in params:
+            p.grad = None
+        m(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        return [p.grad.clone() for p in params if p.grad is not None]
+
+    def peak(m: nn.Module) -> int:
+        for p in params:
+            p.grad = None
+        return measure_peak(
+            lambda: m(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        ).peak_bytes
+
+    limit = int(0.7 * peak(model))
+    budgeted = ft.remat(model, peak_bytes=limit)
+    for a, b in zip(step(budgeted), step(model), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert peak(budgeted) <= limit
+    assert budgeted.plans()[0].calls == 4
