@@ -17,9 +17,12 @@ The planned peak is the traced step's simulation, which measures eager's peak wi
 percent on the families of ``benchmarks.peak_memory --family unseen`` (eager autograd saves
 what ``default`` saves; an eager checkpoint recomputes as a region's ``full_remat`` does). A
 later call with other shapes plans again (one plan per input signature, kept); a call under
-``no_grad`` or in eval mode runs as written. A limit below the lowest plan (every block
-checkpointed) is an :class:`~functrans.InvalidPartitionError` naming that peak, raised at the
-first training call.
+``no_grad`` (or with no parameter that requires grad) runs as written. Eval mode is no
+signal (HF models are built in eval mode and trained so): checkpointing is exact either way.
+A checkpointed block takes its parameters as inputs, so its recomputation runs with the
+tensors its forward ran with (under ``functional_call`` too). A limit below the lowest plan
+(every block checkpointed) is an :class:`~functrans.InvalidPartitionError` naming that
+peak, raised at the first training call.
 
 >>> import torch, functrans as ft
 >>> net = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
@@ -104,7 +107,7 @@ class BudgetedModule(ModuleView):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         module = self._wrapped
         params = {k: p for k, p in module.named_parameters() if p.requires_grad}
-        if not (torch.is_grad_enabled() and module.training and params):
+        if not (torch.is_grad_enabled() and params):
             return module(*args, **kwargs)
         key = _signature((args, kwargs))
         plans: dict[Any, EagerPlan] = self.__dict__["_plans"]
@@ -133,20 +136,28 @@ def _plan(
     """Trace ``module``'s forward and backward with its blocks as regions; the blocks to
     checkpoint so the planned peak fits ``limit``."""
 
-    def step(p: dict[str, torch.Tensor], a: tuple[Any, ...], k: dict[str, Any]) -> Any:
-        return _loss(torch.func.functional_call(module, p, a, k))
+    def step(
+        p: dict[str, torch.Tensor],
+        b: dict[str, torch.Tensor],
+        a: tuple[Any, ...],
+        k: dict[str, Any],
+    ) -> Any:
+        return _loss(torch.func.functional_call(module, {**p, **b}, a, k))
 
     values = {k: p.detach() for k, p in params.items()}
+    # buffers too are the trace's inputs (fake): a block reading one is still a block
+    buffers = dict(module.named_buffers())
     backend = get_backend("aten")  # its decompositions are jit's: the plans' simulation is jit's
     decompositions = getattr(backend, "decompositions", "core")
-    with deferred_regions() as held:
-        jg = joint(step, argnums=0, decompositions=decompositions)(values, args, kwargs)
+    with deferred_regions() as held, _statistics_held(module):
+        jg = joint(step, argnums=0, decompositions=decompositions)(values, buffers, args, kwargs)
     jg.regions = tuple(held.regions)
     calls = region_calls(jg)
     if not calls:  # no repeated blocks: nothing to place checkpoints on
         return EagerPlan((), 0, 0)
+    # eager runs the ops around the blocks as autograd does: what default saves
     outcome = plan_step(
-        jg, PeakGoal(limit), "remat", backend, False, levels=(_FULL_REMAT, _DEFAULT)
+        jg, PeakGoal(limit), "remat", backend, False, (_FULL_REMAT, _DEFAULT), ("default",)
     )
     if outcome.planned is None:
         raise InvalidPartitionError(
@@ -160,6 +171,46 @@ def _plan(
         held.blocks[call] for (_, call), level in zip(calls, levels, strict=True) if level == 0
     )
     return EagerPlan(blocks, outcome.planned.peak, len(calls))
+
+
+class _Call:
+    """One call of a checkpointed block: whether its forward has run (a later run of its
+    body is the recomputation in backward)."""
+
+    ran = False
+
+
+@contextlib.contextmanager
+def _buffers_kept(block: torch.nn.Module) -> Iterator[None]:
+    """``block``'s buffers as they were on entry, once inside is done: a recomputation
+    writes running statistics (BatchNorm's) a second time, and eager's step writes them
+    once."""
+    kept = [(b, b.clone()) for b in block.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, before in kept:
+                b.copy_(before)
+
+
+@contextlib.contextmanager
+def _statistics_held(module: torch.nn.Module) -> Iterator[None]:
+    """Batch norms of ``module`` keep their running statistics while inside (the planning
+    trace is not a step: it must not update them, and a trace refuses buffer writes); what
+    the step holds is the same, batch statistics computed and saved either way."""
+    norms = [
+        m
+        for m in module.modules()
+        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.track_running_stats
+    ]
+    for m in norms:
+        m.track_running_stats = False
+    try:
+        yield
+    finally:
+        for m in norms:
+            m.track_running_stats = True
 
 
 def _loss(out: Any) -> Any:
@@ -180,13 +231,50 @@ def _checkpointing(blocks: Sequence[torch.nn.Module]) -> Iterator[None]:
     replaced = []
     try:
         for block in dict.fromkeys(blocks):  # a module called twice is wrapped once
-            original = block.forward
-            block.forward = _remat.remat(original)
-            replaced.append((block, original))
+            block.forward = _checkpointed(block)
+            replaced.append(block)
         yield
     finally:
-        for block, _ in replaced:
+        for block in replaced:
             block.__dict__.pop("forward", None)
+
+
+def _checkpointed(block: torch.nn.Module) -> Callable[..., Any]:
+    """``block``'s forward under eager remat, its parameters passed in as inputs: the
+    recomputation in backward runs with the tensors the forward ran with (under
+    ``functional_call`` those are the caller's, swapped back out by the time backward
+    runs; rereading ``self.weight`` then would recompute with other weights)."""
+    original = block.forward
+    # the tables the block's parameters live in (one holds a caller's plain tensor while
+    # functional_call runs: typed as Any)
+    slots: list[tuple[dict[str, Any], str]] = [
+        (m._parameters, k)
+        for m in block.modules()
+        for k, p in m._parameters.items()
+        if p is not None
+    ]
+
+    def body(tensors: tuple[torch.Tensor, ...], call: _Call, *args: Any, **kwargs: Any) -> Any:
+        held = [table[name] for table, name in slots]
+        for (table, name), t in zip(slots, tensors, strict=True):
+            table[name] = t
+        try:
+            if not call.ran:  # the forward
+                call.ran = True
+                return original(*args, **kwargs)
+            with _buffers_kept(block):  # the recomputation: eager's step updates them once
+                return original(*args, **kwargs)
+        finally:
+            for (table, name), t in zip(slots, held, strict=True):
+                table[name] = t
+
+    body.__qualname__ = type(block).__name__  # errors name the block
+    run = _remat.remat(body)
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return run(tuple(table[name] for table, name in slots), _Call(), *args, **kwargs)
+
+    return forward
 
 
 @overload

@@ -211,15 +211,17 @@ def plan_step(
     backend: Backend,
     hands_over: bool,
     levels: Sequence[int] | None = None,
+    around: Sequence[str] = STEP_CUTS,
 ) -> Outcome:
     """The assignment of cuts to ``jg``'s block calls that recomputes least within ``goal``
     (see the module docstring), its partition named ``name``; ``levels``: the cuts of
-    :data:`CHOICES` (their indices) a block may take (all of them unless given)."""
+    :data:`CHOICES` (their indices) a block may take (all of them unless given); ``around``:
+    the cuts the step's own ops around the blocks may take."""
     planner = _Planner(jg, backend, hands_over)
     n = len(planner.calls)
     offered = tuple(range(len(CHOICES)) if levels is None else sorted(levels))
     uniform = [
-        planner.evaluate(Assignment((level,) * n, step)) for step in STEP_CUTS for level in offered
+        planner.evaluate(Assignment((level,) * n, step)) for step in around for level in offered
     ]
     limit = min(u.peak for u in uniform) if goal.limit is None else goal.limit
     within = [u for u in uniform if u.peak <= limit]
