@@ -15,6 +15,7 @@ $(STAMP): pyproject.toml
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q "$(TORCH)"
 	$(VPY) -m pip install -q -e ".[test,dev,hf,triton,docs]" "$(TORCH)"
+	$(VPY) -m functrans.codegen._native  # the native executor, built once here, not at a first call
 	touch $(STAMP)
 
 demo: $(STAMP)

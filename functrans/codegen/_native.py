@@ -6,10 +6,15 @@ executor (``csrc/executor.cpp``) turns the graph into a flat list of calls to th
 operator handles ``OpOverload.__call__`` calls, with constant arguments converted once, and
 runs the list from C++. Results are bit for bit the Python executor's.
 
-The extension is compiled on first use with torch's C++ extension tooling (a C++ compiler and
-ninja; about half a minute, once per machine) into ``$FUNCTRANS_CACHE_DIR/native/<hash>``, by
-one process at a time, and checked against its recorded sha256 before every load
-(:mod:`functrans.codegen._native_build`: killed builds and torn files are rebuilt).
+The extension is compiled with torch's C++ extension tooling (a C++ compiler and ninja;
+about half a minute, once per machine) into ``$FUNCTRANS_CACHE_DIR/native/<hash>``, by one
+process at a time, and checked against its recorded sha256 before every load
+(:mod:`functrans.codegen._native_build`: killed builds and torn files are rebuilt). The
+project's set-up builds it (``make`` runs ``python -m functrans.codegen._native``). A first
+use that finds it unbuilt never waits on the compiler: it starts the build in a detached
+background process (which outlives a short script), says so in one line, and graphs
+compiled meanwhile run on the Python executor (bit for bit the same results); graphs
+compiled once the library is published load it and run natively.
 Without a compiler, or with ``FUNCTRANS_NATIVE=0``, :func:`native_function` returns None and
 the backend runs the Python executor.
 
@@ -28,6 +33,7 @@ import importlib.util
 import operator
 import os
 import shutil
+import subprocess
 import sys
 import threading
 import warnings
@@ -41,7 +47,7 @@ import torch.fx as fx
 from functrans.extend import Picked, handover_call
 
 from ._cache import cache_root
-from ._native_build import cached_build
+from ._native_build import cached_build, check
 from ._pycode import FlatFunction, _attr, flat_function
 
 __all__ = ["native_function", "native_module"]
@@ -49,6 +55,7 @@ __all__ = ["native_function", "native_module"]
 _SOURCE = Path(__file__).resolve().parent / "csrc" / "executor.cpp"
 _LOCK = threading.Lock()
 _FAILED = False  # the build failed once in this process
+_BACKGROUND: subprocess.Popen[bytes] | None = None  # the build started in the background
 
 
 class _Unsupported(Exception):
@@ -107,11 +114,16 @@ def _compile(name: str, lib: Path, build_dir: Path) -> Any:
     return module
 
 
-def native_module() -> Any | None:
-    """The compiled extension, built on first use; None when disabled or it cannot be built
-    (which warns once; the build is not retried in this process)."""
+def native_module(wait: bool = False) -> Any | None:
+    """The compiled extension; None when disabled or it cannot be built (which warns once;
+    the build is not retried in this process), or, unless ``wait``, while it is being built:
+    a first use that finds no built library starts the build in the background (see the
+    module docstring)."""
     global _FAILED
     if os.environ.get("FUNCTRANS_NATIVE", "1") == "0" or _FAILED:
+        return None
+    if not wait and _build.cache_info().currsize == 0 and not _ready():
+        _in_background()
         return None
     with _LOCK:
         try:
@@ -126,6 +138,43 @@ def native_module() -> Any | None:
                 stacklevel=2,
             )
             return None
+
+
+def _ready() -> bool:
+    """Whether a checked library waits in the cache (loading it takes no compiler)."""
+    return check(_library()[1]) is None
+
+
+def _in_background() -> None:
+    """Start the build in a detached process, once per process, saying so: it outlives a
+    short script (a thread would die with it), and the next compile after it publishes the
+    library loads it."""
+    global _BACKGROUND
+    with _LOCK:
+        if _BACKGROUND is not None:
+            return
+        log = cache_root() / "native" / "build.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "ab") as out:
+            _BACKGROUND = subprocess.Popen(
+                [sys.executable, "-m", "functrans.codegen._native"],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # not killed with this process
+            )
+        print(
+            "functrans: building the native executor in the background (once per machine, "
+            f"about half a minute; log: {log}); graphs compiled meanwhile run on the Python "
+            "executor",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def wait_for_build() -> Any | None:
+    """The extension, built now if it is not (what the set-up runs)."""
+    return native_module(wait=True)
 
 
 def native_function(gm: fx.GraphModule) -> Callable[..., list[Any]] | None:
@@ -329,3 +378,8 @@ def _registers(spec: tuple[Any, ...]) -> list[int]:
     if spec[0] == "l":
         return [r for s in spec[1] for r in _registers(s)]
     return []
+
+
+if __name__ == "__main__":  # python -m functrans.codegen._native: build it now (the set-up)
+    built = wait_for_build()
+    print(f"functrans: native executor {'ready' if built is not None else 'unavailable'}")

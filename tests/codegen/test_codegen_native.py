@@ -19,7 +19,8 @@ from functrans.codegen.aten import AtenBackend
 from functrans.testing import programs
 
 pytestmark = pytest.mark.skipif(
-    _native.native_module() is None, reason="the native executor could not be built here"
+    _native.native_module(wait=True) is None,
+    reason="the native executor could not be built here",
 )
 FX, NATIVE = AtenBackend(executor="fx"), AtenBackend(executor="native")
 aten, prims = torch.ops.aten, torch.ops.prims
@@ -170,10 +171,10 @@ def test_no_compiler_warns_once_and_runs_python(monkeypatch):
     monkeypatch.setattr(_native, "_build", fail)
     monkeypatch.setattr(_native, "_FAILED", False)
     with pytest.warns(UserWarning, match="native executor could not be built.*no C\\+\\+ compiler"):
-        assert _native.native_module() is None
+        assert _native.native_module(wait=True) is None
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert _native.native_module() is None  # no second build, no second warning
+        assert _native.native_module(wait=True) is None  # no second build, no second warning
     g = ft.trace(lambda x: x.exp())(torch.ones(2))
     assert NATIVE.compile(g, [torch.ones(2)]).source
 
@@ -362,3 +363,33 @@ def test_a_handed_over_call_that_returns_a_non_tensor_is_refused(monkeypatch, ex
         pytest.skip("no native executor here")
     with pytest.raises(RuntimeError, match=f"node {c.name} returned a non-tensor"):
         run(torch.ones(2))
+
+
+def test_a_first_use_never_waits_on_the_compiler(monkeypatch, capsys, tmp_path):
+    """No built library: the first use starts the build in a detached process, says so in
+    one line and returns None at once (the Python executor runs meanwhile), once per
+    process; once the library is published, the extension is returned."""
+    import functools
+    import subprocess
+
+    started = []
+
+    class FakePopen:
+        def __init__(self, args, **kwargs):
+            started.append((args, kwargs))
+
+    ready, sentinel = [False], object()
+    monkeypatch.setattr(subprocess, "Popen", FakePopen)
+    monkeypatch.setattr(_native, "_build", functools.cache(lambda: sentinel))
+    monkeypatch.setattr(_native, "_ready", lambda: ready[0])
+    monkeypatch.setattr(_native, "_BACKGROUND", None)
+    monkeypatch.setattr(_native, "_FAILED", False)
+    monkeypatch.setenv("FUNCTRANS_CACHE_DIR", str(tmp_path))
+    assert _native.native_module() is None
+    assert "building the native executor in the background" in capsys.readouterr().err
+    ((args, kwargs),) = started
+    assert args[1:] == ["-m", "functrans.codegen._native"] and kwargs["start_new_session"]
+    assert _native.native_module() is None  # still building: not started twice
+    assert capsys.readouterr().err == "" and len(started) == 1
+    ready[0] = True  # the build published the library
+    assert _native.native_module() is sentinel

@@ -24,7 +24,8 @@ from functrans.codegen import _native, _native_build
 pytestmark = [
     pytest.mark.skipif(sys.platform == "win32", reason="POSIX process semantics"),
     pytest.mark.skipif(
-        _native.native_module() is None, reason="the native executor could not be built here"
+        _native.native_module(wait=True) is None,
+        reason="the native executor could not be built here",
     ),
 ]
 
@@ -52,7 +53,7 @@ if stub:
         return _native._load(name, build_dir / lib.name)
     _native._compile = _compile
 
-assert _native.native_module() is not None, "the native executor did not load"
+assert _native.native_module(wait=True) is not None, "the native executor did not load"
 g = ft.trace(lambda x: (x * 2).sin())(torch.ones(3))
 x = torch.arange(3.0)
 print("result ok:", torch.equal(_native.native_function(g.graph_module)(x)[0], (x * 2).sin()))
