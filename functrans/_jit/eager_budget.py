@@ -315,11 +315,12 @@ def remat(
 ) -> RematDecorator: ...
 def remat(
     f: Callable[..., Any] | None = None,
-    *,
+    *args: Any,
     policy: PolicyLike = None,
     prevent_cse: bool = True,
     static_argnums: Sequence[int] = (),
     peak_bytes: int | None = None,
+    **torch_options: Any,
 ) -> RematModule | BudgetedModule | Callable[..., Any] | RematDecorator:
     """Rematerialize ``f`` in backward, saving only what ``policy`` says (JAX's
     ``checkpoint``; see :func:`functrans._transforms.remat.remat` for ``policy``,
@@ -332,7 +333,12 @@ def remat(
     >>> f = ft.remat(lambda x: torch.sin(x).sum())
     >>> f(torch.zeros(3, requires_grad=True))
     tensor(0., grad_fn=<...>)
+
+    ``remat(f, *args)`` is ``torch.utils.checkpoint``'s call form (it runs ``f`` now): it
+    raises :class:`~functrans.InvalidArgumentError` naming ``ft.checkpoint``, its drop-in.
     """
+    if args or torch_options:
+        _refuse_call_form(f, args, torch_options)
     if peak_bytes is None:
         if f is None:
             return _remat.remat(
@@ -353,3 +359,18 @@ def remat(
             f"its inputs only); it takes no policy, got policy={policy!r}"
         )
     return BudgetedModule(f, peak_bytes=peak_bytes)
+
+
+def _refuse_call_form(f: Any, args: tuple[Any, ...], options: dict[str, Any]) -> None:
+    """``remat(f, *args, **options)``: torch's checkpoint call form, refused by name (HF's
+    ``gradient_checkpointing_func=ft.remat`` calls it so, with ``use_reentrant=...``)."""
+    from functrans._core.validate import describe
+
+    given = [describe(a) for a in args] + [f"{k}={v!r}" for k, v in options.items()]
+    raise InvalidArgumentError(
+        f"remat({getattr(f, '__qualname__', f)!s}, {', '.join(given)}): remat takes the "
+        "function only and returns it rematerialized (ft.remat(f)(*args)); "
+        "torch.utils.checkpoint's call form, which runs f now and takes use_reentrant= or "
+        "context_fn=, is ft.checkpoint(f, *args, **kwargs) (also what to pass as HF's "
+        "gradient_checkpointing_func)"
+    )

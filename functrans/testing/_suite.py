@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
-from hypothesis import assume, given
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from functrans._core.tags import Policy
@@ -30,6 +30,23 @@ __all__ = [
     "remat_policies",
     "reproduces_eager_rng",
 ]
+
+
+_T = TypeVar("_T", bound=Callable[..., None])
+
+
+def _own_settings(test: _T) -> _T:
+    """The settings every suite test needs in a project with no conftest: no deadline (the
+    first example traces and partitions cold, 0.7 s where later ones take 30 ms, and
+    hypothesis' 200 ms default fails it as flaky) and no too-slow health check; the number
+    of examples and the rest follow the active profile when the test is made."""
+    own = settings(
+        settings.default,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+    )
+    return own(test)
+
 
 #: ``invariant(partition, options)`` raises AssertionError when a strategy breaks its promise
 Invariant = Callable[[Partition, dict[str, Any]], None]
@@ -120,6 +137,7 @@ def register_partitioner_tests(
     name, _ = get_strategy(strategy)
     option_sets = _option_sets(strategy, options)
 
+    @_own_settings
     @given(programs(dtypes=dtypes), remat_policies(), st.sampled_from(option_sets))
     def test(prog: Program, policy: Callable[..., Policy], tagged_opts: dict[str, Any]) -> None:
         args = prog.example_inputs()
@@ -185,6 +203,7 @@ def register_backend_tests(
 
     state: dict[str, bool] = {}
 
+    @_own_settings
     @given(programs(dtypes=dtypes))
     def test(prog: Program) -> None:
         if prog.is_random:  # only where the backend draws the numbers eager autograd draws

@@ -265,3 +265,11 @@ def test_batch_norm_blocks_update_their_statistics_once_as_eager() -> None:
         torch.testing.assert_close(got_state[k], want_state[k], rtol=0, atol=0)
     m.load_state_dict(start)
     assert _peak(budgeted, params, x) <= limit
+
+
+@pytest.mark.parametrize("kw", [{}, {"use_reentrant": False}])
+def test_torchs_call_form_is_refused_naming_checkpoint(kw: dict[str, Any]) -> None:
+    """``ft.remat(fn, x)`` (``torch.utils.checkpoint``'s form; HF calls
+    ``gradient_checkpointing_func`` so) raised a raw TypeError (issue 52)."""
+    with pytest.raises(ft.InvalidArgumentError, match=r"ft\.checkpoint\(f, \*args"):
+        ft.remat(torch.sin, torch.ones(2), **kw)  # type: ignore[call-overload]
