@@ -24,10 +24,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, final, runtime_checkable
+from typing import Any, Protocol, final, runtime_checkable
 
-if TYPE_CHECKING:
-    import torch.fx as fx
+import torch.fx as fx  # at run time too: typing.get_type_hints(handover_call) resolves it
 
 __all__ = [
     "HANDOVER_OPS",

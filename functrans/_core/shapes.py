@@ -77,7 +77,6 @@ Dims: TypeAlias = tuple[Mapping[int, str | None], ...]
 #: What ``dynamic=`` accepts on ``trace`` and ``joint`` (``jit`` also takes ``"auto"``; a
 #: :data:`Dims` is what ``jit`` hands them, already resolved).
 Dynamic: TypeAlias = bool | Mapping[str, Mapping[int, str | None] | Sequence[int]] | Dims | None
-JitDynamic: TypeAlias = bool | Literal["auto"] | Mapping[str, Any] | "EveryInput"
 
 
 @dataclass(frozen=True)
@@ -92,6 +91,11 @@ class EveryInput:
     """
 
     static: tuple[str, ...]
+
+
+#: What ``jit``'s ``dynamic=`` accepts (defined after :class:`EveryInput`, not through a
+#: string: ``typing.get_type_hints`` of ``jit`` resolves it in another module)
+JitDynamic: TypeAlias = bool | Literal["auto"] | Mapping[str, Any] | EveryInput
 
 
 class DynamicSpecError(TraceError):
