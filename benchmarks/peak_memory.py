@@ -19,6 +19,8 @@ variant:
   ``memory_budget(peak_bytes=P)`` at three limits: per-block checkpoint's measured peak, 0.9
   of it, and halfway between it and ``min_cut``'s (a limit below what the planner reaches is
   a row with the error);
+- ``ft.remat(model, peak_bytes=...)`` (module families): the model run eagerly, the blocks a
+  plan for the limit chooses checkpointed, at 1.1 P and halfway between P and eager's peak;
 - ``ft.grad peak_bytes=P``: ``ft.grad(fn, partition="memory_budget", peak_bytes=P)(params, x)``
   at the first limit, its peak measured around that call (gradients returned, not stored in
   ``.grad``), the parameters passed as plain tensors as JAX-style code holds them (parameters
@@ -244,6 +246,16 @@ def run_model(model: zoo.Model, size: str, steps: int, device: torch.device, qui
         grad = ft.grad(model.fn, partition="memory_budget", peak_bytes=int(ckpt))
         add("ft.grad peak_bytes=P", functools.partial(_grad_row, grad, params, x, ref, device))
         rows["ft.grad peak_bytes=P"]["limit_bytes"] = int(ckpt)
+        eager_peak = rows.get("eager", {}).get("peak_bytes")
+        if model.module is not None and eager_peak:
+            for label, limit in {
+                "1.1 P": int(1.1 * ckpt),
+                "(P + eager) / 2": (ckpt + eager_peak) // 2,
+            }.items():
+                name = f"ft.remat(model, peak_bytes={label})"
+                budgeted = _eager_budget(model, limit)
+                add(name, functools.partial(_loss_row, budgeted, params, x, ref, device))
+                rows[name]["limit_bytes"] = limit
     _times(rows, steps, device)
     eager = rows["eager"]
     full = rows.get("ft.jit full_remat", {}).get("recompute_flops")
@@ -271,6 +283,23 @@ def _loss_row(f: Fn, params: Any, x: Any, ref: Grads, device: torch.device) -> d
         row["reported_bytes"] = p.peak_bytes
         row["recompute_flops"] = p.recompute_flops
     return row
+
+
+def _eager_budget(model: zoo.Model, limit: int) -> Fn:
+    """The model's module under ``ft.remat(module, peak_bytes=limit)``, run eagerly with its
+    parameters swapped in as ``model.fn`` does (an HF model's loss from its keyword inputs)."""
+    from torch.func import functional_call
+
+    assert model.module is not None
+    budgeted = ft.remat(model.module, peak_bytes=limit)
+    hf = type(model.module).__module__.startswith("transformers")
+
+    def fn(params: Any, x: Any) -> torch.Tensor:
+        if hf:
+            return functional_call(budgeted, params, (), zoo.hf_kwargs(x)).loss  # type: ignore[no-any-return]  # transformers' outputs are untyped
+        return functional_call(budgeted, params, (x,))  # type: ignore[no-any-return]  # functional_call returns Any
+
+    return fn
 
 
 def _grad_row(

@@ -33,7 +33,7 @@ from functrans._core.boxed import boxed
 from functrans._core.dtypes import differentiable
 from functrans._core.errors import InvalidPartitionError
 from functrans._core.graph import JointGraph
-from functrans._core.logs import log
+from functrans._core.logs import log, slow
 from functrans._core.pytree import Flat, plain
 from functrans._core.shapes import Dims, ShapeGuard, shape_env_of
 from functrans._core.stack import ControlFlow
@@ -200,7 +200,11 @@ class Builder:
         collector waits meanwhile: trace, partition and compile build graphs that stay alive
         until the entry is made, and a collection in between scans them and the whole heap
         (0.17 s once torch is imported) for nothing."""
-        with no_gc():
+        name = getattr(target.fn, "__qualname__", type(target.fn).__name__)
+        step = "training step" if training else "call"
+        strategy = self.options.partition
+        what = f"compiling {name}'s {step} (trace, partition {strategy!r}, codegen)"
+        with no_gc(), slow(lambda: what):
             return self._build(target, example, training, disk, dims)
 
     def _build(

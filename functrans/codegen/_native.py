@@ -47,7 +47,7 @@ import torch.fx as fx
 from functrans.extend import Picked, handover_call
 
 from ._cache import cache_root
-from ._native_build import cached_build, check
+from ._native_build import cached_build, check, prepare
 from ._pycode import FlatFunction, _attr, flat_function
 
 __all__ = ["native_function", "native_module"]
@@ -123,21 +123,32 @@ def native_module(wait: bool = False) -> Any | None:
     if os.environ.get("FUNCTRANS_NATIVE", "1") == "0" or _FAILED:
         return None
     if not wait and _build.cache_info().currsize == 0 and not _ready():
+        try:
+            prepare(_library()[1])  # a cache that is not this user's is refused here, once
+        except Exception as e:
+            _refuse(e)
+            return None
         _in_background()
         return None
     with _LOCK:
         try:
             return _build()
         except Exception as e:  # no compiler, no ninja, ...: run the Python executor
-            _FAILED = True
-            warnings.warn(
-                f"functrans: the native executor could not be built ({type(e).__name__}: "
-                f"{str(e).strip().splitlines()[-1] if str(e).strip() else e}); the 'aten' "
-                "backend runs graphs through its Python executor. Set FUNCTRANS_NATIVE=0 to "
-                "skip the build.",
-                stacklevel=2,
-            )
+            _refuse(e)
             return None
+
+
+def _refuse(e: Exception) -> None:
+    """The build failed or was refused: say why once; the Python executor runs from now on."""
+    global _FAILED
+    _FAILED = True
+    warnings.warn(
+        f"functrans: the native executor could not be built ({type(e).__name__}: "
+        f"{str(e).strip().splitlines()[-1] if str(e).strip() else e}); the 'aten' "
+        "backend runs graphs through its Python executor. Set FUNCTRANS_NATIVE=0 to "
+        "skip the build.",
+        stacklevel=3,
+    )
 
 
 def _ready() -> bool:

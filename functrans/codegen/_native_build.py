@@ -103,8 +103,7 @@ def cached_build(lib: Path, compile: Callable[[Path], T], load: Callable[[Path],
     """``load(lib)`` if ``lib`` passes :func:`check`; otherwise, under the directory's lock,
     ``compile(tmp)`` in a fresh private directory ``tmp`` (which must leave ``tmp / lib.name``
     there), publish that library as ``lib`` and return what ``compile`` returned."""
-    _private_dirs(lib.parent)
-    _refuse_untrusted(lib)
+    prepare(lib)
     if check(lib) is None:
         return load(lib)
     with _lock(lib.parent / "lock"):
@@ -127,6 +126,13 @@ def cached_build(lib: Path, compile: Callable[[Path], T], load: Callable[[Path],
             return result
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def prepare(lib: Path) -> None:
+    """``lib``'s folders made (this user's alone), or an error where the cache is not this
+    user's (:func:`_refuse_untrusted`): what a build, here or in the background, first needs."""
+    _private_dirs(lib.parent)
+    _refuse_untrusted(lib)
 
 
 def _refuse_untrusted(lib: Path) -> None:

@@ -39,13 +39,17 @@ def _own_settings(test: _T) -> _T:
     """The settings every suite test needs in a project with no conftest: no deadline (the
     first example traces and partitions cold, 0.7 s where later ones take 30 ms, and
     hypothesis' 200 ms default fails it as flaky) and no too-slow health check; the number
-    of examples and the rest follow the active profile when the test is made."""
+    of examples and the rest follow the active profile when the test is made. Set as the
+    test's default, not applied as a decorator: wrapping the test in ``settings(...)`` still
+    works and replaces them (hypothesis refuses a second decorator)."""
+    current = getattr(test, "_hypothesis_internal_use_settings", None) or settings.default
     own = settings(
-        settings.default,
+        current,
         deadline=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
     )
-    return own(test)
+    test._hypothesis_internal_use_settings = own  # type: ignore[attr-defined]  # given's default
+    return test
 
 
 #: ``invariant(partition, options)`` raises AssertionError when a strategy breaks its promise
