@@ -30,6 +30,7 @@ import torch
 __all__ = [
     "AUTOCAST_DEVICES",
     "GLOBAL_HOOKS",
+    "EagerOnly",
     "GlobalHooks",
     "ModuleFlags",
     "State",
@@ -134,9 +135,18 @@ def hooked(flags: ModuleFlags) -> str | None:
     return None
 
 
-def eager_fast_path(flags: ModuleFlags) -> str | None:
-    """The first module of ``flags`` whose eager forward may take a fast path whose results
-    differ from the path a trace follows, described, or None. ``nn.TransformerEncoder`` in
+class EagerOnly(NamedTuple):
+    """A module call a trace cannot stand in for: why, and how to make it compilable."""
+
+    why: str
+    fix: str
+
+
+def eager_fast_path(flags: ModuleFlags) -> EagerOnly | None:
+    """The first module of ``flags`` whose eager forward takes a path a trace cannot follow
+    or whose results differ from the traced path's, described, or None. A BatchNorm in
+    training mode with ``momentum=None`` reads its batch counter as a Python number.
+    ``nn.TransformerEncoder`` in
     eval mode with ``enable_nested_tensor=True``, with autograd off, runs on nested tensors
     when given a ``src_key_padding_mask``: its padded positions come back as zeros, which the
     traced (padded) path does not give.
@@ -145,9 +155,23 @@ def eager_fast_path(flags: ModuleFlags) -> str | None:
     ...     torch.nn.TransformerEncoderLayer(8, 2, batch_first=True), 1, enable_nested_tensor=True
     ... ).eval()
     >>> with torch.no_grad():
-    ...     print(eager_fast_path(((enc, (False, (), ())),)))
-    an nn.TransformerEncoder in eval mode with enable_nested_tensor=True, under no_grad
+    ...     print(eager_fast_path(((enc, (False, (), ())),)).fix)
+    Build it with enable_nested_tensor=False to compile it (its results are the padded path's)
     """
+    for m, _ in flags:
+        if (
+            isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+            and m.training
+            and m.track_running_stats
+            and m.momentum is None
+        ):
+            return EagerOnly(
+                f"a {type(m).__name__} in training mode with momentum=None (a cumulative "
+                "average, as torch.optim.swa_utils.update_bn sets it): its update divides by "
+                "its batch counter as a Python number",
+                "Give it a momentum to compile it (update_bn's statistics pass runs eagerly "
+                "either way)",
+            )
     if torch.is_grad_enabled():
         return None
     for m, _ in flags:
@@ -156,9 +180,12 @@ def eager_fast_path(flags: ModuleFlags) -> str | None:
             and not m.training
             and getattr(m, "use_nested_tensor", False)
         ):
-            return (
+            return EagerOnly(
                 "an nn.TransformerEncoder in eval mode with enable_nested_tensor=True, under "
-                "no_grad"
+                "no_grad: eager runs it on nested tensors when given a padding mask (padded "
+                "positions come back as zeros)",
+                "Build it with enable_nested_tensor=False to compile it (its results are the "
+                "padded path's)",
             )
     return None
 

@@ -418,10 +418,8 @@ class Jitted(Generic[_P, _R]):
         if fast is not None:  # eager's results there differ from the traced path's
             self._warn_once(
                 "fast path",
-                f"{self._owner}: {fast}: eager runs it on nested tensors when given a padding "
-                "mask (padded positions come back as zeros), a path a trace cannot follow; "
-                "calls run as written (eagerly) meanwhile. Build it with "
-                "enable_nested_tensor=False to compile it (its results are the padded path's)",
+                f"{self._owner}: {fast.why}, a path a trace cannot follow; calls run as "
+                f"written (eagerly) meanwhile. {fast.fix}",
             )
             return AS_WRITTEN
         leaves, spec = leaves_of(tree)

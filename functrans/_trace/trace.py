@@ -411,7 +411,7 @@ def check_no_input_mutation(gm: fx.GraphModule, paths: Sequence[str]) -> None:
                     else "a tensor the function captures (a closure, global or module "
                     "attribute, not an argument)"
                 )
-                first = (
+                first = _batch_norm_update(node, src) or (
                     f"`{op_name(target)}` mutates {what} in place"
                     f"{f' at {src}' if src else ''}. functrans traces pure functions: use the "
                     "out-of-place op (e.g. `y = x.add(1)` instead of `x.add_(1)`, "
@@ -421,6 +421,23 @@ def check_no_input_mutation(gm: fx.GraphModule, paths: Sequence[str]) -> None:
                 )
     if first:
         raise InputMutation(first, tuple(written), tuple(captured.values()))
+
+
+def _batch_norm_update(node: fx.Node, src: str | None) -> str | None:
+    """Why a write made by a BatchNorm's own running-statistics update (its module code is
+    the innermost frame) is refused, and what to do: not the user's code to rewrite."""
+    frames = str(node.meta.get("stack_trace") or "").strip().splitlines()
+    files = [f for f in frames if f.lstrip().startswith("File ")]
+    if not files or "torch/nn/modules/batchnorm.py" not in files[-1].replace("\\", "/"):
+        return None
+    return (
+        "a BatchNorm in training mode updates its running statistics and batch counter in "
+        f"place{f' (called at {src})' if src else ''}, and a functrans transform is pure: it "
+        "cannot write them. ft.jit writes buffers back after each call (jit the step or the "
+        "model, and take gradients through it); otherwise call the model in eval mode, build "
+        "its norms with track_running_stats=False, or use "
+        "torch.func.replace_all_batch_norm_modules_(model)"
+    )
 
 
 def check_static_shapes(gm: fx.GraphModule) -> None:

@@ -363,3 +363,33 @@ def test_transformer_encoder_fast_path_is_matched(nested: bool) -> None:
             got = jitted(x, mask)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert (jitted.cache_info().misses == 0) is nested
+
+
+def test_update_bn_on_a_jitted_model_runs_as_eager() -> None:
+    """``torch.optim.swa_utils.update_bn`` sets ``momentum=None`` (a cumulative average that
+    divides by the batch counter as a Python number): the jitted model runs those calls as
+    written, naming the cause, and the statistics are eager's (issue 52: it blamed the
+    user's forward)."""
+    torch.manual_seed(0)
+
+    def make() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8))
+
+    loader = [torch.randn(16, 4) for _ in range(3)]
+    want, mine = make(), make()
+    torch.optim.swa_utils.update_bn(loader, want)
+    with pytest.warns(UserWarning, match="momentum=None"):
+        torch.optim.swa_utils.update_bn(loader, ft.jit(mine))
+    torch.testing.assert_close(mine[1].running_mean, want[1].running_mean)
+    torch.testing.assert_close(mine[1].running_var, want[1].running_var)
+
+
+def test_a_pure_transform_over_a_training_batch_norm_names_its_update() -> None:
+    """A loss closing over a train-mode BatchNorm under ``ft.grad``: the refusal names the
+    norm's own running-statistics update and the ways out, not the user's code to rewrite."""
+    m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8)).train()
+    with pytest.raises(
+        ft.FunctransError, match=r"BatchNorm in training mode updates its run.*ft\.jit"
+    ):
+        ft.grad(lambda x: m(x).square().mean())(torch.randn(16, 4))
