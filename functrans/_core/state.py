@@ -190,11 +190,27 @@ def eager_fast_path(flags: ModuleFlags) -> EagerOnly | None:
     return None
 
 
+#: hooks known to compute on tensors only, by the module that defines them and their name:
+#: Hugging Face's ``enable_input_require_grads`` hook (``output.requires_grad_(True)``, which
+#: ``gradient_checkpointing_enable`` registers on the input embeddings)
+_TRACED_HOOKS = (
+    (
+        "transformers.",
+        "PreTrainedModel.enable_input_require_grads.<locals>.make_inputs_require_grads",
+    ),
+)
+
+
 def _traced_hook(fn: Any) -> bool:
-    """A hook from torch.distributed (a parallel layout's input/output redistribution)."""
+    """A hook a trace may run once for every call: torch.distributed's (a parallel layout's
+    input/output redistribution) and those of :data:`_TRACED_HOOKS`."""
     while isinstance(fn, functools.partial):
         fn = fn.func
-    return str(getattr(fn, "__module__", "") or "").startswith("torch.distributed")
+    module = str(getattr(fn, "__module__", "") or "")
+    if module.startswith("torch.distributed"):
+        return True
+    name = str(getattr(fn, "__qualname__", "") or "")
+    return any(module.startswith(m) and name == n for m, n in _TRACED_HOOKS)
 
 
 def _global_tables() -> list[Any]:

@@ -273,3 +273,39 @@ def test_lightning_trainer_with_jit_and_remat_trains_like_eager(wrap: str) -> No
     assert len(losses) == 2
     assert_close(losses, eager_losses)
     assert_close(params, eager_params)
+
+
+# ---------------------------------------------------------------------------------------------
+# HF gradient checkpointing switched on the usual way, then ft.jit
+
+
+@pytest.mark.parametrize("peft_lora", [False, True], ids=["full", "lora"])
+def test_hf_gradient_checkpointing_enable_then_jit_compiles_and_trains_like_eager(
+    peft_lora: bool,
+) -> None:
+    """``model.gradient_checkpointing_enable()`` registers HF's input-require-grads hook on
+    the embeddings (it only marks the output as requiring grad): ft.jit ran every call as
+    written, in silence but for a warning (issue 52). The hook is traced now: the step
+    compiles (a miss, then hits) and trains as eager, HF's checkpointed layers included."""
+
+    def make() -> Any:
+        model = _gpt2()
+        if peft_lora:
+            model = _lora(model)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # names renamed in transformers 5
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
+        return model
+
+    eager = make()
+    want = _Run(eager, _sgd_step(eager, eager))
+    model = make()
+    jitted = ft.jit(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no "runs as written" fallback
+        got = _Run(model, _sgd_step(model, jitted))
+    got.check_equal(want)
+    info = jitted.cache_info()
+    assert info.misses >= 1 and info.hits >= 1
