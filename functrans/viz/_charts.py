@@ -105,6 +105,7 @@ def timeline_svg(items: Sequence[tuple[str, Partition]], w: int = 900, h: int = 
         x, y = pt(0, y_end * frac).split(",")
         body.append(f'<text x="{float(x) - 4}" y="{y}" text-anchor="end">')
         body.append(f"{esc(format_bytes(int(y_end * frac)))}</text>")
+    body.append(_x_ticks(lines[0].boundary - 0.5, x_end, pt, h - pad[3]))
     bx, _ = pt(lines[0].boundary, 0).split(",")
     body.append(
         f'<line class="boundary" x1="{bx}" y1="{pad[1]}" x2="{bx}" y2="{h - pad[3]}" '
@@ -125,6 +126,22 @@ def timeline_svg(items: Sequence[tuple[str, Partition]], w: int = 900, h: int = 
                 f"<title>{esc(s.label)}: peak {esc(format_bytes(s.device[k]))}</title></circle>"
             )
     return _svg("timeline", w, h, "".join(body)) + _key(lines)
+
+
+def _x_ticks(forward: float, end: float, pt: Callable[[float, float], str], base: float) -> str:
+    """Ticks under the x axis counting ops in each pass: 0, half and all of the forward's,
+    then half and all of the backward's (counted from the passes' boundary)."""
+    out = []
+    backward = end - forward
+    for start, n, fracs in ((0.0, forward, (0.0, 0.5, 1.0)), (forward, backward, (0.5, 1.0))):
+        for frac in fracs:
+            x, _ = pt(start + frac * n, 0).split(",")
+            out.append(
+                f'<line class="xtick" x1="{x}" y1="{base}" x2="{x}" y2="{base + 4}" '
+                f'stroke="#333"/><text class="xtick" x="{x}" y="{base + 15}" '
+                f'text-anchor="middle">{round(frac * n)}</text>'
+            )
+    return "".join(out)
 
 
 def _polyline(

@@ -291,3 +291,16 @@ def test_explain_html_writes_the_report(tmp_path, capsys):
 
 
 # --- a real browser -------------------------------------------------------------------------
+
+
+def test_the_timeline_has_ticks_counting_each_passes_ops(parts):
+    """Issue 52: the memory timeline had no x-axis ticks."""
+    import re
+
+    from functrans.viz._charts import timeline_svg
+
+    items = list(parts.items())
+    svg = timeline_svg(items)
+    ticks = [int(t) for t in re.findall(r'<text class="xtick"[^>]*>(\d+)</text>', svg)]
+    forward = int(series(items)[0].boundary - 0.5)
+    assert ticks[:3] == [0, round(forward / 2), forward] and len(ticks) == 5
