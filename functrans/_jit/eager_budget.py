@@ -227,16 +227,22 @@ def _loss(out: Any) -> Any:
 @contextlib.contextmanager
 def _checkpointing(blocks: Sequence[torch.nn.Module]) -> Iterator[None]:
     """``blocks`` checkpointed (eager :func:`functrans.remat`, saving only their inputs)
-    while inside: each one's ``forward`` replaced on the instance, then restored."""
-    replaced = []
+    while inside: each one's ``forward`` replaced on the instance, then restored as it was
+    (a ``forward`` set on the instance before, ``jit_blocks``' or the user's, comes back)."""
+    _missing = object()
+    replaced: list[tuple[torch.nn.Module, object]] = []
     try:
         for block in dict.fromkeys(blocks):  # a module called twice is wrapped once
+            before = block.__dict__.get("forward", _missing)
             block.forward = _checkpointed(block)
-            replaced.append(block)
+            replaced.append((block, before))
         yield
     finally:
-        for block in replaced:
-            block.__dict__.pop("forward", None)
+        for block, before in replaced:
+            if before is _missing:
+                block.__dict__.pop("forward", None)
+            else:
+                block.__dict__["forward"] = before
 
 
 def _checkpointed(block: torch.nn.Module) -> Callable[..., Any]:
