@@ -37,6 +37,7 @@ from functrans._core.stack import transform_frame
 from functrans._core.validate import check_callable, check_cotangents
 from functrans._cut.partition import Strategy, check_partition_options
 from functrans._transforms import grad as _grad
+from functrans._transforms.inline import pull_back
 from functrans._transforms.plans import GradSpec, plan_of
 
 from .jitted import Jitted
@@ -171,19 +172,7 @@ def vjp(
 
     def vjp_fn(cotangents: Any) -> tuple[Any, ...]:
         tangents = check_cotangents("vjp_fn", cotangents, shown)
-        pairs = [(o, t) for o, t in zip(diff_out, tangents, strict=True) if o.requires_grad]
-        found: Sequence[torch.Tensor | None] = [None] * len(wrt)
-        if pairs and wrt:
-            found = torch.autograd.grad(
-                [o for o, _ in pairs],
-                wrt,
-                [t for _, t in pairs],
-                retain_graph=True,
-                allow_unused=True,
-            )
-        grads = iter(
-            torch.zeros_like(w) if g is None else g for g, w in zip(found, wrt, strict=True)
-        )
+        grads = iter(pull_back(diff_out, wrt, tangents, create_graph=False))
         return tuple(
             optree.tree_map(
                 lambda t: next(grads) if isinstance(t, torch.Tensor) and t.requires_grad else None,

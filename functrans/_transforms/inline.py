@@ -25,7 +25,7 @@ from functrans._core.errors import FunctransError
 from functrans._core.pytree import NAMESPACE
 from functrans._trace.joint import normalize_argnums
 
-__all__ = ["inline_value_and_grad", "inline_vjp"]
+__all__ = ["inline_value_and_grad", "inline_vjp", "pull_back"]
 
 
 def _watched(x: Any) -> Any:
@@ -46,7 +46,20 @@ def _detached(tree: Any) -> Any:
     )
 
 
-def _grads(outs: Sequence[torch.Tensor], wrt: list[Any], cots: Sequence[torch.Tensor]) -> list[Any]:
+def pull_back(
+    outs: Sequence[torch.Tensor],
+    wrt: Sequence[Any],
+    cots: Sequence[torch.Tensor],
+    create_graph: bool = True,
+) -> list[Any]:
+    """The gradients of ``outs`` (against ``cots``) in each of ``wrt`` by autograd: zeros for
+    a differentiable one they do not reach, None for the rest; the graph is kept for another
+    pull (and differentiable in turn with ``create_graph``).
+
+    >>> x, n = torch.ones(2, requires_grad=True), torch.arange(2)
+    >>> pull_back([x * 3], [x, n], [torch.ones(2)], create_graph=False)
+    [tensor([3., 3.]), None]
+    """
     pairs = [(o, c) for o, c in zip(outs, cots, strict=True) if o.requires_grad]
     leaves = [t for t in wrt if differentiable(t)]
     found: Sequence[torch.Tensor | None] = [None] * len(leaves)
@@ -55,7 +68,8 @@ def _grads(outs: Sequence[torch.Tensor], wrt: list[Any], cots: Sequence[torch.Te
             [o for o, _ in pairs],
             leaves,
             [c for _, c in pairs],
-            create_graph=True,
+            create_graph=create_graph,
+            retain_graph=True,
             allow_unused=True,
         )
     filled = iter(
@@ -90,7 +104,7 @@ def inline_value_and_grad(
         per_arg = []
         for i in nums:
             leaves, spec = optree.tree_flatten(watched[i], namespace=NAMESPACE, none_is_leaf=True)
-            grads = _grads([out], leaves, [torch.ones_like(out)])
+            grads = pull_back([out], leaves, [torch.ones_like(out)])
             per_arg.append(optree.tree_unflatten(spec, grads))
     grads_out = per_arg[0] if isinstance(argnums, int) else tuple(per_arg)
     if constant:
@@ -134,7 +148,7 @@ def _vjp(
         with torch.enable_grad():
             for w in watched:
                 leaves, wspec = optree.tree_flatten(w, namespace=NAMESPACE, none_is_leaf=True)
-                grads = _grads([o for o, _ in pairs], leaves, [c for _, c in pairs])
+                grads = pull_back([o for o, _ in pairs], leaves, [c for _, c in pairs])
                 result.append(optree.tree_unflatten(wspec, grads))
         return tuple(result)
 
