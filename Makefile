@@ -82,6 +82,7 @@ bench: $(STAMP)
 	$(VPY) -m benchmarks.compose
 	$(VPY) -m benchmarks.distributed
 	$(VPY) -m benchmarks.compile_time
+	$(VPY) -m benchmarks.staged
 	$(VPY) -m benchmarks.regions_step
 
 bench-quick: $(STAMP)

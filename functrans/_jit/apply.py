@@ -21,7 +21,7 @@ import functools
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -41,6 +41,7 @@ __all__ = [
     "ApplySubclass",
     "Entry",
     "OutMeta",
+    "Staged",
     "Twice",
     "apply_graphs",
     "inner_tangent",
@@ -72,6 +73,16 @@ class OutMeta:
         where the output's sizes are symbolic)."""
         size = self.shape if shape is None else shape
         return torch.zeros(size, dtype=self.dtype, device=self.device)
+
+
+class Staged(Protocol):
+    """A step compiled in stages (:class:`functrans._jit.staged.Stages`), as an entry sees it."""
+
+    def run(
+        self, entry: Entry, apply: Callable[..., Any], inputs: Sequence[torch.Tensor]
+    ) -> list[Any]: ...
+
+    def twice(self, make: Callable[[Entry, Any], Twice]) -> Staged: ...
 
 
 @dataclass(frozen=True)
@@ -114,6 +125,18 @@ class Entry:
     #: the inputs the function writes in place (positions among the entry's inputs): its
     #: last flat outputs are their final values, copied into them after each call
     writes: tuple[int, ...] = ()
+    #: a step compiled in stages, where it returns intermediates other outputs are computed
+    #: from (:mod:`functrans._jit.staged`): its calls run those, not ``forward``
+    stages: Staged | None = None
+
+    @functools.cached_property
+    def own_nodes(self) -> tuple[int, ...]:
+        """The outputs that require grad, where there are several: each gets an autograd
+        node of its own (a view) after the compiled one, as eager's have. Siblings on one node,
+        a hook on an output no gradient reaches would be called (with None) whenever the node
+        runs for another; eager never calls it."""
+        at = tuple(i for i, m in enumerate(self.out_meta) if m.differentiable)
+        return at if len(at) > 1 else ()
 
     @functools.cached_property
     def frozen(self) -> tuple[int, ...]:
@@ -222,8 +245,12 @@ class Twice:
                 "inner gradient inside the jitted function"
             )
         n = self._num_diff
+        # each input through a node of its own: the gradient at it counts only the paths from
+        # the outputs that run through it, not those through another input computed from it
+        # (``f(x, 2 * x)``; a later stage's inputs from an earlier one), which autograd adds
+        diff = [t.view_as(t) if t.requires_grad else t for t in inputs[:n]]
         with torch.enable_grad():
-            result = self._fn(tuple(inputs[:n]), tuple(inputs[n:]))
+            result = self._fn(tuple(diff), tuple(inputs[n:]))
         outs, _ = flatten(result)
         pairs = [
             (o, t) for o, t in zip(outs, tangents, strict=True) if t is not None and o.requires_grad
@@ -233,7 +260,7 @@ class Twice:
         return list(
             torch.autograd.grad(
                 [o for o, _ in pairs],
-                list(inputs[:n]),
+                diff,
                 [t for _, t in pairs],
                 create_graph=True,
                 allow_unused=True,

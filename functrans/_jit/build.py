@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import enum
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
@@ -37,6 +38,7 @@ from functrans._core.logs import log, slow
 from functrans._core.pytree import Flat, plain
 from functrans._core.shapes import Dims, ShapeGuard, shape_env_of
 from functrans._core.stack import ControlFlow
+from functrans._core.state import autocast_off
 from functrans._cut.partition import Partition, partition
 from functrans._trace.joint import joint
 from functrans._trace.passes import no_gc
@@ -44,12 +46,14 @@ from functrans._trace.regions import deferred as deferred_regions
 from functrans._trace.regions import stats as region_stats
 from functrans._trace.trace import trace
 
+from . import staged
 from .apply import Entry, OutMeta, inner_tensors, saved_inputs
 from .cache import CacheInfo
 from .disk import store as disk_cache
 from .disk.store import DiskKey
 from .options import Options
 from .plans import Plan
+from .staged_plan import stitched
 from .step_plan import Outcome, blockwise, outlined
 
 __all__ = [
@@ -307,12 +311,40 @@ class Builder:
             # fail there), run as the body ran, with autograd off
             self._times.trace_s += t1 - t0
             return self._forward_of(jg, inputs, subclass, dims)
+        wants = _tangent_mask(jg)
+        at = staged.cuts(jg, [w and d for w, d in zip(wants, jg.differentiable, strict=True)])
+        if at and dims is None and not subclass:  # returned intermediates: see staged
+            self._times.trace_s += t1 - t0
+            done = self._staged(jg, at, len(example[0]), inputs, backend)
+            if done is None and (jg.outlined or jg.regions):  # cut the unrolled forward
+                flat = self._traced(disk, "joint", decompositions, traced_joint, dims)
+                mask = [w and d for w, d in zip(wants, flat.differentiable, strict=True)]
+                at = staged.cuts(flat, mask)
+                done = self._staged(flat, at, len(example[0]), inputs, backend)
+            if done is not None:
+                return done
+            t0 = t1 = time.perf_counter()
         try:
             p = planned or partition(jg, self.options.partition, **self.options.partition_options)
         except InvalidPartitionError as e:
             if unmet is None:
                 raise
             raise InvalidPartitionError(f"{e}. {unmet.why()}") from e
+        self._times.trace_s += t1 - t0
+        self._times.partition_s += time.perf_counter() - t1
+        return self._trained(jg, p, backend, inputs, len(example[0]), subclass, dims)
+
+    def _trained(
+        self,
+        jg: JointGraph,
+        p: Partition,
+        backend: Backend,
+        inputs: list[torch.Tensor],
+        num_diff: int,
+        subclass: bool,
+        dims: Dims | None,
+    ) -> Entry:
+        """The training entry of ``jg`` cut as ``p``: its graphs compiled by ``backend``."""
         t2 = time.perf_counter()
         for o in jg.outlined:  # the region cuts the step calls (a plan's others never are)
             o.compile()
@@ -323,30 +355,69 @@ class Builder:
             f"forward and backward compiled by {self.options.backend!r}",
             lambda: f"{p.forward.graph_module.code}\n{p.backward.graph_module.code}",
         )
-        self._times.trace_s += t1 - t0
-        self._times.partition_s += t2 - t1
         self._times.compile_s += time.perf_counter() - t2
-        wants = _tangent_mask(jg)
-        tangents = set(jg.tangents())
         outputs = jg.forward_outputs()
-        entry = _entry(
-            forward=fwd,
-            backward=bwd,
-            out_flat=jg.fn_out,
-            primals=[n for n in jg.placeholders() if n not in tangents],
-            outputs=outputs,
-            wants=wants,
-            differentiable=[w and d for w, d in zip(wants, jg.differentiable, strict=True)],
-            num_diff=len(example[0]),
-            num_inputs=len(inputs),
-            partition=p,
-            subclass=subclass,
-            dims=dims,
-            absent=jg.absent_grads(),
-            grad_outputs=_grad_outputs(jg, wants),
-            saved_inputs=saved_inputs(p.forward.graph_module, len(outputs), len(example[0])),
-        )
-        return entry
+        saved = saved_inputs(p.forward.graph_module, len(outputs), num_diff)
+        return _joint_entry(jg, fwd, bwd, p, num_diff, len(inputs), subclass, dims, saved=saved)
+
+    def _staged(
+        self,
+        jg: JointGraph,
+        at: list[torch.fx.Node],
+        num_diff: int,
+        inputs: list[torch.Tensor],
+        backend: Backend,
+    ) -> Entry | None:
+        """The entry of a step whose outputs ``at`` other outputs are computed from: its
+        forward cut after each, each stage its own compiled entry (:mod:`.staged`), and their
+        partitions stitched as they run (:mod:`.staged_plan`). None where the forward cannot
+        be cut, or its first stage cannot be cut as the strategy asks."""
+        cut = staged.stage_graphs(jg, at, num_diff) if at else None
+        if cut is None:
+            return None
+        stages = []
+        head = staged.headed(jg, cut)
+        if head is not None:  # the first stage is the step, its regions kept
+            t0 = time.perf_counter()
+            try:
+                hp = partition(head.joint, self.options.partition, **self.options.partition_options)
+            except InvalidPartitionError as e:
+                warnings.warn(
+                    f"functrans.jit: the step returns intermediates that other outputs are "
+                    f"computed from, and its first stage cannot be cut as "
+                    f"{self.options.partition!r} asks ({e}); it runs as one compiled node: "
+                    "retain_grad(), hooks and autograd.grad on those intermediates do not see "
+                    "the gradient from the outputs computed from them",
+                    UserWarning,
+                    stacklevel=2,
+                )
+                return None
+            self._times.partition_s += time.perf_counter() - t0
+            first = self._trained(head.joint, hp, backend, inputs, num_diff, False, None)
+            takes = tuple(staged.Source(-1, i) for i in range(len(inputs)))
+            stages.append(staged.Stage(first, takes))
+            graphs, gives = head.later, head.gives
+        else:
+            if jg.outlined or jg.regions:  # the stages are cut from the unrolled forward
+                return None
+            graphs, gives = tuple(cut.graphs), cut.gives
+        decompositions = self.decompositions()
+        for g in graphs:
+            t0 = time.perf_counter()
+            example = g.examples()
+            with autocast_off():  # the graph holds the step's casts
+                sjg = joint(g, argnums=0, decompositions=decompositions)(*example)
+            t1 = time.perf_counter()
+            sp = partition(sjg, self.options.partition, **self.options.partition_options)
+            self._times.trace_s += t1 - t0
+            self._times.partition_s += time.perf_counter() - t1
+            ins = [*example[0], *example[1]]
+            entry = self._trained(sjg, sp, backend, ins, g.num_diff, False, None)
+            stages.append(staged.Stage(entry, g.takes, g))
+        run = staged.Stages(tuple(stages), gives)
+        p = stitched(jg, run, str(self.options.partition))
+        fwd, bwd = _unstaged, _unstaged_backward
+        return _joint_entry(jg, fwd, bwd, p, num_diff, len(inputs), False, None, stages=run)
 
     def _forward_of(
         self, jg: JointGraph, inputs: list[torch.Tensor], subclass: bool, dims: Dims | None
@@ -415,6 +486,7 @@ def _entry(
     grad_outputs: tuple[frozenset[int], ...] = (),
     saved_inputs: tuple[tuple[int, int], ...] = (),
     forward_graph: torch.fx.GraphModule | None = None,
+    stages: staged.Stages | None = None,
 ) -> Entry:
     """The entry of compiled graphs over the traced ``primals`` with forward ``outputs``
     (``wants``: which take a tangent; ``differentiable``: which require grad); ``backward``
@@ -440,7 +512,52 @@ def _entry(
         grad_outputs=grad_outputs,
         saved_inputs=saved_inputs,
         forward_graph=forward_graph,
+        stages=stages,
     )
+
+
+def _joint_entry(
+    jg: JointGraph,
+    forward: Callable[..., list[Any]],
+    backward: Callable[[list[Any]], list[Any]],
+    p: Partition,
+    num_diff: int,
+    num_inputs: int,
+    subclass: bool,
+    dims: Dims | None,
+    saved: tuple[tuple[int, int], ...] = (),
+    stages: staged.Stages | None = None,
+) -> Entry:
+    """The training entry of ``jg`` cut as ``p``, run by ``forward`` and ``backward`` (or by
+    ``stages``)."""
+    wants = _tangent_mask(jg)
+    tangents = set(jg.tangents())
+    return _entry(
+        forward=forward,
+        backward=backward,
+        out_flat=jg.fn_out,
+        primals=[n for n in jg.placeholders() if n not in tangents],
+        outputs=jg.forward_outputs(),
+        wants=wants,
+        differentiable=[w and d for w, d in zip(wants, jg.differentiable, strict=True)],
+        num_diff=num_diff,
+        num_inputs=num_inputs,
+        partition=p,
+        subclass=subclass,
+        dims=dims,
+        absent=jg.absent_grads(),
+        grad_outputs=_grad_outputs(jg, wants),
+        saved_inputs=saved,
+        stages=stages,
+    )
+
+
+def _unstaged(*_: torch.Tensor) -> list[Any]:
+    raise AssertionError("a staged step runs its stages (Entry.stages)")
+
+
+def _unstaged_backward(_: list[Any]) -> list[Any]:
+    raise AssertionError("a staged step runs its stages (Entry.stages)")
 
 
 def _shape_guard(placeholders: Sequence[torch.fx.Node]) -> ShapeGuard | None:

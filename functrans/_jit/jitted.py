@@ -305,10 +305,8 @@ class Jitted(Generic[_P, _R]):
             elif state.autocast_cpu is not None or state.autocast_cuda is not None:
                 with no_autocast(state):
                     outs = _execute(apply, entry, ordered)
-            elif entry.backward is None:
-                outs = run_forward(entry, ordered)
             else:
-                outs = list(apply(entry, *ordered))
+                outs = _execute(apply, entry, ordered)
             if entry.writes:  # the inputs it writes in place: written back, as eager leaves them
                 outs = write_back(entry, outs, ordered)
             return outs, entry, ordered
@@ -594,6 +592,16 @@ class Jitted(Generic[_P, _R]):
         if entry.backward is not None and not entry.subclass:
             twice = Twice(flat_f, len(diff), self._owner, _random_op(entry))
             entry = dataclasses.replace(entry, twice=twice)
+            if entry.stages is not None:
+                stages = entry.stages.twice(
+                    lambda e, g: Twice(
+                        flat_f if g is None else g,
+                        len(diff) if g is None else g.num_diff,
+                        self._owner,
+                        _random_op(e),
+                    )
+                )
+                entry = dataclasses.replace(entry, stages=stages)
         if writes:  # its last outputs are the written inputs' values; the user's, the rest
             out_flat = first_of_pair(entry.out_flat)
             entry = dataclasses.replace(entry, out_flat=out_flat, writes=writes)
@@ -655,4 +663,9 @@ def _static_objects(flat: Flat, names: Sequence[str]) -> list[tuple[Any, str]]:
 def _execute(apply: Callable[..., Any], entry: Entry, ordered: Sequence[torch.Tensor]) -> Any:
     if entry.backward is None:
         return run_forward(entry, ordered)
-    return list(apply(entry, *ordered))
+    if entry.stages is not None:  # returned intermediates stay connected: see staged
+        return entry.stages.run(entry, apply, ordered)
+    outs = list(apply(entry, *ordered))
+    for i in entry.own_nodes:  # see Entry.own_nodes
+        outs[i] = outs[i].view_as(outs[i])
+    return outs

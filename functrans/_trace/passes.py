@@ -107,6 +107,7 @@ def canonicalize(
         env[node] = p
     seen: dict[Any, fx.Node] = {}
     outputs = set(next(n for n in reversed(gm.graph.nodes) if n.op == "output").all_input_nodes)
+    returned = {_through_identities(n) for n in outputs}
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             continue
@@ -117,7 +118,10 @@ def canonicalize(
         if base is not None and not (env[base].op == "placeholder" and node in outputs):
             env[node] = env[base]  # t(t(w)) in a linear's backward: w itself
             continue
-        key = cse_key(node, env) if cse else None
+        # a returned value is a tensor of its own, as in eager: merged with another, the
+        # other's users would be on its autograd path (``return loss, h`` with h computed
+        # twice, the loss from the first: the gradient of the loss at h is None in eager)
+        key = cse_key(node, env) if cse and node not in returned else None
         if key is not None and key in seen:
             env[node] = seen[key]
             continue
@@ -130,6 +134,13 @@ def canonicalize(
         env[node] = copied
     eliminate_dead_code(new)
     return lazy_module(gm, new)  # keeps gm's attributes (constants) that new refers to
+
+
+def _through_identities(node: fx.Node) -> fx.Node:
+    """The value ``node`` is through identity ops (``alias``): what a returned alias returns."""
+    while node.op == "call_function" and node.target in _IDENTITY_OPS:
+        node = node.args[0]  # type: ignore[assignment]  # an identity op's argument is a Node
+    return node
 
 
 def _frozen(value: Any) -> Any:
