@@ -27,6 +27,10 @@ Every class and function here documents itself with an example. The other names:
 - ``HANDOVER_OPS``: ops (a compiled region's calls) a backend's program may run by calling a
   boxed function with their inputs handed over (:func:`handover_call` gives it for a node), so
   inputs whose last use they are die inside them;
+- ``REPLAY_OPS``: the Python-level ops (torch's ``run_and_save_rng_state`` and
+  ``run_with_rng_state``, taking the random op to run as an argument) a partition's graphs
+  call for a random op whose numbers the backward draws again from a saved generator state:
+  an executor that runs only ATen overloads calls them as Python functions;
 - ``RUNNING_NODE``: the words an executor puts before the name of the node whose op raised
   (in the error's message or a note, ``f"{RUNNING_NODE} {node.name}"``): ``jit`` reads the
   name back and adds the op and the user's line the node was traced from;
@@ -193,6 +197,7 @@ from ._cut.problem import CutProblem as CutProblem
 from ._cut.problem import ForwardValue as ForwardValue
 from ._cut.problem import OpRule as OpRule
 from ._cut.problem import cut_problem as cut_problem
+from ._cut.replay import REPLAY_OPS as REPLAY_OPS
 from ._cut.scratch import scratch_bytes as scratch_bytes
 from ._cut.segments import SHARED as SHARED
 from ._cut.segments import Segments as Segments

@@ -33,6 +33,7 @@ __all__ = [
     "Phase",
     "Role",
     "check_tensors",
+    "copy_joint",
     "lazy_module",
     "verify",
 ]
@@ -318,6 +319,40 @@ class JointGraph(Graph):
         return tuple(
             reached.get(g, empty) if isinstance(g, fx.Node) else empty for g in self.grad_outputs()
         )
+
+
+def copy_joint(jg: JointGraph) -> JointGraph:
+    """A copy of ``jg`` with a graph of its own: the nodes copied (their meta shallowly, the
+    values shared), the regions and the rest of its record the same (what a pass that rewrites
+    a joint graph starts from: passes are pure).
+
+    >>> import torch, functrans as ft
+    >>> jg = ft.joint(lambda x: x.sin().sum())(torch.ones(2))
+    >>> copy_joint(jg).fx_graph is not jg.fx_graph, str(copy_joint(jg)) == str(jg)
+    (True, True)
+    """
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    out = graph.graph_copy(jg.fx_graph, env, return_output_node=True)
+    assert isinstance(out, tuple)
+    result, old = out
+    graph._codegen = jg.fx_graph._codegen  # how its code takes and returns pytrees
+    new = graph.output(result, type_expr=getattr(old, "type", None))
+    new.meta = dict(old.meta)
+    gm = fx.GraphModule(jg.graph_module, graph)
+    copy = JointGraph(
+        gm,
+        jg.in_flat,
+        jg.out_flat,
+        fn_in=jg.fn_in,
+        fn_out=jg.fn_out,
+        grads_flat=jg.grads_flat,
+        num_outputs=jg.num_outputs,
+        argnums=jg.argnums,
+        differentiable=jg.differentiable,
+    )
+    copy.regions = jg.regions
+    return copy
 
 
 _ZERO_FILLS = frozenset(

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
 
 __all__ = [
     "COLLECTIVE_NAMESPACES",
@@ -151,6 +152,15 @@ def op_class(node: fx.Node) -> OpClass:
         return OpClass.INPUT
     if isinstance(node.meta.get("val"), _SYMBOLIC):
         return OpClass.SIZE
+    if node.target is run_and_save_rng_state or _state_of_a_draw(node):
+        return OpClass.RANDOM  # a random op run, and the generator state it started from
+    if node.target is run_with_rng_state:  # a random op run again from a kept state
+        inner = node.args[1]
+        return (
+            _class_of(inner, seeded=False)
+            if isinstance(inner, torch._ops.OpOverload)
+            else OpClass.OTHER
+        )
     op = overload_of(node)
     if op is None:
         return OpClass.VIEW if node.op == "call_function" and is_getitem(node) else OpClass.OTHER
@@ -158,6 +168,15 @@ def op_class(node: fx.Node) -> OpClass:
     if found is OpClass.RANDOM and op.overloadpacket in RANDOM_UNLESS and not is_random(node):
         return _class_of(op, seeded=False)
     return found
+
+
+def _state_of_a_draw(node: fx.Node) -> bool:
+    """The generator state a random op run by ``run_and_save_rng_state`` started from: part
+    of the draw (recomputing it would draw again), as the op's result is."""
+    src = node.args[0] if node.target is operator.getitem and node.args else None
+    return bool(
+        isinstance(src, fx.Node) and src.target is run_and_save_rng_state and node.args[1] == 0
+    )
 
 
 @functools.cache
@@ -195,6 +214,8 @@ def is_random(node: fx.Node) -> bool:
     >>> [(n.target.__name__, is_random(n)) for n in g.ops()]
     [('_scaled_dot_product_flash_attention_for_cpu.default', False), ('getitem', False)]
     """
+    if node.target is run_and_save_rng_state:
+        return True
     op = overload_of(node)
     if op is None or torch.Tag.nondeterministic_seeded not in op.tags:
         return False

@@ -43,6 +43,7 @@ from .cost import (
 from .memory import MemoryProfile, simulate
 from .offload import Cut, insert_transfers
 from .problem import cut_problem
+from .replay import drawn_once, replayable
 from .scratch import inner_recompute
 from .split import resolve_nodes, split
 
@@ -464,10 +465,19 @@ def partition(joint: JointGraph, strategy: str | Strategy = "default", **options
     name, fn = get_strategy(strategy)
     # unknown options list the accepted ones; bad values say what is accepted
     _check_options(name, fn, options, registered=isinstance(strategy, str))
+    joint = _replayable(joint)  # random ops the backward may draw again: see replay
     with no_gc():
         returned = fn(joint, **options)
     cut = returned if isinstance(returned, Cut) else Cut(tuple(saved_items(name, returned)))
     return apply_cut(joint, cut, name)
+
+
+def _replayable(joint: JointGraph) -> JointGraph:
+    """:func:`~functrans._cut.replay.replayable` of ``joint``, made once per joint."""
+    found = joint.derived.get("replayable")
+    if found is None:
+        found = joint.derived["replayable"] = replayable(joint)
+    return found
 
 
 def _adjusted(
@@ -512,6 +522,8 @@ def apply_cut(joint: JointGraph, cut: Cut, strategy: str = "cut") -> Partition:
                 f"partition strategy {name!r} chose an invalid saved set: {e}"
             ) from e
         forward, backward = insert_transfers(s.forward, s.backward, [n.name for n in host])
+        if drawn_once(forward.fx_graph):  # the forward draws once, as eager does
+            forward.graph_module.recompile()
     saved = tuple(SavedValue.of(n) for n in s.saved)
     p = Partition(
         joint=joint,

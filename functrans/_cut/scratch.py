@@ -35,6 +35,7 @@ from .allocator import cpu_allocations
 __all__ = [
     "CALL_RECOMPUTE",
     "CALL_SCRATCH",
+    "KNOWN_SCRATCH",
     "SCRATCH_OPS",
     "CallMemory",
     "inner_recompute",
@@ -67,6 +68,11 @@ class CallMemory(NamedTuple):
 #: storage) pairs, and says which of them die inside it (not one the graph returns, which
 #: lives until the call ends) and the bytes. Filled by the modules that define the ops.
 CALL_SCRATCH: dict[Any, Callable[[fx.Node, tuple[tuple[int, int], ...]], CallMemory]] = {}
+
+#: Ops whose scratch is known without measuring, by a rule on the node (a random op replayed
+#: from a saved generator state holds the state it restores: :mod:`functrans._cut.replay`).
+#: Filled by the modules that define the ops.
+KNOWN_SCRATCH: dict[Any, Callable[[fx.Node], int]] = {}
 
 #: Ops that run a compiled graph, with the FLOPs a call recomputes inside it (an outlined
 #: region's backward reruns what its own cut chose to recompute): a step's
@@ -102,6 +108,9 @@ def scratch_bytes(node: fx.Node) -> int:
     rule = CALL_SCRATCH.get(node.target) if node.op == "call_function" else None
     if rule is not None:
         return rule(node, ()).scratch
+    known = KNOWN_SCRATCH.get(node.target) if node.op == "call_function" else None
+    if known is not None:
+        return known(node)
     if node.op != "call_function" or not (node.target in SCRATCH_OPS or _casts_inputs(node)):
         return 0
     key = _signature(node)

@@ -67,6 +67,7 @@ from functrans._core.graph import (
     Phase,
     Role,
     assign_phases,
+    copy_joint,
 )
 from functrans._core.ops import COMPUTE_CALLS, is_getitem, is_random
 from functrans._core.pytree import flatten
@@ -266,8 +267,9 @@ def cut_region(
     """Region ``r`` cut with ``strategy`` (compiled by ``backend`` when first run)."""
     jg = _region_joint(r)
     p = _bases_not_views(partition(jg, strategy, **options))
-    primals, outputs = jg.primals(), jg.forward_outputs()
-    n_out = jg.num_outputs
+    cut = p.joint  # the graph it cut (random ops made replayable: a copy of jg)
+    primals, outputs = cut.primals(), cut.forward_outputs()
+    n_out = cut.num_outputs
     kept, residuals = list(range(n_out)), []
     for i, s in enumerate(p.saved):
         if s.node in primals:
@@ -388,33 +390,6 @@ def outline(jg: JointGraph, cut_of: CutOf, hands_over: bool) -> JointGraph:
     return jg
 
 
-def copy_joint(jg: JointGraph) -> JointGraph:
-    """A copy of ``jg`` with a graph of its own: the nodes copied (their meta shallowly, the
-    values shared), the regions and the rest of its record the same."""
-    graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    out = graph.graph_copy(jg.fx_graph, env, return_output_node=True)
-    assert isinstance(out, tuple)
-    result, old = out
-    graph._codegen = jg.fx_graph._codegen  # how its code takes and returns pytrees
-    new = graph.output(result, type_expr=getattr(old, "type", None))
-    new.meta = dict(old.meta)
-    gm = fx.GraphModule(jg.graph_module, graph)
-    copy = JointGraph(
-        gm,
-        jg.in_flat,
-        jg.out_flat,
-        fn_in=jg.fn_in,
-        fn_out=jg.fn_out,
-        grads_flat=jg.grads_flat,
-        num_outputs=jg.num_outputs,
-        argnums=jg.argnums,
-        differentiable=jg.differentiable,
-    )
-    copy.regions = jg.regions
-    return copy
-
-
 def _replace(
     graph: fx.Graph, node: fx.Node, op: Any, args: tuple[Any, ...], vals: list[torch.Tensor]
 ) -> fx.Node:
@@ -455,6 +430,9 @@ def _result(graph: fx.Graph, fwd: fx.Node, index: int) -> fx.Node:
 def _made_by(node: fx.Node) -> tuple[str, str | None]:
     """The op that made ``node`` (``aten.native_layer_norm.default[1]`` for one output of a
     multi-output op) and its source line."""
+    said = node.meta.get(MADE_BY)  # where a pass said it (a replayed op's generator state)
+    if isinstance(said, str):
+        return said, node.meta.get(SOURCE)
     src = node.args[0] if is_getitem(node) else None
     if isinstance(src, fx.Node) and src.op == "call_function":
         return f"{op_name(src.target)}[{node.args[1]}]", node.meta.get(SOURCE)

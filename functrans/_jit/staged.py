@@ -33,7 +33,7 @@ import torch
 import torch.fx as fx
 
 from functrans._core.dtypes import differentiable
-from functrans._core.graph import PHASE, JointGraph, Phase, ancestors
+from functrans._core.graph import PHASE, JointGraph, Phase, ancestors, copy_joint
 
 from .apply import OVERWRITES, Entry, Twice
 
@@ -293,8 +293,6 @@ def without_tangents(jg: JointGraph, dead: Sequence[int]) -> JointGraph:
     >>> g((torch.zeros(2),), (torch.ones(2), torch.tensor(1.0)))[1]  # cos(0), not cos(0) + 3
     (tensor([1., 1.]),)
     """
-    from .outline import copy_joint
-
     copy = copy_joint(jg)
     copy.outlined = jg.outlined
     graph = copy.fx_graph

@@ -274,6 +274,10 @@ class _FakeDevices(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
     times for a block's backward), answered here as the fake mode answers it, before the
     tracing modes see the query (through each, about 10 us)."""
 
+    #: a higher-order op (a random op replayed from a saved generator state, in a traced
+    #: partition) runs as it is: the mode only answers device queries
+    supports_higher_order_operators = True
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func is _DEVICE:
             t = args[0]

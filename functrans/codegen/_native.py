@@ -44,7 +44,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from functrans.extend import Picked, handover_call
+from functrans.extend import REPLAY_OPS, Picked, handover_call
 
 from ._cache import cache_root
 from ._native_build import cached_build, check, prepare
@@ -249,6 +249,8 @@ class _Builder:
                 self._call(n)
             elif n.op == "call_function" and n.target in _ARITH:
                 self._arith(n)
+            elif n.op == "call_function" and n.target in REPLAY_OPS:
+                self._python_op(n)
             elif n.op == "output":
                 outs = n.args[0]
                 outputs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
@@ -331,6 +333,30 @@ class _Builder:
             self.steps.append(("subcall", (sub, picked, regs, out, n.name), regs, [out]))
             return
         self.steps.append(("pycall", (fn, regs, out, n.name), regs, [out]))
+
+    def _python_op(self, n: fx.Node) -> None:
+        """A Python-level op (a random op replayed from a generator state, REPLAY_OPS) called
+        from C++ on its tensor arguments: its result list, or its one tensor taken from it."""
+        nodes = list(n.all_input_nodes)
+        if not all(a in self.reg for a in nodes):
+            raise _Unsupported(f"{n.name}: an argument is not a single value")
+        where = {a: i for i, a in enumerate(nodes)}
+        target, args, kwargs = n.target, n.args, n.kwargs
+        assert callable(target)
+
+        def run(vals: list[Any]) -> list[Any]:
+            a, k = fx.node.map_arg((args, kwargs), lambda x: vals[where[x]])
+            out = target(*a, **k)
+            return list(out) if isinstance(out, (tuple, list)) else [out]
+
+        regs = [self.reg[a] for a in nodes]
+        got = self.new()
+        self.steps.append(("pycall", (run, regs, got, n.name), regs, [got]))
+        if isinstance(n.meta.get("val"), (tuple, list)):
+            self.lists[n] = got
+        else:
+            self.reg[n] = out = self.new()
+            self.steps.append(("item", (got, 0, out, n.name), [got], [out]))
 
     def _arith(self, n: fx.Node) -> None:
         """Integer arithmetic on sizes (a graph with symbolic shapes)."""

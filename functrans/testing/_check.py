@@ -300,7 +300,7 @@ def partition_and_check(
     """
     p = partition(jg, strategy, **options)
     if p.adjusted:
-        problem = cut_problem(jg)
+        problem = cut_problem(p.joint)  # the graph it cut (random ops replayable: a copy)
         values = [problem[n] for n in p.adjusted]
         what = "ignored remat tags" if any(v.tag for v in values) else "broke the op rules"
         why = "; ".join(f"{v.describe()}: {_why_adjusted(v)}" for v in values)

@@ -428,7 +428,7 @@ def test_offload_with_symbolic_shapes() -> None:
 
 def test_pareto_sweeps_with_offload(tmp_path) -> None:  # type: ignore[no-untyped-def]
     def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return F.dropout(torch.tanh(x @ w), 0.3).sum()
+        return torch.tanh(x @ w).exp().sum()
 
     jg = ft.joint(f)(torch.ones(8, 8), torch.ones(8, 8, requires_grad=True))
     plain = ft.pareto(jg, points=3)
