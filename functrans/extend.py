@@ -87,6 +87,11 @@ False
 >>> from functrans.extend import HANDOVER_OPS
 >>> sorted(op.name() for op in HANDOVER_OPS)  # an outlined block's forward and backward
 ['functrans::outlined_bwd', 'functrans::outlined_fwd', 'functrans::outlined_fwd_random']
+>>> from functrans.extend import REPLAY_OPS
+>>> drop = ft.joint(lambda x: torch.nn.functional.dropout(x, 0.5).sum())(torch.ones(64))
+>>> replay = ft.partition(drop, "full_remat").backward  # draws the mask again, from its state
+>>> sorted(n.target.__name__ for n in replay.fx_graph.nodes if n.target in REPLAY_OPS)
+['run_with_rng_state']
 >>> from functrans.extend import RUNNING_NODE
 >>> RUNNING_NODE
 'functrans: while running node'
