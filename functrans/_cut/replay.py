@@ -78,7 +78,7 @@ def replayable(joint: JointGraph) -> JointGraph:
     graph = copy.fx_graph
     for r in [n for n in graph.nodes if _replayable(n)]:
         op, val = overload_of(r), r.meta["val"]
-        state_val = torch.empty(_STATE_BYTES.get(val.device.type, 16), dtype=torch.uint8)
+        state_val = _state_like(val)
         with graph.inserting_before(r):
             pair = graph.call_function(SAVES_STATE, (op, *r.args), dict(r.kwargs))
             state = graph.call_function(operator.getitem, (pair, 0))
@@ -98,6 +98,18 @@ def replayable(joint: JointGraph) -> JointGraph:
         again._rename(name)  # the op's own name: strategies and reports find it so
     copy.graph_module.recompile()
     return copy
+
+
+def _state_like(val: torch.Tensor) -> torch.Tensor:
+    """The traced value of a generator state for a random op whose value is ``val``: a fake
+    tensor of the state's bytes in ``val``'s fake mode (a value of its own per draw: shared,
+    two calls' states would be one value to a trace), on the host."""
+    size = _STATE_BYTES.get(val.device.type, 16)
+    mode = getattr(val, "fake_mode", None)
+    if mode is None:
+        return torch.empty(size, dtype=torch.uint8)
+    with mode:
+        return torch.empty(size, dtype=torch.uint8, device="cpu")
 
 
 def drawn_once(graph: fx.Graph) -> bool:

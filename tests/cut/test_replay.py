@@ -138,3 +138,26 @@ def test_replayed_blocks_report_the_measured_peak(strategy: str) -> None:
     (p,) = jitted.partitions()
     measured = measure_peak(step).peak_bytes
     assert abs(measured - p.peak_bytes) <= 0.01 * measured, (measured, p.peak_bytes)
+
+
+@pytest.mark.parametrize("strategy", ["full_remat", "min_cut"])
+def test_grad_through_dropout_blocks_compiled_once_is_eagers(strategy: str) -> None:
+    """Shrunk from benchmarks.peak_memory's ft.grad row on the dropout GPT: every block's
+    generator state had one real tensor as its traced value, so a trace of the step (ft.grad
+    stitches forward and backward into one) took each block's state for the last block's, and
+    every block but the last replayed another's mask."""
+    torch.manual_seed(0)
+    blocks = torch.nn.Sequential(
+        *[torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Dropout(0.5)) for _ in range(3)]
+    )
+    params = {k: v.detach() for k, v in blocks.named_parameters()}
+    x = torch.randn(4, 16)
+
+    def f(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return torch.func.functional_call(blocks, p, (x,)).square().sum()
+
+    torch.manual_seed(0)
+    want = torch.func.grad(f)(params, x)
+    torch.manual_seed(0)
+    got = ft.grad(f, partition=strategy)(params, x)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
