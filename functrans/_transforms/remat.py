@@ -320,6 +320,47 @@ def _under_functorch_autodiff() -> bool:
     return any(i.key() in autodiff for i in retrieve_all_functorch_interpreters())
 
 
+#: Our policy decisions as torch's selective checkpointing names them.
+_TORCH_POLICY = {
+    Policy.MUST_SAVE: "MUST_SAVE",
+    Policy.PREFER_SAVE: "PREFER_SAVE",
+    Policy.MUST_RECOMPUTE: "MUST_RECOMPUTE",
+    Policy.PREFER_RECOMPUTE: "PREFER_RECOMPUTE",
+    Policy.MUST_OFFLOAD: "MUST_CPU_OFFLOAD",
+}
+
+
+def _compiled_checkpoint(
+    f: Callable[_P, _R],
+    decide: Callable[..., Policy],
+    args: Any,
+    kwargs: Any,
+    options: Mapping[str, Any] | None,
+) -> _R:
+    """A remat region where ``torch.compile`` traces it: torch's non-reentrant checkpoint,
+    which Dynamo captures as its checkpoint higher-order op and compiles with the code around
+    it (no graph break), the policy's decisions handed to torch's selective checkpointing
+    (``MUST_OFFLOAD`` as ``MUST_CPU_OFFLOAD``). Random numbers are replayed as torch's
+    checkpoint replays them. ``options``: ``ft.checkpoint``'s torch keywords."""
+    from torch.utils.checkpoint import (
+        CheckpointPolicy,
+        checkpoint,
+        create_selective_checkpoint_contexts,
+    )
+
+    opts = {"preserve_rng_state": True, **(options or {})}
+    if decide is _SAVE_NOTHING:
+        out: _R = checkpoint(f, *args, use_reentrant=False, **opts, **kwargs)
+        return out
+
+    def torch_policy(ctx: Any, op: Any, *a: Any, **k: Any) -> Any:
+        return getattr(CheckpointPolicy, _TORCH_POLICY[decide(op, *a, **k)])
+
+    contexts = functools.partial(create_selective_checkpoint_contexts, torch_policy)
+    out = checkpoint(f, *args, use_reentrant=False, context_fn=contexts, **opts, **kwargs)
+    return out
+
+
 def _eager(
     f: Callable[_P, _R],
     decide: Callable[..., Policy],
@@ -608,8 +649,10 @@ def _remat_function(
     def wrapped(*args: _P.args, **kwargs: _P.kwargs) -> _R:
         if compiling():  # torch.compile or torch.export around this call
             refuse_export("remat", name)
-            result: _R = outside_dynamo(here, args, kwargs)  # eager remat, as a graph break
-            return result
+            if options and options.get("debug"):  # torch's debug trace: eager, a graph break
+                result: _R = outside_dynamo(here, args, kwargs)
+                return result
+            return _compiled_checkpoint(f, decide, args, kwargs, options)
         return here(*args, **kwargs)
 
     def here(*args: _P.args, **kwargs: _P.kwargs) -> _R:

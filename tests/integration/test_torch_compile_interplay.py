@@ -3,6 +3,8 @@ each result against eager under one seed."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -79,6 +81,60 @@ def test_compile_of_model_with_remat_matches_eager(backend: str) -> None:
     want = _module_grads(eager, eager, x)
     got = _module_grads(rematted, torch.compile(rematted, backend=backend), x)
     torch.testing.assert_close(got, want)
+
+
+class _SquareSum(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.square().sum()
+
+
+def _blocks(policy: object) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """Three MLP blocks and a scalar loss; the copy's blocks under ``ft.remat(policy)``."""
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(
+        *[
+            torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16))
+            for _ in range(3)
+        ],
+        _SquareSum(),
+    )
+    rematted = copy.deepcopy(plain)
+    for i in range(3):
+        rematted[i] = ft.remat(rematted[i], policy=policy)
+    return plain, rematted
+
+
+@pytest.mark.parametrize("policy", [None, "dots_saveable", "offload_dot_with_no_batch_dims"])
+def test_compile_of_remat_blocks_is_one_graph(policy: str | None) -> None:
+    """Issue 52: torch.compile of a model holding ft.remat blocks broke the graph at each
+    block (4 graphs) and ran the blocks uncompiled. A remat region is torch's checkpoint where
+    Dynamo traces it, the policy's decisions torch's selective checkpointing."""
+    chosen = None if policy is None else getattr(policies, policy)
+    if policy == "offload_dot_with_no_batch_dims":
+        chosen = chosen()
+    plain, rematted = _blocks(chosen)
+    x = torch.randn(4, 16)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(rematted)(x)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0)
+    want = _module_grads(plain, plain, x)
+    got = _module_grads(rematted, torch.compile(rematted, backend="aot_eager"), x)
+    torch.testing.assert_close(got, want)
+
+
+def test_a_remat_policy_decides_under_torch_compile() -> None:
+    asked = []
+
+    def policy(op: object, *args: object, **kwargs: object) -> bool:
+        asked.append(op)
+        return op is torch.ops.aten.addmm.default
+
+    plain, rematted = _blocks(policy)
+    x = torch.randn(4, 16)
+    torch._dynamo.reset()
+    got = _module_grads(rematted, torch.compile(rematted, backend="aot_eager"), x)
+    torch.testing.assert_close(got, _module_grads(plain, plain, x))
+    assert torch.ops.aten.addmm.default in asked  # torch's selective checkpointing asked it
 
 
 def test_jit_and_grad_over_compiled_function_match_eager() -> None:
