@@ -43,14 +43,13 @@ def test_no_page_loads_a_script_from_the_network() -> None:
         assert not remote, f"{page.relative_to(site)} loads {remote}"
 
 
-def test_search_finds_pages_opened_from_files() -> None:
-    site = _site()
+def _dom(url: str) -> str:
+    """The DOM headless Chromium renders at ``url`` once its scripts have run."""
     chromium = shutil.which("chromium")
     if chromium is None:
         if os.environ.get("FUNCTRANS_REQUIRE_BROWSER"):
             pytest.fail("FUNCTRANS_REQUIRE_BROWSER is set but `chromium` is not on PATH")
         pytest.skip("chromium is not installed")
-    url = (site / "index.html").as_uri() + "?q=partition"
     with tempfile.TemporaryDirectory() as profile:
         done = subprocess.run(
             [
@@ -69,5 +68,20 @@ def test_search_finds_pages_opened_from_files() -> None:
             timeout=120,
         )
     assert done.returncode == 0, done.stderr[-2000:]
-    found = re.search(r'class="md-search-result__meta">(\d+) matching document', done.stdout)
+    return done.stdout
+
+
+def test_the_api_reference_opens_from_the_home_page() -> None:
+    site = _site()
+    home = _dom((site / "index.html").as_uri())
+    link = re.search(r'href="(api/functrans\.html)"', home)
+    assert link, "the home page's navigation has no link to the API reference"
+    page = _dom((site / link.group(1)).as_uri())
+    assert "functrans.jit" in page and "Index of" not in page  # a page, not a folder listing
+
+
+def test_search_finds_pages_opened_from_files() -> None:
+    site = _site()
+    dom = _dom((site / "index.html").as_uri() + "?q=partition")
+    found = re.search(r'class="md-search-result__meta">(\d+) matching document', dom)
     assert found and int(found.group(1)) > 0, "search did not answer 'partition'"
