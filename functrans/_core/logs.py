@@ -29,7 +29,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 
-__all__ = ["SLOW_S", "STAGES", "log", "set_logs", "slow"]
+__all__ = ["SLOW_S", "STAGES", "counted", "log", "set_logs", "slow"]
 
 STAGES = ("trace", "joint", "partition", "codegen", "recompiles", "disk", "dynamic")
 
@@ -154,6 +154,36 @@ def slow(what: Callable[[], str], after: float = SLOW_S) -> Iterator[None]:
         timer.cancel()
         if said.is_set():
             _PROGRESS.info("%s: done in %.1f s", what(), time.perf_counter() - start)
+
+
+@contextlib.contextmanager
+def counted(what: str, total: int, every: float = SLOW_S) -> Iterator[Callable[[], None]]:
+    """A sweep of ``total`` steps that may take long: the body calls the function it gets
+    after each step; once the sweep has run ``every`` seconds, each step at most ``every``
+    seconds after the last line says, at INFO on ``functrans.progress``, how far it is
+    (``"pareto: 3 of 21 points (4 s so far)"``), and the end says how long it took.
+
+    >>> with counted("points", 3, every=60) as step:
+    ...     for _ in range(3):
+    ...         step()
+    """
+    start = last = time.perf_counter()
+    done = 0
+    said = False
+
+    def step() -> None:
+        nonlocal done, last, said
+        done += 1
+        now = time.perf_counter()
+        if now - last >= every and done < total:
+            last, said = now, True
+            _PROGRESS.info("%s: %d of %d (%.0f s so far)", what, done, total, now - start)
+
+    yield step
+    if said:
+        _PROGRESS.info(
+            "%s: %d of %d, done in %.1f s", what, done, total, time.perf_counter() - start
+        )
 
 
 set_logs(_parse(os.environ.get("FUNCTRANS_LOGS", "")))

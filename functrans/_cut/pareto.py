@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from functrans._core.graph import JointGraph
+from functrans._core.logs import counted
 from functrans._core.validate import check_joint, check_names, check_number, check_option
 
 from .partition import Partition, partition
@@ -75,10 +76,12 @@ def pareto(
         high = max(low, partition(joint, "default").peak_bytes)
         limits = [{"peak_bytes": round(float(n))} for n in np.linspace(low, high, points)]
     out = []
-    for limit in limits:
-        p = partition(joint, "memory_budget", **limit, **options)
-        budget = float(next(iter(limit.values())))
-        out.append(ParetoPoint(budget, p.activation_bytes, p.recompute_flops, p.peak_bytes, p))
+    with counted("pareto: points", len(limits)) as step:  # an ILP each: say how far it is
+        for limit in limits:
+            p = partition(joint, "memory_budget", **limit, **options)
+            budget = float(next(iter(limit.values())))
+            out.append(ParetoPoint(budget, p.activation_bytes, p.recompute_flops, p.peak_bytes, p))
+            step()
     return out
 
 
