@@ -54,3 +54,4 @@ from ._jit.eager_budget import remat as remat
 from ._trace.names import checkpoint_name as checkpoint_name
 from ._trace.regions import region as region
 from ._transforms.checkpoint import checkpoint as checkpoint
+from ._transforms.scan import scan as scan
