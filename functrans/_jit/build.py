@@ -324,6 +324,8 @@ class Builder:
             if done is not None:
                 return done
             t0 = t1 = time.perf_counter()
+        elif at:  # symbolic sizes or tensor subclasses: one node, and say so (never silent)
+            _warn_unstaged(dims is not None)
         try:
             p = planned or partition(jg, self.options.partition, **self.options.partition_options)
         except InvalidPartitionError as e:
@@ -549,6 +551,18 @@ def _joint_entry(
         grad_outputs=_grad_outputs(jg, wants),
         saved_inputs=saved,
         stages=stages,
+    )
+
+
+def _warn_unstaged(dynamic: bool) -> None:
+    why = "it has symbolic sizes (dynamic=)" if dynamic else "its tensors are subclasses"
+    warnings.warn(
+        "functrans.jit: the step returns intermediates that other outputs are computed from, "
+        f"and {why}, so it runs as one compiled node: retain_grad(), hooks and "
+        "autograd.grad on those intermediates do not see the gradient from the outputs "
+        "computed from them. Jit it with static sizes (dynamic=False) where they must",
+        UserWarning,
+        stacklevel=2,
     )
 
 
