@@ -31,6 +31,7 @@ from functrans.extend import (
 from ._ilp import IlpResult, OffloadTerms, PeakTerms, solve_ilp
 from ._peak import PeakModel, peak_model
 from .default import default
+from .full_remat import full_remat
 from .min_cut import min_cut
 
 __all__ = ["Planned", "lowest_peak", "plan_peak"]
@@ -100,15 +101,18 @@ def plan_peak(
 def _baselines(
     problem: CutProblem, costs: Sequence[float], max_bytes: float, offload: OffloadTerms | None
 ) -> list[Planned]:
-    """``default``'s and ``min_cut``'s cuts, simulated: where the model is loose they can be
-    the answer (where a limit on the bytes across the cut or offload applies, they are not
-    compared)."""
-    if not math.isinf(max_bytes) or offload is not None:
+    """``full_remat``'s, ``default``'s and ``min_cut``'s cuts, simulated, those within
+    ``max_bytes`` activation bytes: where the model is loose (or its ILP finds no set at a
+    tight ``max_bytes`` that ``full_remat`` meets) they can be the answer (with offload, they
+    are not compared)."""
+    if offload is not None:
         return []
     out = []
-    for strategy in (default, min_cut):
+    for strategy in (full_remat, default, min_cut):
         cut = Cut(saved=tuple(strategy(problem.joint)))
         p = apply_cut(problem.joint, cut)
+        if p.activation_bytes > max_bytes:
+            continue
         spent = sum(costs[problem.index[n]] for n in p.recomputed if n in problem.index)
         out.append(Planned(cut, p.peak_bytes, float(spent), math.inf))
     return out
@@ -145,15 +149,20 @@ def _lowest(
 ) -> Planned:
     terms = PeakTerms(model, math.inf, first=True)
     result = solve_ilp(problem, costs, max_bytes, time_limit, offload, terms)
+    others = _baselines(problem, costs, max_bytes, offload)
     if result is None:
-        raise InvalidPartitionError(
-            f"memory_budget: no saved set fits max_bytes={max_bytes:.0f} activation bytes"
-        )
+        if not others:
+            raise InvalidPartitionError(
+                f"memory_budget: no saved set fits max_bytes={max_bytes:.0f} activation bytes"
+            )
+        # the peak model's ILP can miss a set that a named cut meets (max_bytes=0 where
+        # full_remat saves only inputs): the lowest of those is the lowest found
+        return min(others, key=lambda o: (o.peak, o.cost))
     found = _checked(problem, result)
     # the model bounds the peak, loosely where recomputation is pulled in many small pieces
     # (a graph of a few scalars, a tiny HF model's shared masks): where another strategy's
     # cut simulates lower, that is the lowest peak found
-    for other in _baselines(problem, costs, max_bytes, offload):
+    for other in others:
         if other.peak < found.peak:
             found = dataclasses.replace(other, model_peak=found.model_peak)
     return found

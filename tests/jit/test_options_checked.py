@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 import functrans as ft
@@ -346,6 +346,7 @@ def option_sets(draw: st.DrawFn) -> tuple[str, dict[str, Any]]:
 
 
 @given(option_sets())
+@example(("memory_budget", {"budget": 0.0, "peak_bytes": 10_000_000}))  # peak ILP found no set
 def test_options_either_raise_when_made_or_train(drawn: tuple[str, dict[str, Any]]) -> None:
     name, options = drawn
     try:
