@@ -30,14 +30,21 @@ at 16 blocks at most 0.5x ``aot_eager``'s first call, and its 16-block first cal
 its 2-block one.
 
     python -m benchmarks.compile_time [--quick] [--no-inductor] [--repeats N] [--out PATH]
-        [--baseline CHECKOUT]
+        [--baseline CHECKOUT] [--model gpt|functional] [--fresh]
 
 ``--baseline CHECKOUT`` adds ``ft_baseline``: ``ft.jit(model)`` as another checkout of functrans
 (``git worktree add /tmp/base <commit>``) builds it, in processes interleaved with this one's,
 so a change's first-call cost is measured side by side with the code before it.
 
+``--model functional`` measures the same model written JAX-style
+(:mod:`benchmarks._functional_gpt`: a block a plain function called in a loop over a list of
+parameter dicts; functrans finds the repeated calls, :mod:`functrans._trace.region_functions`).
+``--fresh`` times what a user's first call costs in a new process: no warm-up, the clock
+started before ``import functrans`` (torch is imported before it for every compiler;
+torch.compile imports Dynamo in its first call, which is timed).
+
 ``--quick`` measures depths 1, 2 and 16 (the full run: 1, 2, 4, 8, 16, 32). Writes
-``benchmarks/results/compile_time.json``.
+``benchmarks/results/compile_time.json`` (``--out`` elsewhere).
 """
 
 from __future__ import annotations
@@ -77,31 +84,57 @@ METRIC = "cpu_s"
 def _compiled(compiler: str, model: Any) -> Any:
     import torch
 
-    import functrans as ft
-
     if compiler.startswith("ft_"):
+        import functrans as ft  # timed in a --fresh call: what a user's first call pays
+
         return ft.jit(model)
     if compiler == "aot_eager":
         return torch.compile(model, backend="aot_eager")
     return torch.compile(model)
 
 
-def child(compiler: str, depth: int) -> None:
-    """In a fresh process: warm up, time one first call; print one ``RESULT`` JSON line."""
+#: the models measured: ``gpt`` (``benchmarks.dynamic.GPT``, blocks in an ``nn.ModuleList``)
+#: and ``functional`` (``benchmarks._functional_gpt``: the same math JAX-style, a block a plain
+#: function called in a loop over a list of parameter dicts)
+MODELS = ("gpt", "functional")
+
+
+def _model(kind: str, layers: int, d: int) -> tuple[Any, tuple[Any, ...]]:
+    """``(callable, leading arguments)``: the model, or the loss and its parameters."""
+    import torch
+
+    if kind == "functional":
+        from benchmarks import _functional_gpt as fg
+
+        return fg.loss, (fg.init(layers=layers, d=d),)
+    from benchmarks.dynamic import GPT
+
+    torch.manual_seed(0)
+    return GPT(layers=layers, d=d), ()
+
+
+def child(compiler: str, depth: int, model: str = "gpt", fresh: bool = False) -> None:
+    """In a fresh process: warm up (unless ``fresh``), time one first call; print one
+    ``RESULT`` JSON line. ``fresh``: nothing warmed, and the clock starts before ``import
+    functrans`` (torch is imported before it for every compiler: torch.compile's own imports
+    happen in its first call and are timed there)."""
     import torch
 
     torch.set_num_threads(1)
-    from benchmarks.dynamic import GPT, SEQ, VOCAB
+    start, cpu = time.perf_counter(), time.process_time()
+    from benchmarks.dynamic import SEQ, VOCAB
 
     gen = torch.Generator().manual_seed(0)
     idx = torch.randint(0, VOCAB, (2, SEQ), generator=gen)
     tgt = torch.randint(0, VOCAB, (2, SEQ), generator=gen)
-    torch.manual_seed(0)
-    _compiled(compiler, GPT(layers=1, d=32))(idx, tgt).backward()
-    model = GPT(layers=depth)
-    gc.collect()  # see the module's docstring: the warm-up's young objects are not the call's
-    start, cpu = time.perf_counter(), time.process_time()
-    loss = _compiled(compiler, model)(idx, tgt)
+    if not fresh:
+        warm, lead = _model(model, 1, 32)
+        _compiled(compiler, warm)(*lead, idx, tgt).backward()
+    fn, lead = _model(model, depth, 64)
+    if not fresh:
+        gc.collect()  # see the module's docstring: the warm-up's young objects are not the call's
+        start, cpu = time.perf_counter(), time.process_time()
+    loss = _compiled(compiler, fn)(*lead, idx, tgt)
     loss.backward()
     row = {"s": time.perf_counter() - start, "cpu_s": time.process_time() - cpu}
     print("RESULT " + json.dumps(row), flush=True)
@@ -110,7 +143,13 @@ def child(compiler: str, depth: int) -> None:
 BASELINE = "ft_baseline"  # ft_regions, built by the --baseline checkout
 
 
-def _run(compiler: str, depth: int, baseline: Path | None = None) -> dict[str, float]:
+def _run(
+    compiler: str,
+    depth: int,
+    baseline: Path | None = None,
+    model: str = "gpt",
+    fresh: bool = False,
+) -> dict[str, float]:
     root = _disk_first_call.fresh_root()  # a cold on-disk trace cache
     env = {**os.environ, "FUNCTRANS_CACHE": "1", "OMP_NUM_THREADS": "1"}
     env["FUNCTRANS_CACHE_DIR"] = str(root)
@@ -120,7 +159,8 @@ def _run(compiler: str, depth: int, baseline: Path | None = None) -> dict[str, f
     if compiler == BASELINE:
         assert baseline is not None
         compiler, cwd = "ft_regions", baseline
-    code = f"from benchmarks.compile_time import child; child({compiler!r}, {depth})"
+    more = "" if (model, fresh) == ("gpt", False) else f", {model!r}, {fresh!r}"
+    code = f"from benchmarks.compile_time import child; child({compiler!r}, {depth}{more})"
     try:
         what = f"{compiler} at depth {depth}"
         return _disk_first_call.child_result(code, env, what, TIMEOUT_S, cwd=cwd)
@@ -133,13 +173,15 @@ def measure(
     compilers: tuple[str, ...],
     repeats: int,
     baseline: Path | None = None,
+    model: str = "gpt",
+    fresh: bool = False,
 ) -> dict[str, Any]:
     rows: dict[str, dict[str, Any]] = {}
     for depth in depths:
         runs: dict[str, list[dict[str, float]]] = {c: [] for c in compilers}
         for _ in range(repeats):
             for c in compilers:
-                runs[c].append(_run(c, depth, baseline))
+                runs[c].append(_run(c, depth, baseline, model, fresh))
         rows[str(depth)] = {
             c: {
                 "s": statistics.median(r["s"] for r in runs[c]),
@@ -217,14 +259,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--baseline", type=Path, default=None, help="another checkout, measured beside this one"
     )
+    parser.add_argument("--model", choices=MODELS, default="gpt")
+    parser.add_argument(
+        "--fresh", action="store_true", help="no warm-up: the first call with import included"
+    )
     args = parser.parse_args(argv)
     compilers = tuple(c for c in COMPILERS if not (args.no_inductor and c == "inductor"))
     if args.baseline is not None:
         compilers = (compilers[0], BASELINE, *compilers[1:])
     depths = QUICK_DEPTHS if args.quick else DEPTHS
-    result = measure(depths, compilers, args.repeats, args.baseline)
+    result = measure(depths, compilers, args.repeats, args.baseline, args.model, args.fresh)
     result["config"] = {
-        "model": "benchmarks.dynamic.GPT(d=64, heads=4)",
+        "model": {
+            "gpt": "benchmarks.dynamic.GPT(d=64, heads=4)",
+            "functional": "benchmarks._functional_gpt (d=64, heads=4, no dropout)",
+        }[args.model],
+        "fresh": args.fresh,
         "batch": [2, 32],
         "repeats": args.repeats,
         "threads": 1,

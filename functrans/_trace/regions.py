@@ -34,7 +34,6 @@ import contextlib
 import contextvars
 import functools
 import operator
-import os
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -46,6 +45,7 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import _disable_current_modes
 
+from functrans._core import switches
 from functrans._core.errors import InvalidArgumentError
 from functrans._core.graph import lazy_module
 from functrans._core.logs import log
@@ -126,6 +126,9 @@ class _Session:
     by_key: dict[Any, list[_Variant]] = field(default_factory=dict)
     regions: list[Region | None] = field(default_factory=list)
     calls: int = 0
+    #: per plain function called as a block and its arguments' structure
+    #: (:mod:`functrans._trace.region_functions`), the ops its first, inline call made
+    functions: dict[Any, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -150,24 +153,8 @@ def mode() -> str:
     region once and calls it per block where it can, see :mod:`functrans._jit.outline`; regions
     are traced once everywhere), ``"unrolled"`` (``FUNCTRANS_REGIONS=unrolled``: traced once,
     pasted into the step's graph) or ``"off"`` (``FUNCTRANS_REGIONS=0``: every block traced
-    inline)."""
-    raw = os.environ.get("FUNCTRANS_REGIONS", "1")
-    found = _MODES.get(raw.strip().lower())
-    if found is None:
-        raise InvalidArgumentError(
-            f"FUNCTRANS_REGIONS={raw!r} is not accepted; it must be 1 or compiled (a region "
-            "traced, cut and compiled once: the default), unrolled (traced once, pasted into "
-            "the step) or 0 (every block traced inline)"
-        )
-    return found
-
-
-#: what each accepted value of ``FUNCTRANS_REGIONS`` means
-_MODES = {
-    **dict.fromkeys(("0", "false", "off", ""), "off"),
-    **dict.fromkeys(("1", "true", "on", "compiled"), "compiled"),
-    "unrolled": "unrolled",
-}
+    inline); see :mod:`functrans._core.switches`."""
+    return switches.value(switches.REGIONS)
 
 
 def enabled() -> bool:
@@ -323,7 +310,7 @@ def _outside_outer_trace() -> Iterator[None]:
         try:
             with contextlib.ExitStack() as stack:
                 for context in TRACE_CONTEXTS:
-                    stack.enter_context(context())
+                    stack.enter_context(context(None))
                 yield
         finally:
             _INSIDE.reset(token)
@@ -350,10 +337,13 @@ def _call_region(
     eager: Callable[[], _T],
     what: str,
     block: tuple[torch.nn.Module, dict[Attr, Any]] | None = None,
+    tolerant: bool = False,
 ) -> _T | Any:
     """``call(tensors)`` as a region (``eager()`` where it cannot be one). ``block``: the
     module called and its attributes' values (a call reuses a region whose trace read the same
-    values; see :mod:`functrans._trace.region_keys`)."""
+    values; see :mod:`functrans._trace.region_keys`). ``tolerant``: a block that fails to trace
+    on its own (a region nobody asked for) is traced inline, where its error, if any, is the
+    user's."""
     s = _SESSION.get()
     assert s is not None
     with _no_torch_functions():  # metadata reads: no mode needs to see them
@@ -372,6 +362,12 @@ def _call_region(
                 region = trace_region(call, tensors, s.table)
             reads = seen or reads
         except _SideEffect:
+            region = None
+        except ControlFlow:
+            raise
+        except Exception:
+            if not tolerant:
+                raise
             region = None
         traced = block[0] if block is not None else None
         variants.append(_Variant(reads, {a: attrs.get(a) for a in reads.attrs}, rid, traced))
@@ -546,7 +542,7 @@ def _patched_getitem(self: torch.nn.ModuleList, idx: Any) -> Any:
 
 
 @contextlib.contextmanager
-def finding_blocks() -> Iterator[None]:
+def finding_blocks(_traced: Any = None) -> Iterator[None]:
     """While a trace runs (one of ``TRACE_CONTEXTS``): module calls of blocks go through
     :func:`_module_region`."""
     if _SESSION.get() is None or _CANDIDATES.get() is not None:
@@ -603,8 +599,6 @@ def region(fn: _F) -> _F:
         leave(fn, Marked())
         return cast(_F, fn)
     if not callable(fn):
-        from functrans._core.errors import InvalidArgumentError
-
         raise InvalidArgumentError(
             f"region: fn={fn!r} is not accepted; pass a function or an nn.Module"
         )

@@ -213,7 +213,10 @@ TRACE_LOCK = threading.RLock()
 #: (``_checkpoint`` routes ``torch.utils.checkpoint`` calls to remat regions while one runs);
 #: :class:`_PlainRNNs`, below, which sends differentiated RNN calls down torch's unfused path,
 #: is entered inside the traced function (:func:`in_traced_function`)
-TRACE_CONTEXTS: list[Callable[[], contextlib.AbstractContextManager[Any]]] = []
+#: Each is called with the function traced (None: a region traced on its own).
+TRACE_CONTEXTS: list[
+    Callable[[Callable[..., Any] | None], contextlib.AbstractContextManager[Any]]
+] = []
 
 
 @contextlib.contextmanager
@@ -304,14 +307,14 @@ def in_traced_function(fn: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
-def _lazy_modules() -> contextlib.AbstractContextManager[None]:
+def _lazy_modules(_traced: Any = None) -> contextlib.AbstractContextManager[None]:
     """make_fx's graphs generate their Python code when first run: a trace's raw graph goes
     through the passes below and is never run itself."""
     return _use_lazy_graph_module(True)
 
 
 TRACE_CONTEXTS.append(_lazy_modules)
-TRACE_CONTEXTS.append(inline_compiled)  # a torch.compile-d function is traced as written
+TRACE_CONTEXTS.append(lambda _traced: inline_compiled())  # torch.compile-d code: as written
 
 #: passes run on every raw trace before the input-mutation check and functionalization,
 #: registered by the modules that emit placeholder ops while tracing (``_regions`` expands
@@ -345,7 +348,7 @@ def run_traced(fn: Callable[..., Any], user_fn: Callable[..., Any]) -> Any:
             contextlib.ExitStack() as contexts,
         ):
             for context in TRACE_CONTEXTS:
-                contexts.enter_context(context())
+                contexts.enter_context(context(user_fn))
             result = fn()
         if (
             seeding.call is not None

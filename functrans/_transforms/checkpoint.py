@@ -239,7 +239,7 @@ _ATTR = "__dynamo_disable"
 
 
 @contextlib.contextmanager
-def _torch_checkpoint_as_remat() -> Iterator[None]:
+def _torch_checkpoint_as_remat(_traced: Any = None) -> Iterator[None]:
     """While a trace runs, ``torch.utils.checkpoint.checkpoint`` calls become remat regions
     (:func:`_as_remat`); restored after (nested traces restore what the outer one set)."""
     inner = _torch_entry()
