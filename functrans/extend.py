@@ -43,6 +43,9 @@ Every class and function here documents itself with an example. The other names:
   of a block depends on that block alone, or what its options ask of the step's peak (a
   :class:`PeakGoal`, ``PeakGoalOf``); ``jit`` then plans a step of repeated blocks block by
   block (:func:`registered` reads what a strategy declared);
+- ``SWITCHES``: every ``FUNCTRANS_*`` environment variable, by name (a :class:`Switch`),
+  read with :func:`switch_value`, set for a block with :func:`switches_overridden`
+  (``docs/switches.md`` is their table);
 - ``STRATEGY_GROUP`` and ``BACKEND_GROUP``: the entry point groups installed strategies and
   backends are discovered in (the registries are the core's; ``functrans.partitioners`` and
   ``functrans.codegen`` fill them and re-export these functions under shorter names).
@@ -112,6 +115,9 @@ functrans._core.errors.InvalidArgumentError: keep: unknown option kep=0.5 (did y
 >>> _ = register_strategy("capped", lambda joint, **o: [], peak_goal=cap, replace=True)
 >>> registered("capped").peak_goal({"cap": 4096}), registered("capped").local
 (PeakGoal(limit=4096), False)
+>>> from functrans.extend import SWITCHES, switch_value
+>>> switch_value(SWITCHES["FUNCTRANS_NATIVE"])  # the C++ executor: on unless turned off
+True
 >>> from functrans.extend import BACKEND_GROUP, STRATEGY_GROUP
 >>> STRATEGY_GROUP, BACKEND_GROUP
 ('functrans.partitioners', 'functrans.backends')
@@ -165,6 +171,12 @@ from ._core.strategies import registered as registered
 from ._core.strategies import registered_strategy as registered_strategy
 from ._core.strategies import strategy_examples as strategy_examples
 from ._core.strategies import strategy_names as strategy_names
+from ._core.switches import SWITCHES as SWITCHES
+from ._core.switches import Switch as Switch
+from ._core.switches import SwitchError as SwitchError
+from ._core.switches import path_prefixed as path_prefixed
+from ._core.switches import switch_value as switch_value
+from ._core.switches import switches_overridden as switches_overridden
 from ._core.tags import REMAT as REMAT
 from ._core.tags import Policy as Policy
 from ._core.tags import policy_of as policy_of

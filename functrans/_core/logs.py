@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
+
+from . import switches
 
 __all__ = ["SLOW_S", "STAGES", "counted", "log", "set_logs", "slow"]
 
@@ -186,4 +187,4 @@ def counted(what: str, total: int, every: float = SLOW_S) -> Iterator[Callable[[
         )
 
 
-set_logs(_parse(os.environ.get("FUNCTRANS_LOGS", "")))
+set_logs(_parse(switches.value(switches.LOGS)))

@@ -29,6 +29,8 @@ import contextlib
 import os
 from pathlib import Path
 
+from . import switches
+
 __all__ = ["cache_root", "private_dirs", "untrusted"]
 
 
@@ -39,7 +41,7 @@ def cache_root() -> Path:
     >>> cache_root().name
     'functrans'
     """
-    root = os.environ.get("FUNCTRANS_CACHE_DIR")
+    root = switches.value(switches.CACHE_DIR)
     return Path(root).expanduser() if root else Path.home() / ".cache" / "functrans"
 
 

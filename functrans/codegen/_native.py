@@ -31,20 +31,27 @@ import functools
 import hashlib
 import importlib.util
 import operator
-import os
 import shutil
 import subprocess
 import sys
 import threading
 import warnings
 from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.fx as fx
 
-from functrans.extend import REPLAY_OPS, Picked, handover_call
+from functrans.extend import (
+    REPLAY_OPS,
+    SWITCHES,
+    Picked,
+    handover_call,
+    path_prefixed,
+    switch_value,
+)
 
 from ._cache import cache_root
 from ._native_build import cached_build, check, prepare
@@ -97,10 +104,10 @@ def _compile(name: str, lib: Path, build_dir: Path) -> Any:
     lives there too, where no other process looks."""
     from torch.utils import cpp_extension
 
-    path = os.environ.get("PATH", "")
-    if shutil.which("ninja") is None:  # the venv's ninja (a pip dependency), not activated
-        os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), path])
-    try:
+    # the venv's ninja (a pip dependency), where the venv is not activated
+    venv = str(Path(sys.executable).parent)
+    path = path_prefixed(venv) if shutil.which("ninja") is None else nullcontext()
+    with path:
         module = cpp_extension.load(
             name=name,
             sources=[str(_SOURCE)],
@@ -108,8 +115,6 @@ def _compile(name: str, lib: Path, build_dir: Path) -> Any:
             extra_cflags=["-O2"],
             verbose=False,
         )
-    finally:
-        os.environ["PATH"] = path
     module.__file__ = str(lib)  # where the loaded file lives once published (same inode)
     return module
 
@@ -120,7 +125,7 @@ def native_module(wait: bool = False) -> Any | None:
     a first use that finds no built library starts the build in the background (see the
     module docstring)."""
     global _FAILED
-    if os.environ.get("FUNCTRANS_NATIVE", "1") == "0" or _FAILED:
+    if not switch_value(SWITCHES["FUNCTRANS_NATIVE"]) or _FAILED:
         return None
     if not wait and _build.cache_info().currsize == 0 and not _ready():
         try:

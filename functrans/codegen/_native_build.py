@@ -49,7 +49,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
-from functrans.extend import FunctransError, untrusted
+from functrans.extend import SWITCHES, FunctransError, switch_value, untrusted
 from functrans.extend import private_dirs as _private_dirs
 
 __all__ = [
@@ -84,19 +84,8 @@ def lock_timeout() -> float:
     >>> lock_timeout() == LOCK_TIMEOUT_S or "FUNCTRANS_NATIVE_LOCK_TIMEOUT" in os.environ
     True
     """
-    raw = os.environ.get(TIMEOUT_ENV)
-    if raw is None or not raw.strip():
-        return LOCK_TIMEOUT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        value = float("nan")
-    if not value >= 0:  # also refuses nan
-        raise NativeBuildError(
-            f"{TIMEOUT_ENV} must be a number of seconds (>= 0), got {raw!r}; unset it for the "
-            f"default of {LOCK_TIMEOUT_S:g} s"
-        )
-    return value
+    timeout: float = switch_value(SWITCHES[TIMEOUT_ENV])
+    return timeout
 
 
 def cached_build(lib: Path, compile: Callable[[Path], T], load: Callable[[Path], T]) -> T:

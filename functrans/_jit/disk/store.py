@@ -90,6 +90,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from functrans._core import switches
 from functrans._core.errors import FunctransError
 from functrans._core.logs import log
 from functrans._core.private_dir import cache_root, private_dirs, untrusted
@@ -131,23 +132,14 @@ class DiskCacheWarning(UserWarning):
 
 
 def enabled() -> bool:
-    """Whether the disk cache is on: ``$FUNCTRANS_CACHE`` (read on every call) unset or
-    ``1``/``true``/``on``/``yes``; ``0``/``false``/``off``/``no`` turn it off.
+    """Whether the disk cache is on: ``$FUNCTRANS_CACHE`` (read on every call; see
+    :mod:`functrans._core.switches`) unset or ``1``/``true``/``on``/``yes``;
+    ``0``/``false``/``off``/``no`` turn it off.
 
     >>> enabled() == (os.environ.get("FUNCTRANS_CACHE", "1") not in ("0", "false", "off", "no"))
     True
     """
-    raw = os.environ.get(SWITCH_ENV)
-    if raw is None:
-        return True
-    value = raw.strip().lower()
-    if value in ("", "1", "true", "on", "yes"):
-        return True
-    if value in ("0", "false", "off", "no"):
-        return False
-    raise DiskCacheError(
-        f"{SWITCH_ENV} must be 1 or 0 (on or off), got {raw!r}; unset it for the default (on)"
-    )
+    return switches.value(switches.CACHE)
 
 
 def max_bytes() -> int:
@@ -157,19 +149,7 @@ def max_bytes() -> int:
     >>> max_bytes() == int(SIZE_MB * 2**20) or SIZE_ENV in os.environ
     True
     """
-    raw = os.environ.get(SIZE_ENV)
-    if raw is None or not raw.strip():
-        return int(SIZE_MB * 2**20)
-    try:
-        value = float(raw)
-    except ValueError:
-        value = float("nan")
-    if not value >= 0:
-        raise DiskCacheError(
-            f"{SIZE_ENV} must be a size in MiB (>= 0), got {raw!r}; unset it for the default "
-            f"of {SIZE_MB:g} MiB"
-        )
-    return int(value * 2**20)
+    return int(switches.value(switches.CACHE_SIZE_MB) * 2**20)
 
 
 def traced(key: DiskKey, make: Callable[[], _G]) -> tuple[_G, bool]:
