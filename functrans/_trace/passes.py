@@ -22,7 +22,15 @@ from functrans._core.graph import PATH, ROLE, SOURCE, Role, lazy_module
 from functrans._core.ops import cancelled_transposes, is_collective, is_random, is_view_op
 from functrans._core.tags import REMAT
 
-__all__ = ["InputSpec", "canonicalize", "no_gc", "out_of_place", "source_of"]
+__all__ = [
+    "InputSpec",
+    "WrittenOut",
+    "canonicalize",
+    "no_gc",
+    "out_of_place",
+    "source_of",
+    "writes_out_of_place",
+]
 
 
 @contextlib.contextmanager
@@ -193,14 +201,47 @@ def out_of_place(gm: fx.GraphModule) -> fx.GraphModule | None:
     symbolic trace costs as much as the trace itself (3.2 s of a 2-layer GPT's 8.9 s).
     ``gm`` is not modified.
     """
+    done = _functional(gm, inputs=False)
+    return None if done is None else done.gm
+
+
+@dataclass(frozen=True)
+class WrittenOut:
+    """A graph whose writes to its inputs were made functional: the graph, and per written
+    input (by placeholder name) the node holding its final value."""
+
+    gm: fx.GraphModule
+    written: dict[str, fx.Node]
+
+
+def writes_out_of_place(gm: fx.GraphModule) -> WrittenOut | None:
+    """:func:`out_of_place`, where an input that nothing views may be written too (a batch
+    norm's running statistics, ``copy_(running_mean, new)``): its writes become functional
+    ops, later reads read their results, and its final value is returned by name, for the
+    caller to write back (None where some mutation is of another kind). ``gm`` is not
+    modified.
+
+    >>> import torch
+    >>> from torch.fx.experimental.proxy_tensor import make_fx
+    >>> def f(x, stat):
+    ...     stat.mul_(0.9).add_(x.mean() * 0.1)
+    ...     return x * 2
+    >>> done = writes_out_of_place(make_fx(f)(torch.ones(3), torch.zeros(())))
+    >>> {k: v.target.__name__ for k, v in done.written.items()}
+    {'stat_1': 'add.Tensor'}
+    """
+    return _functional(gm, inputs=True)
+
+
+def _functional(gm: fx.GraphModule, inputs: bool) -> WrittenOut | None:
     mutating = [n for n in gm.graph.nodes if _mutates(n)]
     if not mutating:
-        return gm
+        return WrittenOut(gm, {})
     functional: dict[fx.Node, Any] = {}
     for m in mutating:
         op = _functional_variant(m.target)
         buffer = m.args[0] if m.args else None
-        if op is None or not isinstance(buffer, fx.Node) or not _fresh(buffer, functional):
+        if op is None or not isinstance(buffer, fx.Node) or not _fresh(buffer, functional, inputs):
             return None
         functional[m] = op
     new = fx.Graph()
@@ -220,11 +261,24 @@ def out_of_place(gm: fx.GraphModule) -> fx.GraphModule | None:
                 "call_function", op, args, kwargs, name=op.overloadpacket.__name__
             )
             copied.meta.update(node.meta)
-            latest[_root(node, functional)] = copied
+            root = _root(node, functional)
+            if root.op == "placeholder":  # a new value, not the input's storage written
+                copied.meta["val"] = _unaliased(node.meta.get("val"))
+            latest[root] = copied
         else:
             copied = new.node_copy(node, read)
         env[node] = copied
-    return lazy_module(gm, new)
+    written = {root.name: value for root, value in latest.items() if root.op == "placeholder"}
+    return WrittenOut(lazy_module(gm, new), written)
+
+
+def _unaliased(val: Any) -> Any:
+    """A fake value like ``val`` on a storage of its own."""
+    mode = getattr(val, "fake_mode", None)
+    if mode is None:
+        return val
+    with mode:
+        return torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=val.device)
 
 
 def _with_defaults(node: fx.Node) -> tuple[Any, ...]:
@@ -282,13 +336,15 @@ def _root(node: fx.Node, functional: dict[fx.Node, Any]) -> fx.Node:
     return node
 
 
-def _fresh(buffer: fx.Node, functional: dict[fx.Node, Any]) -> bool:
-    """Whether ``buffer`` is a value no other value aliases: made by a non-view op and never
-    viewed (nor is anything in the chain of in-place ops writing to it)."""
+def _fresh(buffer: fx.Node, functional: dict[fx.Node, Any], inputs: bool = False) -> bool:
+    """Whether ``buffer`` is a value no other value aliases: made by a non-view op (or, with
+    ``inputs``, a placeholder) and never viewed (nor is anything in the chain of in-place ops
+    writing to it)."""
     root = _root(buffer, functional)
-    if root.op != "call_function" or not isinstance(root.target, torch._ops.OpOverload):
-        return False
-    if is_view_op(root) or _mutates(root):
-        return False
+    if not (inputs and root.op == "placeholder"):
+        if root.op != "call_function" or not isinstance(root.target, torch._ops.OpOverload):
+            return False
+        if is_view_op(root) or _mutates(root):
+            return False
     chain = [root, *[n for n in functional if _root(n, functional) is root]]
     return not any(is_view_op(u) for n in chain for u in n.users)

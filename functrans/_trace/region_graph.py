@@ -10,7 +10,7 @@ laid onto storages as the region's lie on its own (:class:`Storages`), without r
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple, cast
 
 import torch
@@ -24,7 +24,7 @@ from functrans._core.fake_rules import SymbolicFakeMode
 from functrans._core.fakes import fake_empty
 from functrans._core.shapes import is_symbolic, shape_env_of
 
-from .passes import out_of_place
+from .passes import writes_out_of_place
 from .record import inputs_first, late_inputs, no_stack_traces
 from .trace import in_traced_function, view_base
 
@@ -54,6 +54,9 @@ class Region:
     grads: list[tuple[int, fx.Node]]  # (primal position, gradient node)
     differentiable: list[bool]  # per output
     out_spec: pytree.TreeSpec
+    # the primal positions the block writes in place (a batch norm's running statistics), in
+    # order: the last len(writes) outputs are their final values, which each call writes back
+    writes: list[int] = field(default_factory=list)
 
 
 def _fresh(val: torch.Tensor) -> torch.Tensor:
@@ -159,8 +162,13 @@ def trace_region(
         if x.name in forward_names:
             x.meta[_FORWARD] = True
     # in-place ops on the region's own buffers (dropout's bernoulli_) made functional once
-    # here, not in every copy: the expanded graph then needs no functionalization pass
-    gm = out_of_place(gm) or gm
+    # here, not in every copy: the expanded graph then needs no functionalization pass; and
+    # writes to its inputs (a batch norm's running statistics) too: their final values are
+    # more outputs, which the call writes back (see Region.writes)
+    done = writes_out_of_place(gm)
+    written: dict[str, fx.Node] = {}
+    if done is not None:
+        gm, written = done.gm, done.written
     nodes = list(gm.graph.nodes)
     placeholders = [x for x in nodes if x.op == "placeholder"]
     primals, tangents = placeholders[:n], placeholders[n:]
@@ -174,6 +182,16 @@ def trace_region(
     bwd = [x for x in body if x not in ran_forward]
     (result,) = [x for x in nodes if x.op == "output"]
     returned = list(result.args[0])
+    writes = [i for i, p in enumerate(primals) if p.name in written]
+    if any(metas[i].requires_grad or written[primals[i].name] not in ran_forward for i in writes):
+        return None  # a differentiated input written, or a write in the backward
+    if writes:  # the written values are outputs after the block's own
+        new_values = [written[primals[i].name] for i in writes]
+        returned = [*returned[:n_leaves], *new_values, *returned[n_leaves:]]
+        result.args = (returned,)
+        gm.recompile()
+        n_leaves += len(writes)
+        diff = [*diff, *[False] * len(writes)]
     outputs, grad_nodes = returned[:n_leaves], returned[n_leaves:]
     if any(not isinstance(o, fx.Node) or o.op != "call_function" for o in outputs):
         return None
@@ -205,6 +223,7 @@ def trace_region(
         grads=list(zip(grad_of, grad_nodes, strict=False)),
         differentiable=diff,
         out_spec=spec,
+        writes=writes,
     )
 
 

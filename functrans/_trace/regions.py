@@ -396,7 +396,12 @@ def _call_region(
             outs = _Apply.apply(rid, s.calls, *tensors)  # type: ignore[no-untyped-call]  # autograd.Function.apply is unannotated
     finally:
         _RECORDER.reset(token)
-    return pytree.tree_unflatten(list(outs), region.out_spec)
+    mine = len(outs) - len(region.writes)
+    if region.writes:  # what the block wrote in place (running statistics), written back
+        with torch.no_grad():
+            for i, value in zip(region.writes, outs[mine:], strict=True):
+                tensors[i].copy_(value)
+    return pytree.tree_unflatten(list(outs[:mine]), region.out_spec)
 
 
 def _usable(tensors: list[Any]) -> bool:

@@ -67,6 +67,7 @@ def dump(regions: list[Region | None]) -> list[Any]:
                 "grads": [[i, g.name] for i, g in r.grads],
                 "differentiable": list(r.differentiable),
                 "out_spec": spec,
+                "writes": list(r.writes),
             }
         )
     return docs
@@ -103,6 +104,7 @@ def load(docs: list[Any], *, verify: bool = True) -> list[Region | None]:
                 grads=[(int(i), node(g)) for i, g in doc["grads"]],
                 differentiable=[bool(d) for d in doc["differentiable"]],
                 out_spec=pytree.treespec_loads(str(doc["out_spec"])),
+                writes=[int(i) for i in doc.get("writes", [])],
             )
         )
     return regions
