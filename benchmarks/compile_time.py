@@ -93,24 +93,36 @@ def _compiled(compiler: str, model: Any) -> Any:
     return torch.compile(model)
 
 
-#: the models measured: ``gpt`` (``benchmarks.dynamic.GPT``, blocks in an ``nn.ModuleList``)
-#: and ``functional`` (``benchmarks._functional_gpt``: the same math JAX-style, a block a plain
-#: function called in a loop over a list of parameter dicts)
-MODELS = ("gpt", "functional")
+#: the models measured: ``gpt`` (``benchmarks.dynamic.GPT``, blocks in an ``nn.ModuleList``),
+#: ``functional`` (``benchmarks._functional_gpt``: the same math JAX-style, a block a plain
+#: function called in a loop over a list of parameter dicts) and ``resnet`` (the module zoo's
+#: ``bn_resnet``: basic blocks of 32 channels with train-mode batch norm, images 2x8x8)
+MODELS = ("gpt", "functional", "resnet")
 
 
-def _model(kind: str, layers: int, d: int) -> tuple[Any, tuple[Any, ...]]:
-    """``(callable, leading arguments)``: the model, or the loss and its parameters."""
+def _model(kind: str, layers: int, small: bool) -> tuple[Any, tuple[Any, ...]]:
+    """``(callable, arguments)`` of one training step's loss (``small``: the warm-up's)."""
     import torch
 
+    if kind == "resnet":
+        from benchmarks._module_zoo import bn_resnet
+
+        zoo = bn_resnet(layers)
+        assert zoo.module is not None
+        _, x = zoo.make("small")
+        return zoo.module, (x,)
+    from benchmarks.dynamic import GPT, SEQ, VOCAB
+
+    gen = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, VOCAB, (2, SEQ), generator=gen)
+    tgt = torch.randint(0, VOCAB, (2, SEQ), generator=gen)
+    d = 32 if small else 64
     if kind == "functional":
         from benchmarks import _functional_gpt as fg
 
-        return fg.loss, (fg.init(layers=layers, d=d),)
-    from benchmarks.dynamic import GPT
-
+        return fg.loss, (fg.init(layers=layers, d=d), idx, tgt)
     torch.manual_seed(0)
-    return GPT(layers=layers, d=d), ()
+    return GPT(layers=layers, d=d), (idx, tgt)
 
 
 def child(compiler: str, depth: int, model: str = "gpt", fresh: bool = False) -> None:
@@ -122,19 +134,14 @@ def child(compiler: str, depth: int, model: str = "gpt", fresh: bool = False) ->
 
     torch.set_num_threads(1)
     start, cpu = time.perf_counter(), time.process_time()
-    from benchmarks.dynamic import SEQ, VOCAB
-
-    gen = torch.Generator().manual_seed(0)
-    idx = torch.randint(0, VOCAB, (2, SEQ), generator=gen)
-    tgt = torch.randint(0, VOCAB, (2, SEQ), generator=gen)
     if not fresh:
-        warm, lead = _model(model, 1, 32)
-        _compiled(compiler, warm)(*lead, idx, tgt).backward()
-    fn, lead = _model(model, depth, 64)
+        warm, args = _model(model, 1, small=True)
+        _compiled(compiler, warm)(*args).backward()
+    fn, args = _model(model, depth, small=False)
     if not fresh:
         gc.collect()  # see the module's docstring: the warm-up's young objects are not the call's
         start, cpu = time.perf_counter(), time.process_time()
-    loss = _compiled(compiler, fn)(*lead, idx, tgt)
+    loss = _compiled(compiler, fn)(*args)
     loss.backward()
     row = {"s": time.perf_counter() - start, "cpu_s": time.process_time() - cpu}
     print("RESULT " + json.dumps(row), flush=True)
@@ -273,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": {
             "gpt": "benchmarks.dynamic.GPT(d=64, heads=4)",
             "functional": "benchmarks._functional_gpt (d=64, heads=4, no dropout)",
+            "resnet": "benchmarks._module_zoo.bn_resnet (32 channels, images 2x8x8)",
         }[args.model],
         "fresh": args.fresh,
         "batch": [2, 32],
