@@ -16,6 +16,7 @@ holds the pieces every layer shares:
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -176,7 +177,7 @@ def why_not_offload(node: fx.Node, outputs: frozenset[fx.Node] = frozenset()) ->
         return "it is not a tensor"
     if node in outputs:
         return "it is an output of the function"
-    if any(storage_of(o)[0] is node for o in outputs if isinstance(o, fx.Node)):
+    if node in _viewed_by(outputs):
         return "an output of the function is a view of it"
     if is_getitem(node):
         return "it is one output of a multi-output op"
@@ -185,6 +186,13 @@ def why_not_offload(node: fx.Node, outputs: frozenset[fx.Node] = frozenset()) ->
     if not val.is_contiguous():
         return "it is not contiguous"
     return ""
+
+
+@functools.lru_cache(maxsize=1)  # one problem's values are asked about one after another
+def _viewed_by(outputs: frozenset[fx.Node]) -> frozenset[fx.Node]:
+    """The values whose storage ``outputs`` lie on (once per set of outputs: a step that
+    writes many buffers back has hundreds of outputs, asked about for every value)."""
+    return frozenset(storage_of(o)[0] for o in outputs if isinstance(o, fx.Node))
 
 
 def _fake(op: Any, val: torch.Tensor, *args: Any) -> torch.Tensor:

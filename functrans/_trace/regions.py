@@ -398,7 +398,7 @@ def _call_region(
         _RECORDER.reset(token)
     mine = len(outs) - len(region.writes)
     if region.writes:  # what the block wrote in place (running statistics), written back
-        with torch.no_grad():
+        with torch.no_grad(), _no_torch_functions():
             for i, value in zip(region.writes, outs[mine:], strict=True):
                 tensors[i].copy_(value)
     return pytree.tree_unflatten(list(outs[:mine]), region.out_spec)
