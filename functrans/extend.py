@@ -125,6 +125,8 @@ True
 
 from ._core.backends import BACKEND_GROUP as BACKEND_GROUP
 from ._core.backends import Backend as Backend
+from ._core.backends import Capabilities as Capabilities
+from ._core.backends import backend_capabilities as backend_capabilities
 from ._core.backends import backend_names as backend_names
 from ._core.backends import get_backend as get_backend
 from ._core.backends import register_backend as register_backend

@@ -9,6 +9,7 @@ The plugin package re-exports these under its own names (``register_backend``, `
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
 import torch
@@ -17,14 +18,77 @@ from .errors import InvalidArgumentError
 from .graph import Graph
 from .plugins import PluginRegistry
 
-__all__ = ["BACKEND_GROUP", "Backend", "backend_names", "get_backend", "register_backend"]
+__all__ = [
+    "BACKEND_GROUP",
+    "Backend",
+    "Capabilities",
+    "backend_capabilities",
+    "backend_names",
+    "capabilities",
+    "get_backend",
+    "register_backend",
+]
 
 #: The entry point group installed backends are discovered in.
 BACKEND_GROUP = "functrans.backends"
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can do besides ``compile``, declared as its ``capabilities`` attribute
+    (a class attribute, or a property where it depends on the backend's options); a backend
+    that declares none gets these defaults.
+
+    - ``decompositions``: the table ``jit(decompositions="auto")`` traces with (``"core"``:
+      small ops; ``"minimal"`` keeps ATen's fused composite kernels);
+    - ``dynamic``: it compiles graphs with symbolic sizes (``jit(dynamic=...)``);
+    - ``hands_over``: its programs run the ops of :data:`functrans.extend.HANDOVER_OPS` by
+      calling their function with the only references to the inputs
+      (:func:`functrans.extend.handover_call`), so an input whose last use a compiled region
+      is dies inside it.
+
+    >>> from functrans.extend import Capabilities, backend_capabilities, get_backend
+    >>> backend_capabilities(get_backend("aten"))
+    Capabilities(decompositions='minimal', dynamic=True, hands_over=True)
+    >>> class Plain:
+    ...     def compile(self, graph, example_inputs):
+    ...         return graph.graph_module
+    >>> backend_capabilities(Plain())  # nothing declared: the defaults
+    Capabilities(decompositions='core', dynamic=False, hands_over=False)
+    """
+
+    decompositions: str = "core"
+    dynamic: bool = False
+    hands_over: bool = False
+
+
+def capabilities(backend: object) -> Capabilities:
+    """What ``backend`` declares in its ``capabilities`` attribute (the defaults where it
+    declares none); a declaration of another type is an error naming the backend.
+
+    >>> from functrans.extend import backend_capabilities, get_backend
+    >>> backend_capabilities(get_backend("triton")).dynamic  # static shapes only
+    False
+    """
+    declared = getattr(type(backend), "capabilities", None)
+    if declared is None:
+        return Capabilities()
+    found = backend.capabilities  # type: ignore[attr-defined]  # declared: checked above
+    if not isinstance(found, Capabilities):
+        raise InvalidArgumentError(
+            f"backend {backend!r}: its capabilities attribute is {found!r}; declare a "
+            "functrans.extend.Capabilities (or none, for the defaults)"
+        )
+    return found
+
+
+#: the name :mod:`functrans.extend` gives it
+backend_capabilities = capabilities
+
+
 class Backend(Protocol):
-    """Compiles a graph for the given example inputs into a flat-tensor callable.
+    """Compiles a graph for the given example inputs into a flat-tensor callable (and may
+    declare what else it can do, a :class:`Capabilities` as its ``capabilities`` attribute).
 
     >>> import torch, functrans as ft
     >>> from functrans.extend import Backend, get_backend

@@ -29,7 +29,7 @@ from typing import Any, Literal, TypeVar
 
 import torch
 
-from functrans._core.backends import Backend, get_backend
+from functrans._core.backends import Backend, capabilities, get_backend
 from functrans._core.boxed import boxed
 from functrans._core.dtypes import differentiable
 from functrans._core.errors import InvalidPartitionError
@@ -167,7 +167,7 @@ class Builder:
         decompositions = self.options.decompositions
         if decompositions == "auto":
             backend = get_backend(self.options.backend)
-            decompositions = getattr(backend, "decompositions", "core")
+            decompositions = capabilities(backend).decompositions
         return decompositions
 
     @property

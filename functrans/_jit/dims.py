@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from functrans._core.backends import get_backend
+from functrans._core.backends import capabilities, get_backend
 from functrans._core.logs import log
 from functrans._core.pytree import plain
 from functrans._core.shapes import Dims, DynamicSpecError, EveryInput, JitDynamic, resolve
@@ -90,7 +90,7 @@ def build_dynamic(
     opts = builder.options
     backend = get_backend(opts.backend)
     why = None
-    if not getattr(backend, "dynamic", False):
+    if not capabilities(backend).dynamic:
         why = f"backend {opts.backend!r} compiles static shapes only"
     elif target.plan is not None:
         why = "a planned gradient (grad(f, partition=...)) is traced at static shapes"

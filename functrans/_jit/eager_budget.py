@@ -43,7 +43,7 @@ from typing import Any, ParamSpec, TypeVar, overload
 import optree
 import torch
 
-from functrans._core.backends import get_backend
+from functrans._core.backends import capabilities, get_backend
 from functrans._core.errors import InvalidArgumentError, InvalidPartitionError
 from functrans._core.module_view import ModuleView
 from functrans._core.pytree import NAMESPACE
@@ -148,7 +148,7 @@ def _plan(
     # buffers too are the trace's inputs (fake): a block reading one is still a block
     buffers = dict(module.named_buffers())
     backend = get_backend("aten")  # its decompositions are jit's: the plans' simulation is jit's
-    decompositions = getattr(backend, "decompositions", "core")
+    decompositions = capabilities(backend).decompositions
     with deferred_regions() as held, _statistics_held(module):
         jg = joint(step, argnums=0, decompositions=decompositions)(values, buffers, args, kwargs)
     jg.regions = tuple(held.regions)

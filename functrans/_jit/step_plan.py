@@ -48,7 +48,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from functrans._core.backends import Backend
+from functrans._core.backends import Backend, capabilities
 from functrans._core.graph import JointGraph
 from functrans._core.logs import log
 from functrans._core.strategies import PeakGoal, registered
@@ -196,7 +196,7 @@ def outlined(
     """``jg`` (traced with its regions kept) with its block calls outlined, each region cut
     by ``strategy``; or, where the options state a peak goal, the block-by-block plan's
     outcome (:func:`plan_step`)."""
-    hands_over = bool(getattr(backend, "hands_over", False))
+    hands_over = capabilities(backend).hands_over
     goal = goal_of(strategy, options)
     if goal is None:
         return outline(jg, uniform(jg, strategy, options, backend), hands_over)

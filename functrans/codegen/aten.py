@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
-from functrans.extend import Boxed, Graph
+from functrans.extend import Boxed, Capabilities, Graph
 
 from . import register_backend
 from ._fastcall import copy_module, use_fast_calls
@@ -47,23 +47,19 @@ class AtenBackend:
     [tensor([2., 2.])]
     """
 
-    #: compiles graphs with symbolic sizes (``jit(dynamic=...)``): the executors read sizes
-    #: from the inputs at run time
-    dynamic: ClassVar[bool] = True
-
     executor: str = "native"
-    #: ``jit(decompositions="auto")`` traces with this table: ATen's fused composite kernels
-    #: (``gelu_backward``, ``native_layer_norm_backward``) beat their decompositions run op by op
-    decompositions: str = "minimal"
 
     @property
-    def hands_over(self) -> bool:
-        """Whether its programs run ops that take their inputs over
-        (:func:`functrans.extend.handover_call`: a compiled region, whose inputs then die
-        inside it) by calling their function with the only references (the native and Python
-        executors; ``"fx"`` calls them through the dispatcher, which holds each input until
-        the op returns)."""
-        return self.executor != "fx"
+    def capabilities(self) -> Capabilities:
+        """``jit(decompositions="auto")`` traces with the ``minimal`` table (ATen's fused
+        composite kernels, ``gelu_backward``, ``native_layer_norm_backward``, beat their
+        decompositions run op by op); it compiles symbolic sizes (the executors read sizes
+        from the inputs at run time); its programs hand inputs over to compiled regions
+        (the native and Python executors; ``"fx"`` calls them through the dispatcher, which
+        holds each input until the op returns)."""
+        return Capabilities(
+            decompositions="minimal", dynamic=True, hands_over=self.executor != "fx"
+        )
 
     def __post_init__(self) -> None:
         if self.executor not in _EXECUTORS:

@@ -16,13 +16,14 @@ from __future__ import annotations
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 import torch.fx as fx
 
 from functrans.extend import (
     RECOMPUTED,
+    Capabilities,
     Graph,
     decomposition_table_all,
     nbytes,
@@ -239,7 +240,7 @@ class TritonBackend:
     persistent_limit: int = 1024
     max_block: int = 1024
     #: ``jit(decompositions="auto")``: small core ops, which fuse
-    decompositions: str = "core"
+    capabilities: ClassVar[Capabilities] = Capabilities(decompositions="core")
 
     def compile(self, graph: Graph, example_inputs: Sequence[torch.Tensor]) -> Compiled:
         gm = unview(relayout(decompose(graph.graph_module)))
