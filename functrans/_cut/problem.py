@@ -318,16 +318,20 @@ def _base_tag(node: fx.Node) -> Policy | None:
     return policy_of(node)
 
 
-def _value(
-    node: fx.Node,
-    i: int,
-    index: Mapping[fx.Node, int],
-    core: set[fx.Node],
-    read: bool,
-    feeds: bool,
-    regathered: set[fx.Node],
-    outputs: frozenset[fx.Node],
-) -> ForwardValue:
+@dataclass(frozen=True)
+class _Step:
+    """What a forward value's rules read of the whole joint graph (found once)."""
+
+    index: Mapping[fx.Node, int]  # forward nodes, in order
+    core: set[fx.Node]  # the nodes the forward's own outputs need
+    read: set[fx.Node]  # read by the backward
+    feeds: set[fx.Node]  # some backward node depends on them
+    regathered: set[fx.Node]  # gathered again in the backward (a reshard policy)
+    outputs: frozenset[fx.Node]  # the forward's outputs
+
+
+def _value(node: fx.Node, i: int, step: _Step) -> ForwardValue:
+    index, regathered = step.index, step.regathered
     cls, tag = op_class(node), policy_of(node)
     if tag in SAVE_TAGS and is_view_op(node):
         tag = _base_tag(node)  # saving a view keeps its base: the view follows its base
@@ -336,7 +340,7 @@ def _value(
     if node in regathered:
         tag = Policy.MUST_RECOMPUTE
     rule = OP_RULES[cls]
-    in_forward = node in core
+    in_forward = node in step.core
     reruns = rule.recompute or (rule.recompute_when_tagged and tag is Policy.MUST_RECOMPUTE)
     recompute = reruns and not (tag in _KEEP_TAGS and in_forward)
     # a class that never re-runs wins over MUST_RECOMPUTE: the value is saved instead
@@ -352,15 +356,15 @@ def _value(
         op_class=cls,
         tag=tag,
         in_forward=in_forward,
-        read_by_backward=read,
-        must_save=tag in _KEEP_TAGS and in_forward and feeds and save,
+        read_by_backward=node in step.read,
+        must_save=tag in _KEEP_TAGS and in_forward and node in step.feeds and save,
         can_save=save,
         can_recompute=recompute,
         tag_overridden=overridden,
         bytes=activation_bytes(node),
         storage=storage_of(node),
         inputs=tuple(index[a] for a in node.all_input_nodes if a in index),
-        why_not_offload=why_not_offload(node, outputs),
+        why_not_offload=why_not_offload(node, step.outputs),
     )
 
 
@@ -403,13 +407,9 @@ def _build(joint: JointGraph) -> CutProblem:
     core = ancestors(joint.forward_outputs(), set())
     read = {n for n in joint.grad_outputs() if isinstance(n, fx.Node)}
     read |= {n for n in nodes if any(u.meta.get(PHASE) is Phase.BACKWARD for u in n.users)}
-    feeds = _feeds_backward(nodes)
-    again = _regathered(nodes)
     outputs = frozenset(o for o in joint.forward_outputs() if isinstance(o, fx.Node))
-    values = tuple(
-        _value(n, i, index, core, n in read, n in feeds, again, outputs)
-        for i, n in enumerate(nodes)
-    )
+    step = _Step(index, core, read, _feeds_backward(nodes), _regathered(nodes), outputs)
+    values = tuple(_value(n, i, step) for i, n in enumerate(nodes))
     problem = CutProblem(joint, values, MappingProxyType(index))
     for v in values:
         if v.read_by_backward and not v.can_save and not v.can_recompute:

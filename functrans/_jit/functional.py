@@ -58,14 +58,31 @@ def grad(
     **options: Any,
 ) -> Callable[_P, Any]:
     """The gradient of scalar-valued ``f`` with respect to the arguments ``argnums``; it takes
-    ``f``'s parameters. ``partition=`` and its options choose what the gradient saves between
-    its forward and backward (``"memory_budget", peak_bytes=...`` bounds the call's peak). The
-    first call with an input signature traces; later ones reuse the compiled graph (see the
-    module docstring).
+    ``f``'s parameters. The first call with an input signature traces; later ones reuse the
+    compiled graph (see the module docstring).
+
+    - ``f``: a function of pytrees of tensors returning a scalar tensor (with ``has_aux``, a
+      pair ``(scalar, aux)``);
+    - ``argnums``: the position of the argument differentiated, or a tuple of positions (the
+      gradients then come back as a tuple, in that order); each gradient has its argument's
+      pytree structure, zeros where the output does not depend on a leaf (as
+      ``torch.func.grad`` and JAX give);
+    - ``has_aux``: ``f`` returns ``(scalar, aux)``; the call returns ``(grads, aux)``, ``aux``
+      as ``f`` returned it (not differentiated);
+    - ``partition``: the strategy that chooses what the gradient saves between its forward
+      and backward (a registered name, ``"default"``, ``"min_cut"``, ``"full_remat"``,
+      ``"memory_budget"``, ``"min_peak"``, or a strategy callable);
+    - ``**options``: that strategy's options (``budget=``, ``max_bytes=``, ``peak_bytes=``
+      for ``"memory_budget"``: ``peak_bytes`` bounds the call's measured peak); a name the
+      strategy does not take is an :class:`~functrans.InvalidArgumentError` here, when the
+      gradient is made.
 
     >>> import torch, functrans as ft
     >>> ft.grad(lambda x, y: (x * y).sum(), argnums=(0, 1))(torch.ones(2), torch.full((2,), 3.0))
     (tensor([3., 3.]), tensor([1., 1.]))
+    >>> grads, aux = ft.grad(lambda x: ((x * x).sum(), x.max()), has_aux=True)(torch.ones(2))
+    >>> grads, aux
+    (tensor([2., 2.]), tensor(1.))
     """
     return _reusing(_grad.grad(f, argnums, has_aux, partition=partition, **options), "grad", f)
 
@@ -79,7 +96,8 @@ def value_and_grad(
     **options: Any,
 ) -> Callable[_P, tuple[_R, Any]]:
     """Like :func:`grad` but returns ``(value, grads)`` (``((value, aux), grads)`` with aux):
-    it takes ``f``'s parameters and ``value`` is what ``f`` returns.
+    it takes ``f``'s parameters and ``value`` is what ``f`` returns. ``argnums``, ``has_aux``,
+    ``partition`` and ``**options`` are :func:`grad`'s.
 
     >>> import torch, functrans as ft
     >>> ft.value_and_grad(lambda x: (x * x).sum())(torch.tensor([1.0, 2.0]))

@@ -16,11 +16,17 @@ import platform
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from functrans._core.pytree import plain
+from functrans._core.pytree import Flat, plain
+from functrans._core.shapes import Dims
+from functrans._core.state import State
+from functrans._trace.decomp import Decompositions
+
+if TYPE_CHECKING:  # the type of "a dataclass instance", which typeshed alone defines
+    from _typeshed import DataclassInstance
 
 from . import shapes as disk_shapes
 from . import tree_json as tree_json
@@ -43,13 +49,13 @@ class DiskKey:
     fn: Callable[..., Any]  # the user's function (what jit wraps)
     kind: str  # "forward" (inference: trace), "joint" (training: joint), "joint-regions"
     # (a joint trace that kept its region ops: ft.jit's default)
-    options: Any  # jit's _Options (strategy, backend, static_argnums, decompositions, ...)
-    state: Any  # functrans._core.state.State at the call
-    flat: Any  # the call's Flat (structure and static leaves)
-    tensors: tuple[Any, ...]  # the call's tensor inputs, in the traced function's order
+    options: DataclassInstance  # jit's Options (strategy, backend, static_argnums, ...)
+    state: State  # the global state at the call
+    flat: Flat  # the call's structure and static leaves
+    tensors: tuple[torch.Tensor, ...]  # the call's tensor inputs, in the traced function's order
     names: tuple[str, ...]  # readable names of those tensors
-    decompositions: Any  # the decompositions actually used
-    dims: Any = None  # symbolic dimensions of the trace (None: static shapes)
+    decompositions: Decompositions  # the decompositions actually used
+    dims: Dims | None = None  # symbolic dimensions of the trace (None: static shapes)
     planned: bool = False  # jit(grad(f, partition=...)): traced from a plan made outside
     #: record and store on a miss (recording doubles the trace's time on CPython 3.11, so a
     #: jitted function stores its first few entries only; later misses just look up)
