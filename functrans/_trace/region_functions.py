@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -166,6 +167,11 @@ class _Diverted:
     def __enter__(self) -> None:
         if self.diversion.co_freevars != self.code.co_freevars:
             return  # not expected: the diversion could not close over the same names
+        # code that inspects the function meanwhile (a decorator binding its arguments by
+        # signature) sees the user's parameters, not the diversion's
+        self.signed = "__signature__" not in vars(self.fn)
+        if self.signed:
+            self.fn.__signature__ = inspect.signature(self.original)  # type: ignore[attr-defined]  # read by inspect.signature
         self.fn.__code__ = self.diversion
         self.fn.__kwdefaults__ = {_CALL: lambda args, kwargs: self.call(args, kwargs)}
 
@@ -173,6 +179,8 @@ class _Diverted:
         if self.fn.__code__ is self.diversion:  # unless the traced code swapped it meanwhile
             self.fn.__code__ = self.code
             self.fn.__kwdefaults__ = self.kwdefaults
+        if getattr(self, "signed", False):
+            vars(self.fn).pop("__signature__", None)
 
 
 @contextlib.contextmanager

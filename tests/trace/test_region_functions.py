@@ -5,6 +5,7 @@ after the trace."""
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -118,7 +119,7 @@ def test_writes_into_a_passed_list_happen_for_every_call() -> None:
         max_size=5,
     )
 )
-def test_repeated_calls_with_changing_structure_equal_eager(
+def test_property_repeated_calls_with_changing_structure_equal_eager(
     calls: list[tuple[int, float, bool]],
 ) -> None:
     """Calls of one function with other widths, other plain arguments, and writes into a
@@ -175,3 +176,71 @@ def test_tensors_read_from_globals_and_closures_are_each_calls_own() -> None:
     want = torch.autograd.grad(f(x), [x, *captured])
     got = torch.autograd.grad(ft.jit(f)(x), [x, *captured])
     torch.testing.assert_close(got, want)
+
+
+def by_signature(fn: Any) -> Any:
+    """A user decorator that binds its arguments by the function's signature on every call."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        SEEN.append(tuple(inspect.signature(fn).parameters))
+        bound = inspect.signature(fn).bind(*args, **kwargs)
+        return fn(*bound.args, **bound.kwargs)
+
+    return call
+
+
+def signed(p: dict[str, torch.Tensor], x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    return block(p, x, scale)
+
+
+SIGNED = by_signature(signed)
+SEEN: list[tuple[str, ...]] = []
+
+
+def test_a_diverted_function_keeps_its_signature() -> None:
+    def f(ps: list[dict[str, torch.Tensor]], x: torch.Tensor) -> torch.Tensor:
+        for p in ps:
+            x = SIGNED(p, x, scale=2.0)
+        return x.sum()
+
+    ps, x = params(3, 4), torch.randn(2, 4)
+    torch.testing.assert_close(_grads(ft.jit(f), ps, x), _grads(f, ps, x))
+    assert set(SEEN) == {("p", "x", "scale")}  # traced and eager calls saw the user's parameters
+    assert "__signature__" not in vars(signed)
+
+
+CFG = {"scale": 1.0, "act": "tanh"}
+
+
+def configured(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    h = block(p, x, CFG["scale"])
+    return torch.tanh(h) if CFG["act"] == "tanh" else torch.sigmoid(h)
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    changes=st.lists(
+        st.tuples(st.sampled_from([1.0, 0.5, 2.0]), st.sampled_from(["tanh", "sigmoid"])),
+        min_size=1,
+        max_size=4,
+    )
+)
+def test_property_state_a_repeated_function_reads_is_guarded(
+    changes: list[tuple[float, str]],
+) -> None:
+    """A config the repeated function reads (not its arguments) changed between calls of one
+    jitted step: every call computes what eager computes with the config as it is then."""
+
+    def f(ps: list[dict[str, torch.Tensor]], x: torch.Tensor) -> torch.Tensor:
+        for p in ps:
+            x = configured(p, x)
+        return x.sum()
+
+    ps, x = params(4, 4), torch.randn(2, 4)
+    jitted = ft.jit(f)
+    try:
+        for scale, act in changes:
+            CFG.update(scale=scale, act=act)
+            torch.testing.assert_close(_grads(jitted, ps, x), _grads(f, ps, x))
+    finally:
+        CFG.update(scale=1.0, act="tanh")

@@ -86,7 +86,7 @@ def test_a_buffer_written_through_a_view_is_traced_inline() -> None:
     strategy=st.sampled_from(["default", "min_cut", "full_remat"]),
     mode=st.sampled_from(["compiled", "unrolled"]),
 )
-def test_batch_norm_stacks_train_as_eager(
+def test_property_batch_norm_stacks_train_as_eager(
     depth: int, momentum: float | None, affine: bool, strategy: str, mode: str
 ) -> None:
     torch.manual_seed(depth)
