@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import functools
 import operator
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
@@ -46,10 +45,8 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import _disable_current_modes
 
 from functrans._core import switches
-from functrans._core.errors import InvalidArgumentError
 from functrans._core.graph import lazy_module
 from functrans._core.logs import log
-from functrans._core.marks import leave, marked
 from functrans._core.stack import ControlFlow
 
 from .record import CallRecorder, call_recorder, no_stack_traces
@@ -68,7 +65,6 @@ from .region_keys import (
     aliasing,
     attrs_snapshot,
     block_state,
-    code_key,
     global_hooks,
     has_hooks,
     matches,
@@ -90,7 +86,6 @@ __all__ = [
     "enabled",
     "expand",
     "mode",
-    "region",
     "session",
     "stats",
 ]
@@ -493,145 +488,6 @@ class _SideEffect(Exception):
 
 
 # ---------------------------------------------------------------------------------------------
-# Finding blocks: members of ModuleList / Sequential with a sibling of their class, and
-# modules and functions marked with region()
-
-_CANDIDATES: contextvars.ContextVar[dict[int, torch.nn.Module] | None] = contextvars.ContextVar(
-    "functrans_region_candidates", default=None
-)
-
-
-@dataclass(frozen=True)
-class Marked:
-    """The record :func:`region` leaves on a module it marks as a block."""
-
-
-def _mark_siblings(mods: Any) -> None:
-    found = _CANDIDATES.get()
-    if found is None:
-        return
-    members = [m for m in mods if isinstance(m, torch.nn.Module)]
-    by_type: dict[type, int] = {}
-    for m in members:
-        by_type[type(m)] = by_type.get(type(m), 0) + 1
-    for m in members:
-        if by_type[type(m)] > 1:
-            found[id(m)] = m
-
-
-_ORIGINAL_CALL = torch.nn.Module.__call__
-_ORIGINAL_ITER = torch.nn.ModuleList.__iter__
-_ORIGINAL_GETITEM = torch.nn.ModuleList.__getitem__
-
-
-def _patched_call(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-    found = _CANDIDATES.get()
-    if found is None or _SESSION.get() is None or _INSIDE.get():
-        return _ORIGINAL_CALL(self, *args, **kwargs)
-    if isinstance(self, torch.nn.Sequential):
-        _mark_siblings(self._modules.values())
-    if id(self) in found or marked(self, Marked):
-        return _module_region(self, _ORIGINAL_CALL, args, kwargs)
-    return _ORIGINAL_CALL(self, *args, **kwargs)
-
-
-def _patched_iter(self: torch.nn.ModuleList) -> Iterator[torch.nn.Module]:
-    _mark_siblings(self._modules.values())
-    return _ORIGINAL_ITER(self)
-
-
-def _patched_getitem(self: torch.nn.ModuleList, idx: Any) -> Any:
-    if _CANDIDATES.get() is not None:
-        _mark_siblings(self._modules.values())
-    return _ORIGINAL_GETITEM(self, idx)
-
-
-@contextlib.contextmanager
-def finding_blocks(_traced: Any = None) -> Iterator[None]:
-    """While a trace runs (one of ``TRACE_CONTEXTS``): module calls of blocks go through
-    :func:`_module_region`."""
-    if _SESSION.get() is None or _CANDIDATES.get() is not None:
-        yield
-        return
-    token = _CANDIDATES.set({})
-    patched = (
-        torch.nn.Module.__call__,
-        torch.nn.ModuleList.__iter__,
-        torch.nn.ModuleList.__getitem__,
-    )
-    # make_fx's tracer calls modules through the module global it saved at import
-    symbolic = torch.fx._symbolic_trace
-    saved = symbolic._orig_module_call
-    symbolic._orig_module_call = _patched_call
-    torch.nn.Module.__call__ = _patched_call  # type: ignore[method-assign]  # patched while tracing, restored after
-    torch.nn.ModuleList.__iter__ = _patched_iter  # type: ignore[method-assign]  # patched while tracing, restored after
-    torch.nn.ModuleList.__getitem__ = _patched_getitem  # type: ignore[method-assign]  # patched while tracing, restored after
-    try:
-        yield
-    finally:
-        (
-            torch.nn.Module.__call__,  # type: ignore[method-assign]  # patched while tracing, restored after
-            torch.nn.ModuleList.__iter__,  # type: ignore[method-assign]  # patched while tracing, restored after
-            torch.nn.ModuleList.__getitem__,  # type: ignore[method-assign]  # patched while tracing, restored after
-        ) = patched
-        symbolic._orig_module_call = saved
-        _CANDIDATES.reset(token)
-
-
-def region(fn: _F) -> _F:
-    """Mark a function (or a module) as a repeated region: inside ``ft.jit`` (and
-    ``ft.joint``), its calls with the same structure are traced once and the graph is
-    copied for each call, with that call's tensors; the compiled step is the one unrolled
-    tracing gives. A function's non-tensor arguments are part of the structure; tensors it
-    reads from closures or globals are not allowed to differ between calls (pass them as
-    arguments). Members of ``nn.ModuleList`` and ``nn.Sequential`` are regions without it.
-
-    >>> import torch, functrans as ft
-    >>> @ft.region
-    ... def block(w, x):
-    ...     return torch.tanh(x @ w)
-    >>> def f(ws, x):
-    ...     for w in ws:
-    ...         x = block(w, x)
-    ...     return x.sum()
-    >>> ws = [torch.randn(4, 4, requires_grad=True) for _ in range(3)]
-    >>> loss = ft.jit(f)(ws, torch.randn(2, 4))
-    >>> loss.backward()
-    >>> [w.grad.shape for w in ws]
-    [torch.Size([4, 4]), torch.Size([4, 4]), torch.Size([4, 4])]
-    """
-    if isinstance(fn, torch.nn.Module):
-        leave(fn, Marked())
-        return cast(_F, fn)
-    if not callable(fn):
-        raise InvalidArgumentError(
-            f"region: fn={fn!r} is not accepted; pass a function or an nn.Module"
-        )
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if _SESSION.get() is None or _INSIDE.get():
-            return fn(*args, **kwargs)
-        split = _split_args(args, kwargs)
-        if split is None:
-            return fn(*args, **kwargs)
-        tensors, statics, leaves = split
-        if not _usable(tensors):
-            return fn(*args, **kwargs)
-
-        def call(flat: list[torch.Tensor]) -> Any:
-            a, k = _rebuild(leaves, statics, flat)
-            return fn(*a, **k)
-
-        what = getattr(fn, "__qualname__", repr(fn))
-        return _call_region(
-            ("fn", code_key(fn), statics), tensors, call, lambda: fn(*args, **kwargs), what
-        )
-
-    return cast(_F, wrapper)
-
-
-# ---------------------------------------------------------------------------------------------
 # Expansion: opaque region nodes -> copies of the region's nodes
 
 
@@ -699,5 +555,4 @@ def _fake_mode(gm: fx.GraphModule) -> FakeTensorMode:
     return FakeTensorMode()
 
 
-TRACE_CONTEXTS.append(finding_blocks)
 TRACE_PASSES.append(expand)

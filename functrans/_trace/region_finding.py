@@ -1,0 +1,177 @@
+"""Finding blocks while a trace runs: members of ``nn.ModuleList`` and ``nn.Sequential``
+with a sibling of their class, and modules and functions :func:`region` marks (see
+:mod:`functrans._trace.regions`, which traces and reuses them).
+
+For the length of a trace (:func:`finding_blocks`, one of the trace contexts) ``Module.__call__``
+and ``ModuleList``'s iteration and indexing are patched: iterating or indexing a list marks its
+members that have a sibling of the same class, and a marked module's call goes through
+:func:`functrans._trace.regions._module_region`. Plain functions called as blocks are found
+by :mod:`functrans._trace.region_functions`.
+
+>>> import torch, functrans as ft
+>>> @ft.region
+... def layer(w, x):
+...     return torch.tanh(x @ w)
+>>> layer(torch.eye(2), torch.ones(1, 2))  # outside a trace: the function itself
+tensor([[0.7616, 0.7616]])
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, TypeVar, cast
+
+import torch
+
+from functrans._core.errors import InvalidArgumentError
+from functrans._core.marks import leave, marked
+
+from . import regions as _regions
+from .region_keys import code_key
+from .trace import TRACE_CONTEXTS
+
+__all__ = ["Marked", "finding_blocks", "region"]
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+_CANDIDATES: contextvars.ContextVar[dict[int, torch.nn.Module] | None] = contextvars.ContextVar(
+    "functrans_region_candidates", default=None
+)
+
+
+@dataclass(frozen=True)
+class Marked:
+    """The record :func:`region` leaves on a module it marks as a block."""
+
+
+def _mark_siblings(mods: Any) -> None:
+    found = _CANDIDATES.get()
+    if found is None:
+        return
+    members = [m for m in mods if isinstance(m, torch.nn.Module)]
+    by_type: dict[type, int] = {}
+    for m in members:
+        by_type[type(m)] = by_type.get(type(m), 0) + 1
+    for m in members:
+        if by_type[type(m)] > 1:
+            found[id(m)] = m
+
+
+_ORIGINAL_CALL = torch.nn.Module.__call__
+_ORIGINAL_ITER = torch.nn.ModuleList.__iter__
+_ORIGINAL_GETITEM = torch.nn.ModuleList.__getitem__
+
+
+def _patched_call(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    found = _CANDIDATES.get()
+    if found is None or _regions._SESSION.get() is None or _regions._INSIDE.get():
+        return _ORIGINAL_CALL(self, *args, **kwargs)
+    if isinstance(self, torch.nn.Sequential):
+        _mark_siblings(self._modules.values())
+    if id(self) in found or marked(self, Marked):
+        return _regions._module_region(self, _ORIGINAL_CALL, args, kwargs)
+    return _ORIGINAL_CALL(self, *args, **kwargs)
+
+
+def _patched_iter(self: torch.nn.ModuleList) -> Iterator[torch.nn.Module]:
+    _mark_siblings(self._modules.values())
+    return _ORIGINAL_ITER(self)
+
+
+def _patched_getitem(self: torch.nn.ModuleList, idx: Any) -> Any:
+    if _CANDIDATES.get() is not None:
+        _mark_siblings(self._modules.values())
+    return _ORIGINAL_GETITEM(self, idx)
+
+
+@contextlib.contextmanager
+def finding_blocks(_traced: Any = None) -> Iterator[None]:
+    """While a trace runs (one of ``TRACE_CONTEXTS``): module calls of blocks go through
+    :func:`_regions._module_region`."""
+    if _regions._SESSION.get() is None or _CANDIDATES.get() is not None:
+        yield
+        return
+    token = _CANDIDATES.set({})
+    patched = (
+        torch.nn.Module.__call__,
+        torch.nn.ModuleList.__iter__,
+        torch.nn.ModuleList.__getitem__,
+    )
+    # make_fx's tracer calls modules through the module global it saved at import
+    symbolic = torch.fx._symbolic_trace
+    saved = symbolic._orig_module_call
+    symbolic._orig_module_call = _patched_call
+    torch.nn.Module.__call__ = _patched_call  # type: ignore[method-assign]  # patched while tracing, restored after
+    torch.nn.ModuleList.__iter__ = _patched_iter  # type: ignore[method-assign]  # patched while tracing, restored after
+    torch.nn.ModuleList.__getitem__ = _patched_getitem  # type: ignore[method-assign]  # patched while tracing, restored after
+    try:
+        yield
+    finally:
+        (
+            torch.nn.Module.__call__,  # type: ignore[method-assign]  # patched while tracing, restored after
+            torch.nn.ModuleList.__iter__,  # type: ignore[method-assign]  # patched while tracing, restored after
+            torch.nn.ModuleList.__getitem__,  # type: ignore[method-assign]  # patched while tracing, restored after
+        ) = patched
+        symbolic._orig_module_call = saved
+        _CANDIDATES.reset(token)
+
+
+def region(fn: _F) -> _F:
+    """Mark a function (or a module) as a repeated region: inside ``ft.jit`` (and
+    ``ft.joint``), its calls with the same structure are traced once and the graph is
+    copied for each call, with that call's tensors; the compiled step is the one unrolled
+    tracing gives. A function's non-tensor arguments are part of the structure; tensors it
+    reads from closures or globals are not allowed to differ between calls (pass them as
+    arguments). Members of ``nn.ModuleList`` and ``nn.Sequential`` are regions without it.
+
+    >>> import torch, functrans as ft
+    >>> @ft.region
+    ... def block(w, x):
+    ...     return torch.tanh(x @ w)
+    >>> def f(ws, x):
+    ...     for w in ws:
+    ...         x = block(w, x)
+    ...     return x.sum()
+    >>> ws = [torch.randn(4, 4, requires_grad=True) for _ in range(3)]
+    >>> loss = ft.jit(f)(ws, torch.randn(2, 4))
+    >>> loss.backward()
+    >>> [w.grad.shape for w in ws]
+    [torch.Size([4, 4]), torch.Size([4, 4]), torch.Size([4, 4])]
+    """
+    if isinstance(fn, torch.nn.Module):
+        leave(fn, Marked())
+        return cast(_F, fn)
+    if not callable(fn):
+        raise InvalidArgumentError(
+            f"region: fn={fn!r} is not accepted; pass a function or an nn.Module"
+        )
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if _regions._SESSION.get() is None or _regions._INSIDE.get():
+            return fn(*args, **kwargs)
+        split = _regions._split_args(args, kwargs)
+        if split is None:
+            return fn(*args, **kwargs)
+        tensors, statics, leaves = split
+        if not _regions._usable(tensors):
+            return fn(*args, **kwargs)
+
+        def call(flat: list[torch.Tensor]) -> Any:
+            a, k = _regions._rebuild(leaves, statics, flat)
+            return fn(*a, **k)
+
+        what = getattr(fn, "__qualname__", repr(fn))
+        return _regions._call_region(
+            ("fn", code_key(fn), statics), tensors, call, lambda: fn(*args, **kwargs), what
+        )
+
+    return cast(_F, wrapper)
+
+
+TRACE_CONTEXTS.append(finding_blocks)
