@@ -29,7 +29,7 @@ import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 from scipy.sparse import coo_matrix, hstack
@@ -264,6 +264,10 @@ def solve_ilp(
     if math.isfinite(max_bytes):
         cons.append(optimize().LinearConstraint(device[None, :], -np.inf, max_bytes))
     upper = np.concatenate(ub)
+    if peak is None and offload is None:
+        cons, objectives, upper, integrality = _storage_tie_break(
+            p, size, cons, objectives, upper, integrality
+        )
     peak_col = None
     if peak is not None:
         rows, total, peak_col = peak.model.constraints(width, n, kinds, peak.limit)
@@ -303,6 +307,51 @@ def solve_ilp(
         optimal=optimal,
         offloaded=[i for i in range(n) if kinds == 3 and chosen[2 * n + i] > 0.5],
         peak=None if peak_col is None else float(x[peak_col]) * SCALE,
+    )
+
+
+def _storage_tie_break(
+    p: CutProblem,
+    size: np.ndarray,
+    cons: list[LinearConstraint],
+    objectives: list[np.ndarray],
+    upper: np.ndarray,
+    integrality: np.ndarray,
+) -> tuple[list[LinearConstraint], list[np.ndarray], np.ndarray, np.ndarray]:
+    """The saved-bytes tie-break counted by storage: values that share one (a value and its
+    views) cost their storage once, through one more variable per shared storage, at least
+    each member's saved variable. Counted per value, saving ``tanh`` and its ``unsqueeze``
+    (8 bytes) tied with saving the ``unsqueeze`` and tanh's derivative (16)."""
+    n = len(p)
+    groups: dict[Any, list[int]] = {}
+    for i, v in enumerate(p):
+        groups.setdefault(v.storage[0], []).append(i)
+    shared = [g for g in groups.values() if len(g) > 1]
+    if not shared:
+        return cons, objectives, upper, integrality
+    width = len(upper)
+    k = len(shared)
+    members = [(r, i) for r, g in enumerate(shared) for i in g]
+    m = len(members)
+    rows = coo_matrix(  # one row per member i of shared storage r: its variable - x_i >= 0
+        (
+            [1.0] * m + [-1.0] * m,
+            ([*range(m), *range(m)], [*(width + r for r, _ in members), *(i for _, i in members)]),
+        ),
+        shape=(m, width + k),
+    )
+    by_storage = size.copy()
+    for g in shared:
+        by_storage[g] = 0.0
+    tie = np.concatenate([by_storage, np.zeros(width - n), [size[g].max() for g in shared]])
+    widened = [_widen(c, width + k) for c in cons]
+    widened.append(optimize().LinearConstraint(rows.tocsr(), 0.0, np.inf))
+    first = np.concatenate([objectives[0], np.zeros(width + k - len(objectives[0]))])
+    return (
+        widened,
+        [first, tie],
+        np.concatenate([upper, np.ones(k)]),
+        np.concatenate([integrality, np.zeros(k)]),
     )
 
 

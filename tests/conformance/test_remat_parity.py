@@ -321,6 +321,23 @@ def test_random_must_policy_parity_memory_budget(prog: Program, policy: Any) -> 
     )
 
 
+def test_memory_budget_counts_a_value_and_its_view_once() -> None:
+    """Shrunk from ``test_random_must_policy_parity_memory_budget`` (a CI run): with bytes
+    counted per value, saving ``tanh`` and its ``unsqueeze`` (one storage, 8 bytes) tied with
+    saving the ``unsqueeze`` and tanh's derivative (16), and the ILP took the latter."""
+
+    def body(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        a = torch.tanh(-x)
+        v = a.unsqueeze(0)
+        return (torch.sin(v).clone(),)
+
+    def must_save(op: Any, *args: Any, **kwargs: Any) -> Policy:
+        return Policy.MUST_SAVE
+
+    x = torch.tensor(0.3, dtype=torch.float64)
+    assert_parity(body, (x,), must_save, "memory_budget", reference=body, same_forward=True)
+
+
 # --- known gaps, one minimal case each ---------------------------------------------------------
 
 
