@@ -153,23 +153,17 @@ def region(fn: _F) -> _F:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if _regions._SESSION.get() is None or _regions._INSIDE.get():
-            return fn(*args, **kwargs)
-        split = _regions._split_args(args, kwargs)
-        if split is None:
-            return fn(*args, **kwargs)
-        tensors, statics, leaves = split
-        if not _regions._usable(tensors):
+        found = _regions.function_call(args, kwargs)
+        if found is None:
             return fn(*args, **kwargs)
 
         def call(flat: list[torch.Tensor]) -> Any:
-            a, k = _regions._rebuild(leaves, statics, flat)
+            a, k = found.rebuild(flat)
             return fn(*a, **k)
 
         what = getattr(fn, "__qualname__", repr(fn))
-        return _regions._call_region(
-            ("fn", code_key(fn), statics), tensors, call, lambda: fn(*args, **kwargs), what
-        )
+        parts = ("fn", code_key(fn), found.statics)
+        return _regions.call_region(parts, found.tensors, call, lambda: fn(*args, **kwargs), what)
 
     return cast(_F, wrapper)
 

@@ -198,16 +198,11 @@ def repeated_functions(traced: Callable[..., Any] | None) -> Iterator[None]:
 
 def _called(fn: types.FunctionType, args: Any, kwargs: Any) -> Any:
     """``fn(*args, **kwargs)``: inline, or as a region (see the module docstring)."""
+    found = _regions.function_call(args, kwargs)
     s = _regions._SESSION.get()
-    if s is None or _regions._INSIDE.get():
+    if found is None or s is None:
         return fn(*args, **kwargs)
-    split = _regions._split_args(args, kwargs)
-    if split is None:
-        return fn(*args, **kwargs)
-    tensors, statics, leaves = split
-    if not _regions._usable(tensors):
-        return fn(*args, **kwargs)
-    parts = ("fn", code_key(fn), statics)
+    parts = ("fn", code_key(fn), found.statics)
     first = s.functions.get(parts)
     if first is None:
         made = _ops_made(lambda: fn(*args, **kwargs))
@@ -217,17 +212,17 @@ def _called(fn: types.FunctionType, args: Any, kwargs: Any) -> Any:
         return fn(*args, **kwargs)
 
     def call(flat: list[torch.Tensor]) -> Any:
-        a, k = _regions._rebuild(leaves, statics, flat)
+        a, k = found.rebuild(flat)
         given, spec = pytree.tree_flatten((a, k))
         out = fn(*a, **k)
         now, spec_now = pytree.tree_flatten((a, k))
         if spec_now != spec or any(x is not y for x, y in zip(now, given, strict=True)):
-            raise _regions._SideEffect  # it wrote into a list or dict it was passed
+            raise _regions.SideEffect  # it wrote into a list or dict it was passed
         return out
 
     what = f"{fn.__qualname__} (called as a block)"
-    return _regions._call_region(
-        parts, tensors, call, lambda: fn(*args, **kwargs), what, tolerant=True
+    return _regions.call_region(
+        parts, found.tensors, call, lambda: fn(*args, **kwargs), what, tolerant=True
     )
 
 

@@ -81,10 +81,14 @@ __all__ = [
     "BACKWARD_OP",
     "FORWARD_OP",
     "Deferred",
+    "FunctionCall",
+    "SideEffect",
     "Undifferentiable",
+    "call_region",
     "deferred",
     "enabled",
     "expand",
+    "function_call",
     "mode",
     "session",
     "stats",
@@ -325,7 +329,7 @@ def _no_torch_functions() -> contextlib.AbstractContextManager[Any]:
     return torch._C.DisableTorchFunction()
 
 
-def _call_region(
+def call_region(
     key_parts: Any,
     tensors: list[torch.Tensor],
     call: Callable[[list[torch.Tensor]], Any],
@@ -356,7 +360,7 @@ def _call_region(
             with _outside_outer_trace(), reading(block[0]) if block else nullcontext() as seen:
                 region = trace_region(call, tensors, s.table)
             reads = seen or reads
-        except _SideEffect:
+        except SideEffect:
             region = None
         except ControlFlow:
             raise
@@ -411,6 +415,34 @@ def _usable(tensors: list[Any]) -> bool:
     if not all(isinstance(t, FakeTensor) and type(t) is FakeTensor for t in tensors):
         return False
     return any(t.requires_grad for t in tensors)
+
+
+@dataclass(frozen=True)
+class FunctionCall:
+    """A function's call that may be a region: its tensor arguments, the key of the rest (the
+    arguments' pytree and plain values) and their leaves, to call it again with other
+    tensors."""
+
+    tensors: list[torch.Tensor]
+    statics: Any
+    leaves: list[Any]
+
+    def rebuild(self, flat: list[torch.Tensor]) -> tuple[Any, Any]:
+        """``(args, kwargs)`` with ``flat`` in the tensors' places."""
+        return _rebuild(self.leaves, self.statics, flat)
+
+
+def function_call(args: Any, kwargs: Any) -> FunctionCall | None:
+    """The call of a function with ``args`` and ``kwargs`` as a possible region; None where it
+    runs as written: outside a trace's regions, inside a region, with an argument neither a
+    tensor nor a plain value, or with tensors no region takes (:func:`_usable`)."""
+    if _SESSION.get() is None or _INSIDE.get():
+        return None
+    split = _split_args(args, kwargs)
+    if split is None:
+        return None
+    tensors, statics, leaves = split
+    return FunctionCall(tensors, statics, leaves) if _usable(tensors) else None
 
 
 def _split_args(args: Any, kwargs: Any) -> tuple[list[torch.Tensor], Any, Any] | None:
@@ -471,9 +503,9 @@ def _module_region(m: torch.nn.Module, original: Callable[..., Any], args: Any, 
                     table[name] = t
                 changed = restore_changed(snap)
             if changed:
-                raise _SideEffect
+                raise SideEffect
 
-    return _call_region(
+    return call_region(
         (type(m), state.structure, statics),
         tensors,
         call,
@@ -483,7 +515,7 @@ def _module_region(m: torch.nn.Module, original: Callable[..., Any], args: Any, 
     )
 
 
-class _SideEffect(Exception):
+class SideEffect(Exception):
     """The block changed its own attributes while traced: it is traced inline."""
 
 

@@ -244,3 +244,17 @@ def test_property_state_a_repeated_function_reads_is_guarded(
             torch.testing.assert_close(_grads(jitted, ps, x), _grads(f, ps, x))
     finally:
         CFG.update(scale=1.0, act="tanh")
+
+
+def test_second_derivatives_through_repeated_functions_are_eager_s() -> None:
+    """create_graph through a step whose blocks are function regions: a region's backward is
+    one op with no derivative, so the step is traced again with every call inline; the
+    gradient of the gradient is eager's."""
+    ps, x = params(3, 4), torch.randn(2, 4)
+    leaves = [t for p in ps for t in p.values()]
+
+    def second(fn: Any) -> list[torch.Tensor]:
+        (g,) = torch.autograd.grad(fn(ps, x), [ps[0]["w"]], create_graph=True)
+        return list(torch.autograd.grad(g.square().sum(), leaves))
+
+    torch.testing.assert_close(second(ft.jit(stack)), second(stack))

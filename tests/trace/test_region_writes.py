@@ -5,6 +5,12 @@ trains exactly as eager does, buffers included, under every strategy and region 
 from __future__ import annotations
 
 import copy
+import json
+import os
+import pathlib
+import subprocess
+import sys
+from typing import Any
 
 import pytest
 import torch
@@ -102,3 +108,66 @@ def test_property_batch_norm_stacks_train_as_eager(
             got = _train(jitted, x, 2)
     torch.testing.assert_close(got, _train(eager, x, 2), rtol=1e-5, atol=1e-6)
     _same(model, eager)
+
+
+def test_train_eval_train_keeps_eager_s_statistics() -> None:
+    """Switching the mode between calls: a region traced in training writes the statistics,
+    one in eval reads them (a key of its own), and the statistics stay eager's."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[ConvBlock(3, 0.1, True) for _ in range(3)])
+    eager = copy.deepcopy(model)
+    jitted = ft.jit(model)
+    x = torch.randn(2, 3, 5, 5)
+    for training in (True, False, True):
+        model.train(training)
+        eager.train(training)
+        torch.testing.assert_close(_train(jitted, x, 1), _train(eager, x, 1))
+        _same(model, eager)
+
+
+BN_PROGRAM = """
+import json, torch, functrans as ft
+from tests.trace.test_region_writes import ConvBlock
+torch.manual_seed(0)
+model = torch.nn.Sequential(*[ConvBlock(3, 0.1, True) for _ in range(3)])
+x = torch.randn(2, 3, 5, 5)
+jitted = ft.jit(model)
+jitted(x).square().mean().backward()
+print("RESULT " + json.dumps({
+    "hits": jitted.cache_info().disk_hits,
+    "mean": model[2].bn.running_mean.tolist(),
+    "count": int(model[2].bn.num_batches_tracked),
+    "grad": model[0].conv.weight.grad.sum().item(),
+}))
+"""
+
+
+def test_a_stored_batch_norm_step_writes_its_statistics_in_a_fresh_process(
+    tmp_path: pathlib.Path,
+) -> None:
+    """The step is stored on disk with its regions; a second process reads it back and its
+    calls still write every block's statistics, as the first process's did."""
+    env = {
+        **os.environ,
+        "FUNCTRANS_CACHE": "1",
+        "FUNCTRANS_CACHE_DIR": str(tmp_path),
+        "FUNCTRANS_NATIVE": "0",
+        "PYTHONPATH": str(pathlib.Path(__file__).resolve().parents[2]),
+    }
+
+    def run() -> dict[str, Any]:
+        done = subprocess.run(
+            [sys.executable, "-c", BN_PROGRAM],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
+        return dict(json.loads(line[len("RESULT ") :]))
+
+    first, second = run(), run()
+    assert (first["hits"], second["hits"]) == (0, 1)
+    assert first["count"] == second["count"] == 1
+    assert first["mean"] == second["mean"] and first["grad"] == second["grad"]
