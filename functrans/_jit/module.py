@@ -8,13 +8,12 @@ import contextvars
 import dataclasses
 import functools
 import inspect
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import optree
 import torch
 import torch.utils._pytree as torch_pytree
-from torch._subclasses.fake_tensor import FakeTensor
 
 from functrans._core.context import runs_as_written
 from functrans._core.dynamo_skip import compiling, outside_dynamo
@@ -41,14 +40,6 @@ from .options import Options
 __all__ = ["JitModule"]
 
 
-def _quiet(tensors: Iterable[torch.Tensor]) -> contextlib.AbstractContextManager[Any]:
-    """No torch-function modes while functrans' own ops on plain fake tensors run (a copy of
-    each buffer, their detached final values): traced all the same, without each going through
-    the modes that watch the user's calls (~1 ms a buffer; a BN ResNet of 16 blocks has 99)."""
-    plain = all(type(t) is FakeTensor for t in tensors)
-    return torch._C.DisableTorchFunction() if plain else contextlib.nullcontext()
-
-
 def _compiled_call(module: torch.nn.Module, options: Options) -> Jitted[..., Any]:
     """``module``'s forward as a function of its parameters and buffers, jitted. (The closure
     variable is named ``model``: the guards on what the trace reads name it so,
@@ -58,13 +49,11 @@ def _compiled_call(module: torch.nn.Module, options: Options) -> Jitted[..., Any
     def call(
         params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], *args: Any, **kw: Any
     ) -> Any:
-        with _quiet(buffers.values()):
-            fresh = {k: v.clone() for k, v in buffers.items()}  # in-place updates land here
+        fresh = {k: v.clone() for k, v in buffers.items()}  # in-place updates land here
         args, kw, caches = _writable_caches(args, kw)  # updated by the forward: returned too
         with _swapped(model, {**params, **fresh}):
             out = model(*args, **kw)
-        with _quiet(fresh.values()):
-            state = {k: v.detach() for k, v in fresh.items()}  # state, not differentiated
+        state = {k: v.detach() for k, v in fresh.items()}  # state, not differentiated
         spec, leaves = _take_apart(out, type(model).__name__)
         ids = {id(c): i for i, c in enumerate(caches)}
         aliases = OutputAliases(

@@ -64,6 +64,7 @@ def plan_peak(
     activation bytes are at most ``max_bytes``); ``costs`` are the values' recompute costs."""
     problem = cut_problem(joint)
     model = peak_model(problem)
+    others = _baselines(problem, costs, max_bytes, offload)  # simulated once, used twice
     best: Planned | None = None
     limit = float(peak_bytes)
     for _ in range(_ROUNDS):  # the model short of the simulation: lower the limit
@@ -75,7 +76,7 @@ def plan_peak(
             break
         limit -= found.peak - peak_bytes
     if best is None:  # the model's lowest peak may still simulate within the limit
-        lowest = _lowest(problem, model, costs, max_bytes, time_limit, offload)
+        lowest = _lowest(problem, model, costs, max_bytes, time_limit, offload, others)
         if lowest.peak > peak_bytes:
             raise InvalidPartitionError(
                 f"memory_budget: peak_bytes={peak_bytes} is below the lowest step peak found, "
@@ -92,7 +93,7 @@ def plan_peak(
         if found is None or found.peak > peak_bytes or found.cost >= best.cost:
             break
         best = found
-    for other in _baselines(problem, costs, max_bytes, offload):  # cheaper and within N?
+    for other in others:  # cheaper and within N?
         if other.peak <= peak_bytes and other.cost < best.cost:
             best = other
     return best.cut
@@ -136,7 +137,8 @@ def lowest_peak(
     True
     """
     problem = cut_problem(joint)
-    return _lowest(problem, peak_model(problem), costs, max_bytes, time_limit, offload)
+    others = _baselines(problem, costs, max_bytes, offload)
+    return _lowest(problem, peak_model(problem), costs, max_bytes, time_limit, offload, others)
 
 
 def _lowest(
@@ -146,10 +148,12 @@ def _lowest(
     max_bytes: float,
     time_limit: float,
     offload: OffloadTerms | None,
+    others: Sequence[Planned],
 ) -> Planned:
+    """The lowest modelled peak's cut, or of ``others`` (the named cuts, simulated) one that
+    simulates lower."""
     terms = PeakTerms(model, math.inf, first=True)
     result = solve_ilp(problem, costs, max_bytes, time_limit, offload, terms)
-    others = _baselines(problem, costs, max_bytes, offload)
     if result is None:
         if not others:
             raise InvalidPartitionError(
