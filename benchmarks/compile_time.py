@@ -30,7 +30,7 @@ at 16 blocks at most 0.5x ``aot_eager``'s first call, and its 16-block first cal
 its 2-block one.
 
     python -m benchmarks.compile_time [--quick] [--no-inductor] [--repeats N] [--out PATH]
-        [--baseline CHECKOUT] [--model gpt|functional] [--fresh]
+        [--baseline CHECKOUT] [--model gpt|functional|resnet|qwen] [--fresh]
 
 ``--baseline CHECKOUT`` adds ``ft_baseline``: ``ft.jit(model)`` as another checkout of functrans
 (``git worktree add /tmp/base <commit>``) builds it, in processes interleaved with this one's,
@@ -95,9 +95,12 @@ def _compiled(compiler: str, model: Any) -> Any:
 
 #: the models measured: ``gpt`` (``benchmarks.dynamic.GPT``, blocks in an ``nn.ModuleList``),
 #: ``functional`` (``benchmarks._functional_gpt``: the same math JAX-style, a block a plain
-#: function called in a loop over a list of parameter dicts) and ``resnet`` (the module zoo's
-#: ``bn_resnet``: basic blocks of 32 channels with train-mode batch norm, images 2x8x8)
-MODELS = ("gpt", "functional", "resnet")
+#: function called in a loop over a list of parameter dicts), ``resnet`` (the module zoo's
+#: ``bn_resnet``: basic blocks of 32 channels with train-mode batch norm, images 2x8x8) and
+#: ``qwen`` (HF ``Qwen2ForCausalLM`` from a config with its defaults, ``use_cache=True``
+#: included: width 64, 4 heads, 2 key/value heads, vocabulary 128; the loss HF computes
+#: from ``labels``)
+MODELS = ("gpt", "functional", "resnet", "qwen")
 
 
 def _model(kind: str, layers: int, small: bool) -> tuple[Any, tuple[Any, ...]]:
@@ -113,6 +116,9 @@ def _model(kind: str, layers: int, small: bool) -> tuple[Any, tuple[Any, ...]]:
         return zoo.module, (x,)
     from benchmarks.dynamic import GPT, SEQ, VOCAB
 
+    if kind == "qwen":
+        return _qwen(layers, 32 if small else 64, SEQ)
+
     gen = torch.Generator().manual_seed(0)
     idx = torch.randint(0, VOCAB, (2, SEQ), generator=gen)
     tgt = torch.randint(0, VOCAB, (2, SEQ), generator=gen)
@@ -123,6 +129,29 @@ def _model(kind: str, layers: int, small: bool) -> tuple[Any, tuple[Any, ...]]:
         return fg.loss, (fg.init(layers=layers, d=d), idx, tgt)
     torch.manual_seed(0)
     return GPT(layers=layers, d=d), (idx, tgt)
+
+
+def _qwen(layers: int, d: int, seq: int) -> tuple[Any, tuple[Any, ...]]:
+    import torch
+    import transformers
+
+    config = transformers.Qwen2Config(
+        vocab_size=128,
+        hidden_size=d,
+        intermediate_size=2 * d,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2 * seq,
+    )
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(config)
+    ids = torch.randint(0, 128, (2, seq), generator=torch.Generator().manual_seed(0))
+
+    def loss(ids: torch.Tensor) -> torch.Tensor:
+        return model(input_ids=ids, labels=ids).loss  # type: ignore[no-any-return]  # HF's output
+
+    return loss, (ids,)
 
 
 def child(compiler: str, depth: int, model: str = "gpt", fresh: bool = False) -> None:
@@ -281,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
             "gpt": "benchmarks.dynamic.GPT(d=64, heads=4)",
             "functional": "benchmarks._functional_gpt (d=64, heads=4, no dropout)",
             "resnet": "benchmarks._module_zoo.bn_resnet (32 channels, images 2x8x8)",
+            "qwen": "transformers.Qwen2ForCausalLM from its config (d=64, use_cache default)",
         }[args.model],
         "fresh": args.fresh,
         "batch": [2, 32],

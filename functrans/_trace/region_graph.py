@@ -59,6 +59,28 @@ class Region:
     writes: list[int] = field(default_factory=list)
 
 
+def _empty_constants_made(gm: fx.GraphModule) -> None:
+    """Constants with no elements (``torch.tensor([])``, an empty cache slot's start) made
+    by an op instead: they hold no data, and a region takes no constants."""
+    for x in list(gm.graph.nodes):
+        if x.op != "get_attr":
+            continue
+        value = getattr(gm, str(x.target), None)
+        if not isinstance(value, torch.Tensor) or value.numel() != 0 or "val" not in x.meta:
+            continue
+        with gm.graph.inserting_before(x):
+            made = gm.graph.call_function(
+                torch.ops.aten.empty.memory_format,
+                (list(value.shape),),
+                {"dtype": value.dtype, "device": x.meta["val"].device},
+            )
+        made.meta.update(x.meta)
+        x.replace_all_uses_with(made)
+        gm.graph.erase_node(x)
+        delattr(gm, str(x.target))
+    gm.recompile()
+
+
 def _fresh(val: torch.Tensor) -> torch.Tensor:
     return torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=val.device)
 
@@ -161,6 +183,7 @@ def trace_region(
     for x in gm.graph.nodes:
         if x.name in forward_names:
             x.meta[_FORWARD] = True
+    _empty_constants_made(gm)  # after: the op made takes its constant's phase
     # in-place ops on the region's own buffers (dropout's bernoulli_) made functional once
     # here, not in every copy: the expanded graph then needs no functionalization pass; and
     # writes to its inputs (a batch norm's running statistics) too: their final values are

@@ -42,6 +42,7 @@ __all__ = [
     "Attr",
     "BlockState",
     "Reads",
+    "SideEffect",
     "aliasing",
     "attrs_snapshot",
     "block_state",
@@ -215,6 +216,10 @@ def reading(m: torch.nn.Module) -> Iterator[Reads]:
                 found.attrs.update((sub, r.key) for sub in subs)
             elif r.how is reads.How.CONTENT and subs:
                 found.everything = True
+
+
+class SideEffect(Exception):
+    """The block changed its own attributes while traced: it is traced inline."""
 
 
 def not_reading() -> contextlib.AbstractContextManager[None]:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import operator
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
@@ -62,6 +63,7 @@ from .region_keys import (
     PLAIN,
     Attr,
     Reads,
+    SideEffect,
     aliasing,
     attrs_snapshot,
     block_state,
@@ -75,6 +77,7 @@ from .region_keys import (
     tensor_key,
     value_key,
 )
+from .region_state import StateCall, Update, index_attribute, state_kind
 from .trace import TRACE_CONTEXTS, TRACE_PASSES
 
 __all__ = [
@@ -107,13 +110,17 @@ FORWARD_OP, BACKWARD_OP = _FWD, _BWD
 
 
 class _Variant(NamedTuple):
-    """One region traced for a key: the attributes its trace read (and their values), and
-    the block it traced (a block reusing the region replays its reads)."""
+    """One region traced for a key: the attributes its trace read (and their values), the
+    block it traced (a block reusing the region replays its reads), and the updates of a
+    state object its trace made (the slot from the attribute ``index`` of the calling block,
+    where found; :mod:`functrans._trace.region_state`)."""
 
     reads: Reads
     attrs: dict[Attr, Any]
     rid: int
     block: torch.nn.Module | None
+    updates: tuple[Update, ...] = ()
+    index_attr: Attr | None = None
 
 
 @dataclass
@@ -337,49 +344,40 @@ def call_region(
     what: str,
     block: tuple[torch.nn.Module, dict[Attr, Any]] | None = None,
     tolerant: bool = False,
+    state: StateCall | None = None,
 ) -> _T | Any:
     """``call(tensors)`` as a region (``eager()`` where it cannot be one). ``block``: the
     module called and its attributes' values (a call reuses a region whose trace read the same
     values; see :mod:`functrans._trace.region_keys`). ``tolerant``: a block that fails to trace
     on its own (a region nobody asked for) is traced inline, where its error, if any, is the
-    user's."""
+    user's. ``state``: the state object the block updates (``block`` given too; see
+    :mod:`functrans._trace.region_state`), told which updates to replay."""
     s = _SESSION.get()
     assert s is not None
     with _no_torch_functions():  # metadata reads: no mode needs to see them
         key = (key_parts, tuple(tensor_key(t) for t in tensors), aliasing(tensors), id(s.table))
     attrs = block[1] if block is not None else {}
     variants = s.by_key.setdefault(key, [])
-    found = next((v for v in variants if matches(v.attrs, v.reads, attrs)), None)
-    rid = None if found is None else found.rid
+    found = next((v for v in variants if _serves(v, attrs, state, block)), None)
     if found is not None and found.block is not None and block is not None:
         replay(found.reads, found.block, block[0])  # what the step reads of this block
-    if rid is None:
+    if found is None:
         rid = len(s.regions)
-        reads = Reads()
-        try:
-            with _outside_outer_trace(), reading(block[0]) if block else nullcontext() as seen:
-                region = trace_region(call, tensors, s.table)
-            reads = seen or reads
-        except SideEffect:
-            region = None
-        except ControlFlow:
-            raise
-        except Exception:
-            if not tolerant:
-                raise
-            region = None
-        traced = block[0] if block is not None else None
-        variants.append(_Variant(reads, {a: attrs.get(a) for a in reads.attrs}, rid, traced))
+        found, region = _trace_variant(call, tensors, s.table, rid, attrs, block, tolerant, state)
+        variants.append(found)
         s.regions.append(region)
         if region is not None:
             stats.traced += 1
             log("recompiles", f"region {what}", lambda: f"traced once, key #{rid}")
-    elif s.regions[rid] is not None:
+    elif s.regions[found.rid] is not None:
         stats.reused += 1
-        log("recompiles", f"region {what}", lambda: f"reused (key #{rid})")
+        log("recompiles", f"region {what}", lambda: f"reused (key #{found.rid})")
+    rid = found.rid
     region = s.regions[rid]
     if region is None:
         return eager()
+    if state is not None:
+        state.chosen = (found.updates, found.index_attr)
     s.calls += 1
     held = _DEFER.get()
     if held is not None and block is not None:
@@ -401,6 +399,72 @@ def call_region(
             for i, value in zip(region.writes, outs[mine:], strict=True):
                 tensors[i].copy_(value)
     return pytree.tree_unflatten(list(outs[:mine]), region.out_spec)
+
+
+def _serves(
+    v: _Variant,
+    attrs: dict[Attr, Any],
+    state: StateCall | None,
+    block: tuple[torch.nn.Module, dict[Attr, Any]] | None,
+) -> bool:
+    """Whether the region of ``v`` may serve a call with ``attrs`` (and ``state``)."""
+    if not matches(v.attrs, v.reads, attrs):
+        return False
+    return state is None or block is None or state.accepts(v.updates, v.index_attr, block[0])
+
+
+def _trace_variant(
+    call: Callable[[list[torch.Tensor]], Any],
+    tensors: list[torch.Tensor],
+    table: Any,
+    rid: int,
+    attrs: dict[Attr, Any],
+    block: tuple[torch.nn.Module, dict[Attr, Any]] | None,
+    tolerant: bool,
+    state: StateCall | None,
+) -> tuple[_Variant, Region | None]:
+    """Trace ``call`` as region ``rid``: the variant that records it, and the region (None:
+    the block is traced inline)."""
+    reads = Reads()
+    region: Region | None = None
+    try:
+        with _outside_outer_trace(), reading(block[0]) if block else nullcontext() as seen:
+            region = trace_region(call, tensors, table)
+        reads = seen or reads
+    except SideEffect:
+        region = None
+    except ControlFlow:
+        raise
+    except Exception:
+        if not tolerant:
+            raise
+        region = None
+    traced = block[0] if block is not None else None
+    updates = tuple(state.last.updates) if state is not None and state.last is not None else ()
+    index = None
+    if region is not None and updates and block is not None and state is not None:
+
+        def retrace() -> Region | None:
+            with _outside_outer_trace():
+                return trace_region(call, tensors, table)
+
+        index = index_attribute(block[0], reads, updates, state, retrace, _graph_text, region)
+        if index is not None:  # the slot's index is no part of the key
+            reads = dataclasses.replace(reads, attrs=reads.attrs - {index})
+    kept = {a: attrs.get(a) for a in reads.attrs}
+    variant = _Variant(reads, kept, rid, traced, updates if region is not None else (), index)
+    return variant, region
+
+
+def _graph_text(region: Region) -> str:
+    """What a region computes, as text: each node's op, target and arguments (nodes by
+    position), and the output's structure."""
+    at = {x: i for i, x in enumerate(region.gm.graph.nodes)}
+    lines = [
+        f"{x.op} {x.target} {fx.map_arg((x.args, x.kwargs), lambda a: at[a])}"
+        for x in region.gm.graph.nodes
+    ]
+    return "\n".join([*lines, str(region.out_spec)])
 
 
 def _usable(tensors: list[Any]) -> bool:
@@ -445,16 +509,22 @@ def function_call(args: Any, kwargs: Any) -> FunctionCall | None:
     return FunctionCall(tensors, statics, leaves) if _usable(tensors) else None
 
 
-def _split_args(args: Any, kwargs: Any) -> tuple[list[torch.Tensor], Any, Any] | None:
+def _split_args(
+    args: Any, kwargs: Any, states: list[StateCall] | None = None
+) -> tuple[list[torch.Tensor], Any, Any] | None:
     """Tensor leaves of ``(args, kwargs)``, the key of the rest, and the spec (None: a leaf
-    that is neither a tensor nor a plain value)."""
+    that is neither a tensor nor a plain value, nor, where ``states`` collects them, a state
+    object a stand-in answers for: at most one)."""
     leaves, spec = pytree.tree_flatten((args, kwargs))
     statics: list[Any] = []
-    for leaf in leaves:
+    for i, leaf in enumerate(leaves):
         if isinstance(leaf, torch.Tensor):
             statics.append(None)
         elif isinstance(leaf, PLAIN):
             statics.append(value_key(leaf))
+        elif states is not None and not states and (kind := state_kind(leaf)) is not None:
+            states.append(StateCall(kind, leaf, i))
+            statics.append(("state", type(leaf)))
         else:
             return None
     return [x for x in leaves if isinstance(x, torch.Tensor)], (spec, tuple(statics)), leaves
@@ -477,7 +547,8 @@ def _module_region(m: torch.nn.Module, original: Callable[..., Any], args: Any, 
         state = None if hooked else block_state(m)
     if state is None:
         return eager()
-    split = _split_args(args, kw)
+    states: list[StateCall] = []
+    split = _split_args(args, kw, states)
     if split is None:
         return eager()
     inputs, statics, leaves = split
@@ -487,16 +558,21 @@ def _module_region(m: torch.nn.Module, original: Callable[..., Any], args: Any, 
     if not _usable(tensors):
         return eager()
     n_in = len(inputs)
+    updated = states[0] if states else None
 
     def call(flat: list[torch.Tensor]) -> Any:
-        a, k = _rebuild(leaves, statics, flat[:n_in])
+        given = list(leaves)
+        if updated is not None:  # the block updates a stand-in; what it was given, output
+            stand_in = updated.stand_in(flat)
+            given[updated.position] = stand_in
+        a, k = _rebuild(given, statics, flat[:n_in])
         with not_reading():  # our bookkeeping is no read of the block's
             swapped = [(table, name, table[name]) for table, name in slots]
             snap = attrs_snapshot(m)
             for (table, name), t in zip(slots, flat[n_in:], strict=False):
                 table[name] = t
         try:
-            return original(m, *a, **k)
+            out = original(m, *a, **k)
         finally:
             with not_reading():
                 for table, name, t in swapped:
@@ -504,19 +580,42 @@ def _module_region(m: torch.nn.Module, original: Callable[..., Any], args: Any, 
                 changed = restore_changed(snap)
             if changed:
                 raise SideEffect
+        return out if updated is None else (out, stand_in.outputs)
 
-    return call_region(
+    if updated is None:
+        return call_region(
+            (type(m), state.structure, statics),
+            tensors,
+            call,
+            eager,
+            type(m).__qualname__,
+            (m, state.attrs),
+        )
+    ran = _Eager()
+    result = call_region(
         (type(m), state.structure, statics),
         tensors,
         call,
-        eager,
+        lambda: ran.run(eager),
         type(m).__qualname__,
         (m, state.attrs),
+        state=updated,
     )
+    if result is ran:
+        return ran.value
+    out, outputs = cast(tuple[Any, list[torch.Tensor]], result)
+    updated.replay(outputs, tensors, m)
+    return out
 
 
-class SideEffect(Exception):
-    """The block changed its own attributes while traced: it is traced inline."""
+class _Eager:
+    """A block call that ran as written (not a region): its value."""
+
+    value: Any = None
+
+    def run(self, eager: Callable[[], Any]) -> _Eager:
+        self.value = eager()
+        return self
 
 
 # ---------------------------------------------------------------------------------------------
