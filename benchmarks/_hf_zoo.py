@@ -33,6 +33,7 @@ __all__ = [
     "hf_kwargs",
     "hf_llama",
     "hf_mistral",
+    "hf_qwen2_default",
 ]
 
 #: Names of the models that need ``transformers``.
@@ -130,6 +131,26 @@ def hf_llama(attn: str = "eager", layers: int = 2) -> Model:
         return tf.LlamaForCausalLM(cfg)  # type: ignore[no-any-return]  # transformers is untyped
 
     return _hf_model(_suffix("hf_llama", attn, layers), build)
+
+
+def hf_qwen2_default(layers: int = 12) -> Model:
+    """A Qwen2 of ``layers`` layers (hidden 64, 4 query heads over 2 key/value heads, vocab
+    128) from ``Qwen2Config`` with every other setting at its default: ``use_cache=True``
+    (each layer fills a KV cache in the training step) and the default attention."""
+
+    def build(tf: Any) -> torch.nn.Module:
+        cfg = tf.Qwen2Config(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+        )
+        return tf.Qwen2ForCausalLM(cfg)  # type: ignore[no-any-return]  # transformers is untyped
+
+    return _hf_model(f"hf_qwen2_default_{layers}l", build)
 
 
 def hf_gpt2(attn: str = "eager", layers: int = 2) -> Model:

@@ -39,6 +39,7 @@ from ._hf_zoo import (
     hf_kwargs,
     hf_llama,
     hf_mistral,
+    hf_qwen2_default,
 )
 from ._model import LossFn, Model, Params, Wrap, pick
 
@@ -60,6 +61,7 @@ __all__ = [
     "hf_kwargs",
     "hf_llama",
     "hf_mistral",
+    "hf_qwen2_default",
     "llama_block",
     "llama_layer",
     "llama_stack",
@@ -398,6 +400,7 @@ ZOO: dict[str, Callable[[], Model]] = {
 }
 if has_transformers():
     ZOO.update(hf_llama=hf_llama, hf_gpt2=hf_gpt2, hf_bert=hf_bert, hf_mistral=hf_mistral)
+    ZOO["hf_qwen2_default"] = hf_qwen2_default  # HF's defaults: use_cache=True
 
 
 def forward_flops(model: Model, size: str = "bench", dtype: torch.dtype = torch.float32) -> int:

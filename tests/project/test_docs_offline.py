@@ -43,7 +43,7 @@ def test_no_page_loads_a_script_from_the_network() -> None:
         assert not remote, f"{page.relative_to(site)} loads {remote}"
 
 
-def _dom(url: str) -> str:
+def _dom(url: str, *flags: str) -> str:
     """The DOM headless Chromium renders at ``url`` once its scripts have run."""
     chromium = shutil.which("chromium")
     if chromium is None:
@@ -60,6 +60,7 @@ def _dom(url: str) -> str:
                 "--no-first-run",
                 f"--user-data-dir={profile}",
                 "--virtual-time-budget=20000",
+                *flags,
                 "--dump-dom",
                 url,
             ],
@@ -85,3 +86,61 @@ def test_search_finds_pages_opened_from_files() -> None:
     dom = _dom((site / "index.html").as_uri() + "?q=partition")
     found = re.search(r'class="md-search-result__meta">(\d+) matching document', dom)
     assert found and int(found.group(1)) > 0, "search did not answer 'partition'"
+
+
+#: A page that opens the site's home page in a frame, clicks the navigation's link to the API
+#: reference, then types a query into the search box of the page that opened, and writes what
+#: it saw: a reader's clicks, from files (Chromium lets file pages script each other only with
+#: --allow-file-access-from-files).
+_CLICKER = """<!doctype html><html><body>
+<iframe id="site" src="HOME" style="width:1280px;height:900px"></iframe>
+<pre id="seen"></pre>
+<script>
+const seen = (line) => { document.getElementById("seen").textContent += line + "\\n"; };
+const frame = document.getElementById("site");
+let step = 0;
+frame.addEventListener("load", () => {
+  const doc = frame.contentDocument;
+  if (doc === null) { seen("NO ACCESS"); return; }
+  if (step === 0) {
+    step = 1;
+    const link = [...doc.querySelectorAll("nav a")].find(
+      (a) => (a.getAttribute("href") || "").endsWith("api/functrans.html"));
+    if (!link) { seen("NO LINK"); return; }
+    link.click();
+    return;
+  }
+  if (step !== 1) return;
+  step = 2;
+  const path = frame.contentWindow.location.pathname;
+  seen("OPENED " + path.slice(path.lastIndexOf("/api/")));
+  seen("HAS JIT " + doc.body.textContent.includes("functrans.jit"));
+  const box = doc.querySelector("input.md-search__input");
+  if (!box) { seen("NO SEARCH BOX"); return; }
+  box.focus();
+  box.value = "partition";
+  box.dispatchEvent(new Event("focus", { bubbles: true }));
+  box.dispatchEvent(new Event("input", { bubbles: true }));
+  box.dispatchEvent(new KeyboardEvent("keyup", { bubbles: true, key: "n" }));
+  setTimeout(() => {
+    const meta = doc.querySelector(".md-search-result__meta");
+    seen("SEARCH " + (meta ? meta.textContent.trim() : "no answer"));
+  }, 8000);
+});
+</script></body></html>
+"""
+
+
+def test_a_reader_clicks_to_the_api_and_searches_from_files(tmp_path: Path) -> None:
+    site = _site()
+    clicker = tmp_path / "clicker.html"
+    clicker.write_text(_CLICKER.replace("HOME", (site / "index.html").as_uri()))
+    dom = _dom(clicker.as_uri(), "--allow-file-access-from-files")
+    seen = re.search(r'<pre id="seen">(.*?)</pre>', dom, re.S)
+    assert seen, dom[-2000:]
+    lines = seen.group(1).splitlines()
+    assert "OPENED /api/functrans.html" in lines, lines
+    assert "HAS JIT true" in lines, lines
+    found = [line for line in lines if line.startswith("SEARCH ")]
+    assert found and re.match(r"SEARCH (\d+) matching document", found[0]), lines
+    assert int(found[0].split()[1]) > 0, lines
