@@ -71,8 +71,12 @@ def refuse_export(transform: str, name: str) -> None:
         "`blk.module` for `ft.remat(blk)`) and apply remat after loading, or compile "
         "instead with torch.compile or ft.jit, which keep the policy."
     )
-    if torch.compiler.is_dynamo_compiling():  # strict export: Dynamo raises, with this text
-        torch._dynamo.graph_break(why)
+    if torch.compiler.is_dynamo_compiling():
+        # strict export: Dynamo traces this code. A raise or a graph break would be reported
+        # under Dynamo's own headline ("Observed exception", "User-inserted graph break...
+        # Remove the call"), this text buried in its debug context; a failed torch._assert of
+        # a constant is raised at once as an AssertionError whose message is this text
+        torch._assert(False, why)
     raise UnsupportedOpError(why)
 
 
