@@ -14,7 +14,17 @@ $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q "$(TORCH)"
-	$(VPY) -m pip install -q -e ".[test,dev,hf,triton,docs]" "$(TORCH)"
+	$(VPY) -m pip install -q -e ".[test,dev,hf,triton,docs,recipes]" "$(TORCH)"
+	# torchtitan and torchtune (tests/integration/test_recipes.py): what they need to import
+	# comes with the recipes extra; their other requirements are for their own trainers.
+	# torchtitan 0.2.2: 0.3.0's models train only with flex attention, whose backward has
+	# no CPU kernel
+	$(VPY) -m pip install -q --no-deps torchtitan==0.2.2 torchdata==0.11.0
+	# torchtune 0.6.1 needs torchao <= 0.15 (int4_weight_only), and peft refuses to import
+	# beside a torchao < 0.16: both go to a folder of their own, which only the torchtune
+	# test's subprocess puts on its path
+	$(VPY) -m pip install -q --no-deps --upgrade --target $(VENV)/torchtune \
+		torchtune==0.6.1 torchao==0.15.0
 	$(VPY) -m functrans.codegen._native  # the native executor, built once here, not at a first call
 	touch $(STAMP)
 

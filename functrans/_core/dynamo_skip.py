@@ -76,7 +76,7 @@ def refuse_export(transform: str, name: str) -> None:
         # under Dynamo's own headline ("Observed exception", "User-inserted graph break...
         # Remove the call"), this text buried in its debug context; a failed torch._assert of
         # a constant is raised at once as an AssertionError whose message is this text
-        torch._assert(False, why)
+        torch._assert(False, why)  # type: ignore[no-untyped-call]  # torch._assert is unannotated
     raise UnsupportedOpError(why)
 
 

@@ -52,6 +52,7 @@ import contextvars
 import dis
 import enum
 import functools
+import logging
 import os
 import sys
 import threading
@@ -65,6 +66,7 @@ import numpy as np
 import torch
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
+from functrans._core import marks
 from functrans._core.context import FUNCTRANS_DIR, classify
 
 __all__ = [
@@ -74,6 +76,7 @@ __all__ = [
     "Read",
     "Recorder",
     "Source",
+    "StandsFor",
     "Step",
     "class_attrs",
     "content_of",
@@ -219,6 +222,12 @@ ATOMS = (
     torch.memory_format,
     enum.Enum,
 )
+
+
+#: objects a trace reads that are not state its values depend on: the ``logging`` tree
+#: (a module's ``_log = logging.getLogger(__name__)``), which every library changes as it
+#: goes (guarded, a torchtune attention's ``_log`` read whole recompiled every call)
+_LOGGING = (logging.Filterer, logging.Manager, logging.PlaceHolder)
 
 
 def is_atom(v: Any) -> bool:
@@ -787,7 +796,7 @@ class Recorder:
         reader should get (a recording copy for a dict)."""
         if issubclass(type(obj), torch.Tensor) or is_atom(obj):
             return obj
-        if issubclass(type(obj), DictView):
+        if issubclass(type(obj), (DictView, *_LOGGING)):
             return obj
         if type(obj) is dict:
             return self._view(obj, source)
@@ -1165,6 +1174,14 @@ def _class_lookup(cls: type, name: str) -> Any:
 _TABLES = ("_parameters", "_buffers", "_modules")
 
 
+@dataclass(frozen=True)
+class StandsFor:
+    """The record on a function functrans installs on a class while a trace runs: the
+    function it replaces, what reads of it record."""
+
+    original: Any
+
+
 def _resolve(obj: Any, name: str, value: Any) -> tuple[How | None, Any]:
     """Where ``obj.<name>`` (which gave ``value``) came from, and the value a guard compares
     (for a class attribute: what the class holds, a function rather than a bound method)."""
@@ -1182,7 +1199,10 @@ def _resolve(obj: Any, name: str, value: Any) -> tuple[How | None, Any]:
             on_class = getattr(cls, name)
         except AttributeError:
             return How.COMPUTED, value
-        return How.CLASS, on_class
+        # a method functrans patches for the length of a trace (``ModuleDict.values``, to find
+        # blocks) reads as the method it stands for: the one a guard finds after the trace
+        patched = marks.read(on_class, StandsFor)
+        return How.CLASS, on_class if patched is None else patched.original
     if issubclass(type(obj), torch.nn.Module) and attrs is not None:
         for table in _TABLES:
             held = attrs.get(table)

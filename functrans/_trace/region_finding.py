@@ -1,10 +1,11 @@
-"""Finding blocks while a trace runs: members of ``nn.ModuleList`` and ``nn.Sequential``
-with a sibling of their class, and modules and functions :func:`region` marks (see
-:mod:`functrans._trace.regions`, which traces and reuses them).
+"""Finding blocks while a trace runs: members of ``nn.ModuleList``, ``nn.Sequential`` and
+``nn.ModuleDict`` with a sibling of their class, and modules and functions :func:`region`
+marks (see :mod:`functrans._trace.regions`, which traces and reuses them).
 
-For the length of a trace (:func:`finding_blocks`, one of the trace contexts) ``Module.__call__``
-and ``ModuleList``'s iteration and indexing are patched: iterating or indexing a list marks its
-members that have a sibling of the same class, and a marked module's call goes through
+For the length of a trace (:func:`finding_blocks`, one of the trace contexts)
+``Module.__call__``, ``ModuleList``'s iteration and indexing and ``ModuleDict``'s ``values``,
+``items`` and indexing are patched: reaching into a container marks its members that have a
+sibling of the same class, and a marked module's call goes through
 :func:`functrans._trace.regions._module_region`. Plain functions called as blocks are found
 by :mod:`functrans._trace.region_functions`.
 
@@ -30,6 +31,7 @@ import torch
 from functrans._core.errors import InvalidArgumentError
 from functrans._core.marks import leave, marked
 
+from . import reads
 from . import regions as _regions
 from .region_keys import code_key
 from .trace import TRACE_CONTEXTS
@@ -65,6 +67,9 @@ def _mark_siblings(mods: Any) -> None:
 _ORIGINAL_CALL = torch.nn.Module.__call__
 _ORIGINAL_ITER = torch.nn.ModuleList.__iter__
 _ORIGINAL_GETITEM = torch.nn.ModuleList.__getitem__
+_ORIGINAL_DICT_GETITEM = torch.nn.ModuleDict.__getitem__
+_ORIGINAL_VALUES = torch.nn.ModuleDict.values
+_ORIGINAL_ITEMS = torch.nn.ModuleDict.items
 
 
 def _patched_call(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -89,6 +94,41 @@ def _patched_getitem(self: torch.nn.ModuleList, idx: Any) -> Any:
     return _ORIGINAL_GETITEM(self, idx)
 
 
+def _patched_dict_getitem(self: torch.nn.ModuleDict, key: str) -> torch.nn.Module:
+    if _CANDIDATES.get() is not None:
+        _mark_siblings(self._modules.values())
+    return _ORIGINAL_DICT_GETITEM(self, key)
+
+
+def _patched_values(self: torch.nn.ModuleDict) -> Any:
+    _mark_siblings(self._modules.values())
+    return _ORIGINAL_VALUES(self)
+
+
+def _patched_items(self: torch.nn.ModuleDict) -> Any:
+    _mark_siblings(self._modules.values())
+    return _ORIGINAL_ITEMS(self)
+
+
+for _patched, _original in (
+    (_patched_dict_getitem, _ORIGINAL_DICT_GETITEM),
+    (_patched_values, _ORIGINAL_VALUES),
+    (_patched_items, _ORIGINAL_ITEMS),
+):  # a read of ``layers.values`` during a trace records the method a guard finds after it
+    leave(_patched, reads.StandsFor(_original))
+
+#: (class, method name, patched) while a trace runs: the containers whose members with a
+#: sibling of their class are blocks (a ``ModuleDict`` of layers is torchtitan's stack)
+_PATCHES: tuple[tuple[type, str, Callable[..., Any]], ...] = (
+    (torch.nn.Module, "__call__", _patched_call),
+    (torch.nn.ModuleList, "__iter__", _patched_iter),
+    (torch.nn.ModuleList, "__getitem__", _patched_getitem),
+    (torch.nn.ModuleDict, "__getitem__", _patched_dict_getitem),
+    (torch.nn.ModuleDict, "values", _patched_values),
+    (torch.nn.ModuleDict, "items", _patched_items),
+)
+
+
 @contextlib.contextmanager
 def finding_blocks(_traced: Any = None) -> Iterator[None]:
     """While a trace runs (one of ``TRACE_CONTEXTS``): module calls of blocks go through
@@ -97,26 +137,18 @@ def finding_blocks(_traced: Any = None) -> Iterator[None]:
         yield
         return
     token = _CANDIDATES.set({})
-    patched = (
-        torch.nn.Module.__call__,
-        torch.nn.ModuleList.__iter__,
-        torch.nn.ModuleList.__getitem__,
-    )
+    before = [(cls, name, cls.__dict__[name]) for cls, name, _ in _PATCHES]
     # make_fx's tracer calls modules through the module global it saved at import
     symbolic = torch.fx._symbolic_trace
     saved = symbolic._orig_module_call
     symbolic._orig_module_call = _patched_call
-    torch.nn.Module.__call__ = _patched_call  # type: ignore[method-assign]  # patched while tracing, restored after
-    torch.nn.ModuleList.__iter__ = _patched_iter  # type: ignore[method-assign]  # patched while tracing, restored after
-    torch.nn.ModuleList.__getitem__ = _patched_getitem  # type: ignore[method-assign]  # patched while tracing, restored after
+    for cls, name, patched in _PATCHES:  # patched while tracing, restored after
+        setattr(cls, name, patched)
     try:
         yield
     finally:
-        (
-            torch.nn.Module.__call__,  # type: ignore[method-assign]  # patched while tracing, restored after
-            torch.nn.ModuleList.__iter__,  # type: ignore[method-assign]  # patched while tracing, restored after
-            torch.nn.ModuleList.__getitem__,  # type: ignore[method-assign]  # patched while tracing, restored after
-        ) = patched
+        for cls, name, original in before:
+            setattr(cls, name, original)
         symbolic._orig_module_call = saved
         _CANDIDATES.reset(token)
 

@@ -29,6 +29,7 @@ forward reads (a dropout ``p``, a sliding window) keeps differing blocks apart.
 from __future__ import annotations
 
 import contextlib
+import types
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,14 +67,20 @@ _MODULE_SLOTS = frozenset(
 Attr = tuple[str, str]  # (submodule name, attribute)
 
 
-def value_key(v: Any) -> Any:
-    """A hashable stand-in for a plain value (by value) or any other object (by identity)."""
+def value_key(v: Any, depth: int = 0) -> Any:
+    """A hashable stand-in for a plain value (by value), a Python function (by its code,
+    globals, closure values and defaults: torchtune gives each attention module a closure
+    of its own over the same values), or any other object (by identity)."""
     if isinstance(v, PLAIN):
         return (type(v), v)
+    if depth > 4:  # a closure over itself, a deep nest: by identity
+        return ("id", id(v))
     if isinstance(v, (tuple, list, frozenset)) and len(v) < 64:
-        return (type(v), tuple(value_key(x) for x in v))
+        return (type(v), tuple(value_key(x, depth + 1) for x in v))
     if isinstance(v, dict) and len(v) < 64 and all(isinstance(k, str) for k in v):
-        return (dict, tuple((k, value_key(x)) for k, x in v.items()))
+        return (dict, tuple((k, value_key(x, depth + 1)) for k, x in v.items()))
+    if type(v) is types.FunctionType and not v.__dict__:
+        return ("fn", id(v.__globals__), *code_key(v, depth + 1))
     return ("id", id(v))
 
 
@@ -117,14 +124,22 @@ def aliasing(tensors: list[torch.Tensor]) -> tuple[int, ...]:
     return tuple(first.setdefault(id(t), i) for i, t in enumerate(tensors))
 
 
-def code_key(fn: Any) -> Any:
+def code_key(fn: Any, depth: int = 0) -> Any:
     """A function's code, closure values and defaults."""
     code = getattr(fn, "__code__", None)
     if code is None:
         return ("id", id(fn))
-    cells = tuple(value_key(c.cell_contents) for c in fn.__closure__ or ())
-    defaults = value_key(fn.__defaults__)
-    return (id(code), cells, defaults)
+    cells = tuple(_cell_key(c, depth) for c in fn.__closure__ or ())
+    defaults = value_key(fn.__defaults__, depth)
+    kwdefaults = value_key(getattr(fn, "__kwdefaults__", None), depth)
+    return (id(code), cells, defaults, kwdefaults)
+
+
+def _cell_key(cell: Any, depth: int) -> Any:
+    try:
+        return value_key(cell.cell_contents, depth)
+    except ValueError:  # an empty cell (a name the function defines later)
+        return ("empty",)
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ Each test crosses a boundary a training script crosses (train/eval, autocast, to
 replaced closure tensor, global flags, threads) and compares with eager PyTorch.
 """
 
+import logging
 import sys
 import threading
 
@@ -504,3 +505,29 @@ def test_changing_a_global_the_function_reads_compiles_anew(monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "SCALE", 3.0)
     torch.testing.assert_close(jf(x), 3 * x)
     assert jf.cache_info().misses == 2
+
+
+_LOG = logging.getLogger("functrans.tests.guards")
+
+
+def _logs_then_computes(x: torch.Tensor) -> torch.Tensor:
+    if _LOG.isEnabledFor(logging.DEBUG):
+        _LOG.debug("called with %s", tuple(x.shape))
+    _LOG.info("computing")
+    return torch.sin(x) * 2
+
+
+def test_the_logging_tree_is_not_state_a_compiled_entry_depends_on():
+    """A module-level logger the traced code logs through is read, but the logging tree is
+    not state the values depend on: loggers made, levels and handlers changed between calls
+    (every library does, torchtune's attention logs each call) recompile nothing."""
+    f = ft.jit(_logs_then_computes)
+    x = torch.randn(3)
+    torch.testing.assert_close(f(x), _logs_then_computes(x))
+    for i in range(3):
+        logging.getLogger(f"functrans.tests.guards.new{i}")  # the manager's table grows
+        _LOG.setLevel(logging.DEBUG if i % 2 else logging.WARNING)
+        _LOG.addHandler(logging.NullHandler())
+        torch.testing.assert_close(f(x), _logs_then_computes(x))
+    info = f.cache_info()
+    assert (info.misses, info.hits) == (1, 3)

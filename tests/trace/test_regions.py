@@ -490,3 +490,66 @@ def test_recording_reads_leaves_the_block_class_as_it_was(
     _step(model, _x())
     assert all(type(b) is Indexed for b in model.blocks)
     assert type(model.blocks[0].fc) is nn.Linear  # type: ignore[index]
+
+
+def _scaled(scale: float) -> Callable[[torch.Tensor], torch.Tensor]:
+    def act(x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x) * scale
+
+    return act
+
+
+class WithClosure(Block):
+    """A block holding a closure of its own (torchtune gives each attention module one)."""
+
+    def __init__(self, scale: float) -> None:
+        super().__init__(p=0.0)
+        self.act = _scaled(scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(super().forward(x))
+
+
+@pytest.mark.parametrize(
+    ("scales", "traced"),
+    [([1.0, 1.0, 1.0, 1.0], 1), ([1.0, 2.0, 1.0, 2.0], 2)],
+    ids=["same_values", "two_values"],
+)
+def test_blocks_holding_closures_over_equal_values_share_a_region(
+    regions_env: Callable[[bool], None], scales: list[float], traced: int
+) -> None:
+    """A function attribute is keyed by its code and what it closes over, not its identity:
+    closures over equal values share a region, over other values they do not (and compute
+    as eager does either way)."""
+    torch.manual_seed(0)
+    got = _compare(regions_env, Stack([WithClosure(s) for s in scales]), _x())
+    assert got == (traced, 4 - traced)
+
+
+class DictStack(nn.Module):
+    """Blocks in an ``nn.ModuleDict``, called through ``values()`` (torchtitan's stack)."""
+
+    def __init__(self, n: int, d: int = 16) -> None:
+        super().__init__()
+        self.layers = nn.ModuleDict({str(i): Block(p=0.0) for i in range(n)})
+        self.head = nn.Linear(d, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers.values():
+            x = layer(x)
+        return self.head(x).square().mean()
+
+
+def test_blocks_in_a_module_dict_are_one_region_and_guards_hold(
+    regions_env: Callable[[bool], None],
+) -> None:
+    """A ``ModuleDict``'s blocks are regions; the trace-time ``values`` reads as the method
+    a guard finds after the trace, so a second call hits."""
+    torch.manual_seed(0)
+    model = DictStack(4)
+    assert _compare(regions_env, model, _x()) == (1, 3)
+    f = ft.jit(model)
+    for _ in range(2):
+        f(_x()).backward()
+    info = f.cache_info()
+    assert (info.misses, info.hits) == (1, 1)
