@@ -30,7 +30,7 @@ at 16 blocks at most 0.5x ``aot_eager``'s first call, and its 16-block first cal
 its 2-block one.
 
     python -m benchmarks.compile_time [--quick] [--no-inductor] [--repeats N] [--out PATH]
-        [--baseline CHECKOUT] [--model gpt|functional|resnet|qwen] [--fresh]
+        [--baseline CHECKOUT] [--model gpt|functional|resnet|qwen|titan] [--fresh]
 
 ``--baseline CHECKOUT`` adds ``ft_baseline``: ``ft.jit(model)`` as another checkout of functrans
 (``git worktree add /tmp/base <commit>``) builds it, in processes interleaved with this one's,
@@ -39,6 +39,10 @@ so a change's first-call cost is measured side by side with the code before it.
 ``--model functional`` measures the same model written JAX-style
 (:mod:`benchmarks._functional_gpt`: a block a plain function called in a loop over a list of
 parameter dicts; functrans finds the repeated calls, :mod:`functrans._trace.region_functions`).
+``--model resnet``, ``--model qwen`` and ``--model titan`` measure code nobody here wrote
+the model for: a BatchNorm ResNet stack, Hugging Face's Qwen2 from its config with its
+defaults (``use_cache=True``: each layer fills a KV cache) and torchtitan's Llama (its layers
+in an ``nn.ModuleDict``); see :data:`MODELS`.
 ``--fresh`` times what a user's first call costs in a new process: no warm-up, the clock
 started before ``import functrans`` (torch is imported before it for every compiler;
 torch.compile imports Dynamo in its first call, which is timed).
@@ -99,8 +103,9 @@ def _compiled(compiler: str, model: Any) -> Any:
 #: ``bn_resnet``: basic blocks of 32 channels with train-mode batch norm, images 2x8x8) and
 #: ``qwen`` (HF ``Qwen2ForCausalLM`` from a config with its defaults, ``use_cache=True``
 #: included: width 64, 4 heads, 2 key/value heads, vocabulary 128; the loss HF computes
-#: from ``labels``)
-MODELS = ("gpt", "functional", "resnet", "qwen")
+#: from ``labels``) and ``titan`` (torchtitan's Llama, its debug model's settings with a
+#: vocabulary of 128 and width 64: layers in an ``nn.ModuleDict``, its own cross-entropy)
+MODELS = ("gpt", "functional", "resnet", "qwen", "titan")
 
 
 def _model(kind: str, layers: int, small: bool) -> tuple[Any, tuple[Any, ...]]:
@@ -118,6 +123,8 @@ def _model(kind: str, layers: int, small: bool) -> tuple[Any, tuple[Any, ...]]:
 
     if kind == "qwen":
         return _qwen(layers, 32 if small else 64, SEQ)
+    if kind == "titan":
+        return _titan(layers, 32 if small else 64, SEQ)
 
     gen = torch.Generator().manual_seed(0)
     idx = torch.randint(0, VOCAB, (2, SEQ), generator=gen)
@@ -150,6 +157,25 @@ def _qwen(layers: int, d: int, seq: int) -> tuple[Any, tuple[Any, ...]]:
 
     def loss(ids: torch.Tensor) -> torch.Tensor:
         return model(input_ids=ids, labels=ids).loss  # type: ignore[no-any-return]  # HF's output
+
+    return loss, (ids,)
+
+
+def _titan(layers: int, d: int, seq: int) -> tuple[Any, tuple[Any, ...]]:
+    import torch
+    import torch.nn.functional as F
+    from torchtitan.models.llama3 import Transformer, TransformerModelArgs
+
+    args = TransformerModelArgs(dim=d, n_layers=layers, n_heads=4, vocab_size=128)
+    torch.manual_seed(0)
+    model = Transformer(args)
+    with torch.no_grad():
+        model.init_weights()
+    ids = torch.randint(0, 128, (2, seq + 1), generator=torch.Generator().manual_seed(0))
+
+    def loss(ids: torch.Tensor) -> torch.Tensor:
+        logits = model(ids[:, :-1])
+        return F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
 
     return loss, (ids,)
 
@@ -311,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
             "functional": "benchmarks._functional_gpt (d=64, heads=4, no dropout)",
             "resnet": "benchmarks._module_zoo.bn_resnet (32 channels, images 2x8x8)",
             "qwen": "transformers.Qwen2ForCausalLM from its config (d=64, use_cache default)",
+            "titan": "torchtitan.models.llama3.Transformer (d=64, 4 heads, vocab 128)",
         }[args.model],
         "fresh": args.fresh,
         "batch": [2, 32],

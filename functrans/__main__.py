@@ -8,7 +8,8 @@ self-contained HTML report of it (:func:`functrans.viz.report`: the cut, the sav
 memory timeline), with ``--compare`` beside the partitions of the other strategies named.
 ``--offload`` plans with ``memory_budget`` (at ``--budget``, default 0.0) and offload at that
 many GB/s each way (``inf``: free copies). A bad target or option exits with status 2 and a
-one-line message.
+one-line message. ``python -m functrans explain --trace`` lists what every trace enters and
+runs besides ``make_fx`` (:mod:`functrans._trace.extensions`), in order.
 """
 
 from __future__ import annotations
@@ -56,6 +57,11 @@ class _Usage(Exception):
 
 def explain(argv: list[str] | None = None) -> int:
     """Run the ``explain`` command; returns the exit code."""
+    if argv is not None and list(argv) == ["--trace"]:
+        from ._trace.extensions import describe
+
+        print(describe())
+        return 0
     parser = argparse.ArgumentParser(prog="python -m functrans explain")
     parser.add_argument(
         "target", help="FILE.py:FUNCTION or MODULE:FUNCTION returning (fn, example_args)"

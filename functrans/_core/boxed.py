@@ -36,6 +36,7 @@ __all__ = [
     "Picked",
     "boxed",
     "handover_call",
+    "register_handover",
 ]
 
 
@@ -145,6 +146,12 @@ RUNNING_NODE = "functrans: while running node"
 #: a boxed function directly, handing it the ``inputs`` list: by op, what gives the function
 #: for one call node. Filled by the modules that define the ops.
 HANDOVER_OPS: dict[Any, Callable[[fx.Node], Callable[[list[Any]], list[Any]]]] = {}
+
+
+def register_handover(op: Any, rule: Callable[[fx.Node], Callable[[list[Any]], list[Any]]]) -> None:
+    """Declare ``op`` one of :data:`HANDOVER_OPS`, ``rule`` giving the function for a call node
+    (how the module defining the op declares it)."""
+    HANDOVER_OPS[op] = rule
 
 
 def handover_call(node: fx.Node) -> Callable[[list[Any]], list[Any]] | None:

@@ -19,10 +19,14 @@ from __future__ import annotations
 import importlib
 import logging
 import sys
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-__all__ = ["flop_registry"]
+__all__ = [
+    "flop_registry",
+    "register_flops",
+]
 
 _MODULE = "torch.utils.flop_counter"
 
@@ -55,3 +59,10 @@ def _import_without_triton() -> ModuleType:
 
 
 flop_registry: dict[Any, Any] = _import_without_triton().flop_registry
+
+
+def register_flops(packet: Any, formula: Callable[..., int]) -> None:
+    """Count ``formula``'s FLOPs for calls of ``packet`` (torch's flop registry, which
+    ``FlopCounterMode`` and :func:`functrans.extend.flops` read): how the module defining an
+    op declares them."""
+    flop_registry[packet] = formula

@@ -33,6 +33,7 @@ __all__ = [
     "op_class",
     "overload_of",
     "permutation",
+    "register_compute_call",
 ]
 
 aten = torch.ops.aten
@@ -63,6 +64,12 @@ COMPUTE_INTENSIVE: frozenset[Any] = frozenset(
 #: (an outlined region's forward, :mod:`functrans._jit.outline`): compute-intensive whatever
 #: they hold. Filled by the modules that define them, before any graph holds one.
 COMPUTE_CALLS: set[Any] = set()
+
+
+def register_compute_call(packet: Any) -> None:
+    """Count ``packet`` (an op that runs a compiled graph) among :data:`COMPUTE_CALLS`: how
+    the module defining it declares it."""
+    COMPUTE_CALLS.add(packet)
 
 
 #: Seeded ops (``torch.Tag.nondeterministic_seeded``) that draw no random numbers, and leave the

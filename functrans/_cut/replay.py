@@ -33,7 +33,7 @@ from functrans._core.graph import MADE_BY, PHASE, JointGraph, Phase, copy_joint
 from functrans._core.ops import is_random, overload_of
 from functrans._core.tags import REMAT, REMAT_OP
 
-from .scratch import KNOWN_SCRATCH
+from .scratch import register_call_memory
 
 __all__ = ["REPLAY_OPS", "SAVES_STATE", "WITH_STATE", "drawn_once", "replayable"]
 
@@ -59,7 +59,7 @@ def _replay_scratch(node: fx.Node) -> int:
     return _STATE_BYTES["cpu"] if on_cpu else 0
 
 
-KNOWN_SCRATCH[WITH_STATE] = _replay_scratch
+register_call_memory(WITH_STATE, known=_replay_scratch)
 
 
 def replayable(joint: JointGraph) -> JointGraph:

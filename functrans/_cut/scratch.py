@@ -39,6 +39,7 @@ __all__ = [
     "SCRATCH_OPS",
     "CallMemory",
     "inner_recompute",
+    "register_call_memory",
     "scratch_bytes",
 ]
 
@@ -78,6 +79,24 @@ KNOWN_SCRATCH: dict[Any, Callable[[fx.Node], int]] = {}
 #: region's backward reruns what its own cut chose to recompute): a step's
 #: :attr:`~functrans.Partition.recompute_flops` adds them to what its backward recomputes.
 CALL_RECOMPUTE: dict[Any, Callable[[fx.Node], int]] = {}
+
+
+def register_call_memory(
+    op: Any,
+    *,
+    scratch: Callable[[fx.Node, tuple[tuple[int, int], ...]], CallMemory] | None = None,
+    known: Callable[[fx.Node], int] | None = None,
+    recompute: Callable[[fx.Node], int] | None = None,
+) -> None:
+    """Declare what a call of ``op`` holds and recomputes (the rules of :data:`CALL_SCRATCH`,
+    :data:`KNOWN_SCRATCH` and :data:`CALL_RECOMPUTE`): how the module defining the op
+    declares it."""
+    if scratch is not None:
+        CALL_SCRATCH[op] = scratch
+    if known is not None:
+        KNOWN_SCRATCH[op] = known
+    if recompute is not None:
+        CALL_RECOMPUTE[op] = recompute
 
 
 def inner_recompute(graph: fx.Graph) -> int:

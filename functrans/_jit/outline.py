@@ -55,8 +55,8 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
 
 from functrans._core.backends import Backend
-from functrans._core.boxed import HANDOVER_OPS, Picked, boxed
-from functrans._core.flop_formulas import flop_registry
+from functrans._core.boxed import Picked, boxed, register_handover
+from functrans._core.flop_formulas import register_flops
 from functrans._core.format import op_name
 from functrans._core.graph import (
     HANDED_OVER,
@@ -69,13 +69,13 @@ from functrans._core.graph import (
     assign_phases,
     copy_joint,
 )
-from functrans._core.ops import COMPUTE_CALLS, is_getitem, is_random
+from functrans._core.ops import is_getitem, is_random, register_compute_call
 from functrans._core.pytree import flatten
 from functrans._cut.cost import flops, storage_of
 from functrans._cut.memory import call_scratch
 from functrans._cut.offload import Cut
 from functrans._cut.partition import Partition, Strategy, apply_cut, partition
-from functrans._cut.scratch import CALL_RECOMPUTE, CALL_SCRATCH, CallMemory
+from functrans._cut.scratch import CallMemory, register_call_memory
 from functrans._trace.passes import InputSpec, canonicalize
 from functrans._trace.region_graph import Region, Storages, results_like
 from functrans._trace.regions import BACKWARD_OP, FORWARD_OP
@@ -226,13 +226,18 @@ def _handover(node: fx.Node) -> Callable[[list[Any]], list[Any]]:
     return o.backward if node.target is BACKWARD else o.run_forward
 
 
+def _backward_recompute(node: fx.Node) -> int:
+    return _OUTLINED[cast(int, node.args[0])].partition.recompute_flops
+
+
 for _packet in (_OPS.outlined_fwd, _OPS.outlined_fwd_random):
-    COMPUTE_CALLS.add(_packet)
-    flop_registry[_packet] = _forward_flops
+    register_compute_call(_packet)
+    register_flops(_packet, _forward_flops)
 for _op in (FORWARD, FORWARD_RANDOM, BACKWARD):
-    CALL_SCRATCH[_op] = _scratch
-    HANDOVER_OPS[_op] = _handover
-CALL_RECOMPUTE[BACKWARD] = lambda node: _OUTLINED[cast(int, node.args[0])].partition.recompute_flops
+    register_call_memory(
+        _op, scratch=_scratch, recompute=_backward_recompute if _op is BACKWARD else None
+    )
+    register_handover(_op, _handover)
 
 
 def _region_joint(r: Region) -> JointGraph:

@@ -33,8 +33,8 @@ from functrans._core.marks import leave, marked
 
 from . import reads
 from . import regions as _regions
+from .extensions import TraceExtension, register_trace_extension
 from .region_keys import code_key
-from .trace import TRACE_CONTEXTS
 
 __all__ = ["Marked", "finding_blocks", "region"]
 
@@ -131,7 +131,7 @@ _PATCHES: tuple[tuple[type, str, Callable[..., Any]], ...] = (
 
 @contextlib.contextmanager
 def finding_blocks(_traced: Any = None) -> Iterator[None]:
-    """While a trace runs (one of ``TRACE_CONTEXTS``): module calls of blocks go through
+    """While a trace runs (a trace extension): module calls of blocks go through
     :func:`_regions._module_region`."""
     if _regions._SESSION.get() is None or _CANDIDATES.get() is not None:
         yield
@@ -200,4 +200,12 @@ def region(fn: _F) -> _F:
     return cast(_F, wrapper)
 
 
-TRACE_CONTEXTS.append(finding_blocks)
+register_trace_extension(
+    TraceExtension(
+        "blocks found in module containers",
+        40,
+        finding_blocks,
+        doc="ModuleList/Sequential/ModuleDict members with a sibling of their class, and "
+        "ft.region marks, are called as regions",
+    )
+)

@@ -55,9 +55,9 @@ import torch.utils._pytree as pytree
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from . import regions as _regions
+from .extensions import TraceExtension, register_trace_extension
 from .reads import _role, code_reads
 from .region_keys import code_key
-from .trace import TRACE_CONTEXTS
 
 __all__ = ["MIN_OPS", "repeated_functions"]
 
@@ -241,4 +241,11 @@ def _ops_made(run: Callable[[], Any]) -> _Made:
     return _Made(result, 0 if graph is None else len(graph.nodes) - before)
 
 
-TRACE_CONTEXTS.append(repeated_functions)
+register_trace_extension(
+    TraceExtension(
+        "plain functions called as blocks",
+        50,
+        repeated_functions,
+        doc="user functions the traced code names are diverted; repeated calls are regions",
+    )
+)

@@ -50,6 +50,7 @@ from functrans._core.graph import lazy_module
 from functrans._core.logs import log
 from functrans._core.stack import ControlFlow
 
+from .extensions import TraceExtension, register_trace_extension, trace_extensions
 from .record import CallRecorder, call_recorder, no_stack_traces
 from .region_graph import (
     Region,
@@ -78,7 +79,6 @@ from .region_keys import (
     value_key,
 )
 from .region_state import StateCall, Update, index_attribute, state_kind
-from .trace import TRACE_CONTEXTS, TRACE_PASSES
 
 __all__ = [
     "BACKWARD_OP",
@@ -315,8 +315,9 @@ def _outside_outer_trace() -> Iterator[None]:
         token = _INSIDE.set(True)
         try:
             with contextlib.ExitStack() as stack:
-                for context in TRACE_CONTEXTS:
-                    stack.enter_context(context(None))
+                for extension in trace_extensions():
+                    if extension.context is not None:
+                        stack.enter_context(extension.context(None))
                 yield
         finally:
             _INSIDE.reset(token)
@@ -686,4 +687,11 @@ def _fake_mode(gm: fx.GraphModule) -> FakeTensorMode:
     return FakeTensorMode()
 
 
-TRACE_PASSES.append(expand)
+register_trace_extension(
+    TraceExtension(
+        "region calls expanded",
+        60,
+        graph_pass=expand,
+        doc="each region call in a raw trace becomes copies of its region's nodes",
+    )
+)

@@ -70,6 +70,7 @@ from functrans._core.zero_tensors import views_reach_fake_modes
 
 from .decomp import Decompositions, decomposition_table
 from .escape import refuse_escapes
+from .extensions import TraceExtension, register_trace_extension, trace_extensions
 from .passes import InputSpec, canonicalize, identifier, out_of_place
 from .record import inputs_first, inputs_recorded, known_inputs, stack_traces
 from .rng import seeded_then_drew, tracing_guard
@@ -209,14 +210,10 @@ def _device_error(fn: Callable[..., Any], exc: BaseException) -> TraceError:
 TRACE_LOCK = threading.RLock()
 
 
-#: context managers entered around every trace, registered by the modules that need them
-#: (``_checkpoint`` routes ``torch.utils.checkpoint`` calls to remat regions while one runs);
-#: :class:`_PlainRNNs`, below, which sends differentiated RNN calls down torch's unfused path,
-#: is entered inside the traced function (:func:`in_traced_function`)
-#: Each is called with the function traced (None: a region traced on its own).
-TRACE_CONTEXTS: list[
-    Callable[[Callable[..., Any] | None], contextlib.AbstractContextManager[Any]]
-] = []
+# what other parts of functrans add to every trace (contexts around the body, passes over the
+# raw graph) is declared in :mod:`functrans._trace.extensions`; :class:`_PlainRNNs`, below,
+# which sends differentiated RNN calls down torch's unfused path, is entered inside the traced
+# function (:func:`in_traced_function`)
 
 
 @contextlib.contextmanager
@@ -313,13 +310,26 @@ def _lazy_modules(_traced: Any = None) -> contextlib.AbstractContextManager[None
     return _use_lazy_graph_module(True)
 
 
-TRACE_CONTEXTS.append(_lazy_modules)
-TRACE_CONTEXTS.append(lambda _traced: inline_compiled())  # torch.compile-d code: as written
+def _compiled_as_written(_traced: Any = None) -> contextlib.AbstractContextManager[None]:
+    return inline_compiled()
 
-#: passes run on every raw trace before the input-mutation check and functionalization,
-#: registered by the modules that emit placeholder ops while tracing (``_regions`` expands
-#: the calls of repeated regions into copies of their graphs)
-TRACE_PASSES: list[Callable[[fx.GraphModule], fx.GraphModule]] = []
+
+register_trace_extension(
+    TraceExtension(
+        "lazy graph modules",
+        10,
+        _lazy_modules,
+        doc="a raw graph's code is generated when first run, and it never runs",
+    )
+)
+register_trace_extension(
+    TraceExtension(
+        "torch.compile-d code as written",
+        20,
+        _compiled_as_written,
+        doc="a compiled function inside the traced one is traced as the function it wraps",
+    )
+)
 
 
 def _requires_grad(args: Any) -> bool:
@@ -347,8 +357,9 @@ def run_traced(fn: Callable[..., Any], user_fn: Callable[..., Any]) -> Any:
             _no_saved_tensor_hooks(),
             contextlib.ExitStack() as contexts,
         ):
-            for context in TRACE_CONTEXTS:
-                contexts.enter_context(context(user_fn))
+            for extension in trace_extensions():
+                if extension.context is not None:
+                    contexts.enter_context(extension.context(user_fn))
             result = fn()
         if (
             seeding.call is not None
@@ -585,8 +596,9 @@ def trace_module(
     for t in recorded:  # the graph's values are detached, as make_fx records them
         t.requires_grad_(False)
     inputs_first(gm)
-    for rewrite in TRACE_PASSES:
-        gm = rewrite(gm)
+    for extension in trace_extensions():
+        if extension.graph_pass is not None:
+            gm = extension.graph_pass(gm)
     check_no_input_mutation(gm, input_paths)
     check_static_shapes(gm)
     return functionalize(gm, table)

@@ -30,6 +30,7 @@ from functrans._core.errors import InvalidArgumentError, UnsupportedOpError
 from functrans._core.pytree import NAMESPACE
 from functrans._core.tags import PolicyLike
 from functrans._trace import trace as _trace
+from functrans._trace.extensions import TraceExtension, register_trace_extension
 
 from . import remat as _remat
 
@@ -301,4 +302,11 @@ def _as_remat(
     return _run(function, args, kwargs, _policy(None, context_fn), reentrant, options)
 
 
-_trace.TRACE_CONTEXTS.append(_torch_checkpoint_as_remat)
+register_trace_extension(
+    TraceExtension(
+        "torch.utils.checkpoint as remat",
+        55,
+        _torch_checkpoint_as_remat,
+        doc="torch's checkpoint calls (HF, checkpoint_wrapper) are remat regions",
+    )
+)
