@@ -38,7 +38,7 @@ so a change's first-call cost is measured side by side with the code before it.
 
 ``--model functional`` measures the same model written JAX-style
 (:mod:`benchmarks._functional_gpt`: a block a plain function called in a loop over a list of
-parameter dicts; functrans finds the repeated calls, :mod:`functrans._trace.region_functions`).
+parameter dicts; functrans finds the repeated calls, :mod:`functrans._trace.regions.functions`).
 ``--model resnet``, ``--model qwen`` and ``--model titan`` measure code nobody here wrote
 the model for: a BatchNorm ResNet stack, Hugging Face's Qwen2 from its config with its
 defaults (``use_cache=True``: each layer fills a KV cache) and torchtitan's Llama (its layers

@@ -52,6 +52,6 @@ from ._jit.api import jit as jit
 from ._jit.dynamo import dynamo_backend as dynamo_backend
 from ._jit.eager_budget import remat as remat
 from ._trace.names import checkpoint_name as checkpoint_name
-from ._trace.region_finding import region as region
+from ._trace.regions.finding import region as region
 from ._transforms.checkpoint import checkpoint as checkpoint
 from ._transforms.scan import scan as scan

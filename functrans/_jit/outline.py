@@ -77,8 +77,8 @@ from functrans._cut.offload import Cut
 from functrans._cut.partition import Partition, Strategy, apply_cut, partition
 from functrans._cut.scratch import CallMemory, register_call_memory
 from functrans._trace.passes import InputSpec, canonicalize
-from functrans._trace.region_graph import Region, Storages, results_like
 from functrans._trace.regions import BACKWARD_OP, FORWARD_OP
+from functrans._trace.regions.graph import Region, Storages, results_like
 
 __all__ = ["Outlined", "copy_joint", "cut_region", "inner_graph", "outline", "uniform"]
 

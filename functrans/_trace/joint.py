@@ -34,13 +34,13 @@ from functrans._core.shapes import Dynamic, refuse_size_outputs, resolve, symbol
 from functrans._core.state import autocast_off
 from functrans._core.validate import check_argnums, check_bool, check_callable
 
-from . import region_finding as _region_finding  # noqa: F401  # registers its trace context
-from . import region_functions as _region_functions  # noqa: F401  # registers its trace context
 from .decomp import Decompositions, decomposition_table
 from .escape import refuse_escapes
 from .passes import InputSpec, canonicalize, no_gc
 from .record import late_inputs, no_stack_traces, untraced
 from .regions import Undifferentiable
+from .regions import finding as _region_finding  # noqa: F401  # registers its trace context
+from .regions import functions as _region_functions  # noqa: F401  # registers its trace context
 from .regions import session as region_session
 from .trace import (
     arg_names,

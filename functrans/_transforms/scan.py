@@ -20,7 +20,7 @@ import torch.utils._pytree as pytree
 from functrans._core.context import is_tracing
 from functrans._core.errors import InvalidArgumentError
 from functrans._core.validate import check_bool, check_callable, describe
-from functrans._trace.region_finding import region
+from functrans._trace.regions.finding import region
 
 __all__ = ["scan"]
 

@@ -120,7 +120,7 @@ def test_jit_blocks_marks_a_block_and_compiles_it_once() -> None:
 def test_the_library_writes_no_other_functrans_attribute() -> None:
     """Records travel under :data:`MARK` only; the names allowed here are keyword-argument
     keys (``_jit/captures.py``, and the keyword a diverted function's code finds its call
-    through in ``_trace/region_functions.py``), not attributes."""
+    through in ``_trace/regions/functions.py``), not attributes."""
     import pathlib
     import re
 
@@ -134,5 +134,5 @@ def test_the_library_writes_no_other_functrans_attribute() -> None:
     }
     assert found <= {
         "_jit/captures.py:__functrans_captured__",
-        "_trace/region_functions.py:__functrans_block_call__",
+        "_trace/regions/functions.py:__functrans_block_call__",
     }

@@ -1,4 +1,4 @@
-"""Plain functions called as blocks become regions (functrans._trace.region_functions): the
+"""Plain functions called as blocks become regions (functrans._trace.regions.functions): the
 rule is that a repeated call reused from a region computes what eager computes, whatever the
 function is passed, reads or writes, and that the names it is held under are the user's again
 after the trace."""
@@ -18,7 +18,7 @@ from functrans._trace import regions
 
 
 def block(p: dict[str, torch.Tensor], x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-    """About 30 ATen ops: a block (region_functions.MIN_OPS)."""
+    """About 30 ATen ops: a block (regions.functions.MIN_OPS)."""
     h = torch.tanh(F.linear(F.layer_norm(x, x.shape[-1:]), p["w"], p["b"]))
     a = torch.softmax(h @ h.transpose(-1, -2) * scale, dim=-1) @ h
     h = F.gelu(F.linear(a + h, p["w"])) * torch.sigmoid(h) + torch.cos(x)

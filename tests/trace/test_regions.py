@@ -388,7 +388,7 @@ def test_symbolic_copies_keep_their_regions_storages() -> None:
     # each node a fake of its own on the region value's storage instead; static values are
     # still laid onto storages of their own
     from functrans._core.shapes import symbolic_fakes
-    from functrans._trace.region_graph import Storages
+    from functrans._trace.regions.graph import Storages
 
     (x,) = symbolic_fakes([torch.ones(4, 6, 8)], ({0: None, 1: None},))
     view = x.transpose(0, 1)[1:]

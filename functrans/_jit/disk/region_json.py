@@ -1,13 +1,13 @@
 """Traced regions as JSON: what a stored joint trace whose region ops were kept
 (``ft.jit``'s default, :mod:`functrans._jit.outline`) needs to compile them again.
 
-A :class:`~functrans._trace.region_graph.Region` is its joint graph (stored as a graph,
+A :class:`~functrans._trace.regions.graph.Region` is its joint graph (stored as a graph,
 :mod:`functrans._jit.disk.graph_json`) and lists of that graph's nodes, stored by name, with
 its output structure as torch's pytree JSON. A region that was not one (``None``: its block was
 traced inline) stays ``None``.
 
 >>> import torch, functrans as ft
->>> from functrans._trace.region_graph import trace_region
+>>> from functrans._trace.regions.graph import trace_region
 >>> from torch._subclasses.fake_tensor import FakeTensorMode
 >>> x = FakeTensorMode().from_tensor(torch.ones(3)).requires_grad_()
 >>> r = trace_region(lambda xs: (xs[0].sin(),), [x], None)
@@ -26,7 +26,7 @@ import torch.utils._pytree as pytree
 
 from functrans._core.graph import Graph
 from functrans._core.pytree import flatten
-from functrans._trace.region_graph import Region
+from functrans._trace.regions.graph import Region
 
 from . import graph_json
 from .tree_json import CorruptEntry, NotStorable

@@ -54,10 +54,11 @@ import torch
 import torch.utils._pytree as pytree
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
-from . import regions as _regions
-from .extensions import TraceExtension, register_trace_extension
-from .reads import _role, code_reads
-from .region_keys import code_key
+from functrans._trace import regions as _regions
+
+from ..extensions import TraceExtension, register_trace_extension
+from ..reads import _role, code_reads
+from .keys import code_key
 
 __all__ = ["MIN_OPS", "repeated_functions"]
 

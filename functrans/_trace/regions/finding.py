@@ -7,7 +7,7 @@ For the length of a trace (:func:`finding_blocks`, one of the trace contexts)
 ``items`` and indexing are patched: reaching into a container marks its members that have a
 sibling of the same class, and a marked module's call goes through
 :func:`functrans._trace.regions._module_region`. Plain functions called as blocks are found
-by :mod:`functrans._trace.region_functions`.
+by :mod:`functrans._trace.regions.functions`.
 
 >>> import torch, functrans as ft
 >>> @ft.region
@@ -30,11 +30,11 @@ import torch
 
 from functrans._core.errors import InvalidArgumentError
 from functrans._core.marks import leave, marked
+from functrans._trace import regions as _regions
 
-from . import reads
-from . import regions as _regions
-from .extensions import TraceExtension, register_trace_extension
-from .region_keys import code_key
+from .. import reads
+from ..extensions import TraceExtension, register_trace_extension
+from .keys import code_key
 
 __all__ = ["Marked", "finding_blocks", "region"]
 

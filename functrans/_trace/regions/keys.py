@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from . import reads
+from .. import reads
 
 __all__ = [
     "PLAIN",

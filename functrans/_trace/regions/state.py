@@ -23,7 +23,7 @@ call updates the slot its own attribute names.
 Kinds of state are declared in :data:`STATE_KINDS` (HF's ``Cache``, looked up only where
 ``transformers`` is imported).
 
->>> from functrans._trace.region_state import state_kind
+>>> from functrans._trace.regions.state import state_kind
 >>> state_kind(object()) is None
 True
 """
@@ -39,7 +39,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 import torch.utils._pytree as pytree
 
-from .region_keys import PLAIN, Attr, Reads, SideEffect, not_reading
+from .keys import PLAIN, Attr, Reads, SideEffect, not_reading
 
 __all__ = [
     "STATE_KINDS",

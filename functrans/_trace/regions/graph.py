@@ -24,9 +24,9 @@ from functrans._core.fake_rules import SymbolicFakeMode
 from functrans._core.fakes import fake_empty
 from functrans._core.shapes import is_symbolic, shape_env_of
 
-from .passes import writes_out_of_place
-from .record import inputs_first, late_inputs, no_stack_traces
-from .trace import in_traced_function, view_base
+from ..passes import writes_out_of_place
+from ..record import inputs_first, late_inputs, no_stack_traces
+from ..trace import in_traced_function, view_base
 
 __all__ = [
     "Region",

@@ -50,9 +50,9 @@ from functrans._core.graph import lazy_module
 from functrans._core.logs import log
 from functrans._core.stack import ControlFlow
 
-from .extensions import TraceExtension, register_trace_extension, trace_extensions
-from .record import CallRecorder, call_recorder, no_stack_traces
-from .region_graph import (
+from ..extensions import TraceExtension, register_trace_extension, trace_extensions
+from ..record import CallRecorder, call_recorder, no_stack_traces
+from .graph import (
     Region,
     Storages,
     copy_backward,
@@ -60,7 +60,7 @@ from .region_graph import (
     results_like,
     trace_region,
 )
-from .region_keys import (
+from .keys import (
     PLAIN,
     Attr,
     Reads,
@@ -78,7 +78,7 @@ from .region_keys import (
     tensor_key,
     value_key,
 )
-from .region_state import StateCall, Update, index_attribute, state_kind
+from .state import StateCall, Update, index_attribute, state_kind
 
 __all__ = [
     "BACKWARD_OP",
@@ -113,7 +113,7 @@ class _Variant(NamedTuple):
     """One region traced for a key: the attributes its trace read (and their values), the
     block it traced (a block reusing the region replays its reads), and the updates of a
     state object its trace made (the slot from the attribute ``index`` of the calling block,
-    where found; :mod:`functrans._trace.region_state`)."""
+    where found; :mod:`functrans._trace.regions.state`)."""
 
     reads: Reads
     attrs: dict[Attr, Any]
@@ -133,7 +133,7 @@ class _Session:
     regions: list[Region | None] = field(default_factory=list)
     calls: int = 0
     #: per plain function called as a block and its arguments' structure
-    #: (:mod:`functrans._trace.region_functions`), the ops its first, inline call made
+    #: (:mod:`functrans._trace.regions.functions`), the ops its first, inline call made
     functions: dict[Any, int] = field(default_factory=dict)
 
 
@@ -349,10 +349,10 @@ def call_region(
 ) -> _T | Any:
     """``call(tensors)`` as a region (``eager()`` where it cannot be one). ``block``: the
     module called and its attributes' values (a call reuses a region whose trace read the same
-    values; see :mod:`functrans._trace.region_keys`). ``tolerant``: a block that fails to trace
+    values; see :mod:`functrans._trace.regions.keys`). ``tolerant``: a block that fails to trace
     on its own (a region nobody asked for) is traced inline, where its error, if any, is the
     user's. ``state``: the state object the block updates (``block`` given too; see
-    :mod:`functrans._trace.region_state`), told which updates to replay."""
+    :mod:`functrans._trace.regions.state`), told which updates to replay."""
     s = _SESSION.get()
     assert s is not None
     with _no_torch_functions():  # metadata reads: no mode needs to see them
