@@ -66,15 +66,9 @@ from .keys import (
     Reads,
     SideEffect,
     aliasing,
-    attrs_snapshot,
-    block_state,
-    global_hooks,
-    has_hooks,
     matches,
-    not_reading,
     reading,
     replay,
-    restore_changed,
     tensor_key,
     value_key,
 )
@@ -536,87 +530,6 @@ def _rebuild(leaves: list[Any], spec: Any, tensors: list[torch.Tensor]) -> tuple
     filled = [next(it) if isinstance(x, torch.Tensor) else x for x in leaves]
     args, kwargs = pytree.tree_unflatten(filled, spec[0])
     return args, kwargs
-
-
-def _module_region(m: torch.nn.Module, original: Callable[..., Any], args: Any, kw: Any) -> Any:
-
-    def eager() -> Any:
-        return original(m, *args, **kw)
-
-    with not_reading():  # the block's key is functrans' reading, not the step's
-        hooked = has_hooks(m) or global_hooks()
-        state = None if hooked else block_state(m)
-    if state is None:
-        return eager()
-    states: list[StateCall] = []
-    split = _split_args(args, kw, states)
-    if split is None:
-        return eager()
-    inputs, statics, leaves = split
-    slots = state.slots
-    params = [table[k] for table, k in slots]
-    tensors = [*inputs, *params]
-    if not _usable(tensors):
-        return eager()
-    n_in = len(inputs)
-    updated = states[0] if states else None
-
-    def call(flat: list[torch.Tensor]) -> Any:
-        given = list(leaves)
-        if updated is not None:  # the block updates a stand-in; what it was given, output
-            stand_in = updated.stand_in(flat)
-            given[updated.position] = stand_in
-        a, k = _rebuild(given, statics, flat[:n_in])
-        with not_reading():  # our bookkeeping is no read of the block's
-            swapped = [(table, name, table[name]) for table, name in slots]
-            snap = attrs_snapshot(m)
-            for (table, name), t in zip(slots, flat[n_in:], strict=False):
-                table[name] = t
-        try:
-            out = original(m, *a, **k)
-        finally:
-            with not_reading():
-                for table, name, t in swapped:
-                    table[name] = t
-                changed = restore_changed(snap)
-            if changed:
-                raise SideEffect
-        return out if updated is None else (out, stand_in.outputs)
-
-    if updated is None:
-        return call_region(
-            (type(m), state.structure, statics),
-            tensors,
-            call,
-            eager,
-            type(m).__qualname__,
-            (m, state.attrs),
-        )
-    ran = _Eager()
-    result = call_region(
-        (type(m), state.structure, statics),
-        tensors,
-        call,
-        lambda: ran.run(eager),
-        type(m).__qualname__,
-        (m, state.attrs),
-        state=updated,
-    )
-    if result is ran:
-        return ran.value
-    out, outputs = cast(tuple[Any, list[torch.Tensor]], result)
-    updated.replay(outputs, tensors, m)
-    return out
-
-
-class _Eager:
-    """A block call that ran as written (not a region): its value."""
-
-    value: Any = None
-
-    def run(self, eager: Callable[[], Any]) -> _Eager:
-        self.value = eager()
-        return self
 
 
 # ---------------------------------------------------------------------------------------------

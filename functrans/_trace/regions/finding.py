@@ -6,7 +6,7 @@ For the length of a trace (:func:`finding_blocks`, one of the trace contexts)
 ``Module.__call__``, ``ModuleList``'s iteration and indexing and ``ModuleDict``'s ``values``,
 ``items`` and indexing are patched: reaching into a container marks its members that have a
 sibling of the same class, and a marked module's call goes through
-:func:`functrans._trace.regions._module_region`. Plain functions called as blocks are found
+:func:`module_region`. Plain functions called as blocks are found
 by :mod:`functrans._trace.regions.functions`.
 
 >>> import torch, functrans as ft
@@ -34,9 +34,19 @@ from functrans._trace import regions as _regions
 
 from .. import reads
 from ..extensions import TraceExtension, register_trace_extension
-from .keys import code_key
+from .keys import (
+    SideEffect,
+    attrs_snapshot,
+    block_state,
+    code_key,
+    global_hooks,
+    has_hooks,
+    not_reading,
+    restore_changed,
+)
+from .state import StateCall
 
-__all__ = ["Marked", "finding_blocks", "region"]
+__all__ = ["Marked", "finding_blocks", "module_region", "region"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -79,8 +89,92 @@ def _patched_call(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     if isinstance(self, torch.nn.Sequential):
         _mark_siblings(self._modules.values())
     if id(self) in found or marked(self, Marked):
-        return _regions._module_region(self, _ORIGINAL_CALL, args, kwargs)
+        return module_region(self, _ORIGINAL_CALL, args, kwargs)
     return _ORIGINAL_CALL(self, *args, **kwargs)
+
+
+def module_region(m: torch.nn.Module, original: Callable[..., Any], args: Any, kw: Any) -> Any:
+    """A marked block's call: a region (see :mod:`functrans._trace.regions`), or ``original``
+    where it cannot be one (hooks, arguments that are neither tensors, plain values nor a
+    state a stand-in answers for, nothing to differentiate)."""
+
+    def eager() -> Any:
+        return original(m, *args, **kw)
+
+    with not_reading():  # the block's key is functrans' reading, not the step's
+        hooked = has_hooks(m) or global_hooks()
+        state = None if hooked else block_state(m)
+    if state is None:
+        return eager()
+    states: list[StateCall] = []
+    split = _regions._split_args(args, kw, states)
+    if split is None:
+        return eager()
+    inputs, statics, leaves = split
+    slots = state.slots
+    params = [table[k] for table, k in slots]
+    tensors = [*inputs, *params]
+    if not _regions._usable(tensors):
+        return eager()
+    n_in = len(inputs)
+    updated = states[0] if states else None
+
+    def call(flat: list[torch.Tensor]) -> Any:
+        given = list(leaves)
+        if updated is not None:  # the block updates a stand-in; what it was given, output
+            stand_in = updated.stand_in(flat)
+            given[updated.position] = stand_in
+        a, k = _regions._rebuild(given, statics, flat[:n_in])
+        with not_reading():  # our bookkeeping is no read of the block's
+            swapped = [(table, name, table[name]) for table, name in slots]
+            snap = attrs_snapshot(m)
+            for (table, name), t in zip(slots, flat[n_in:], strict=False):
+                table[name] = t
+        try:
+            out = original(m, *a, **k)
+        finally:
+            with not_reading():
+                for table, name, t in swapped:
+                    table[name] = t
+                changed = restore_changed(snap)
+            if changed:
+                raise SideEffect
+        return out if updated is None else (out, stand_in.outputs)
+
+    if updated is None:
+        return _regions.call_region(
+            (type(m), state.structure, statics),
+            tensors,
+            call,
+            eager,
+            type(m).__qualname__,
+            (m, state.attrs),
+        )
+    ran = _Eager()
+    result = _regions.call_region(
+        (type(m), state.structure, statics),
+        tensors,
+        call,
+        lambda: ran.run(eager),
+        type(m).__qualname__,
+        (m, state.attrs),
+        state=updated,
+    )
+    if result is ran:
+        return ran.value
+    out, outputs = cast(tuple[Any, list[torch.Tensor]], result)
+    updated.replay(outputs, tensors, m)
+    return out
+
+
+class _Eager:
+    """A block call that ran as written (not a region): its value."""
+
+    value: Any = None
+
+    def run(self, eager: Callable[[], Any]) -> _Eager:
+        self.value = eager()
+        return self
 
 
 def _patched_iter(self: torch.nn.ModuleList) -> Iterator[torch.nn.Module]:
@@ -132,7 +226,7 @@ _PATCHES: tuple[tuple[type, str, Callable[..., Any]], ...] = (
 @contextlib.contextmanager
 def finding_blocks(_traced: Any = None) -> Iterator[None]:
     """While a trace runs (a trace extension): module calls of blocks go through
-    :func:`_regions._module_region`."""
+    :func:`module_region`."""
     if _regions._SESSION.get() is None or _CANDIDATES.get() is not None:
         yield
         return
