@@ -133,16 +133,17 @@ def hf_llama(attn: str = "eager", layers: int = 2) -> Model:
     return _hf_model(_suffix("hf_llama", attn, layers), build)
 
 
-def hf_qwen2_default(layers: int = 12) -> Model:
-    """A Qwen2 of ``layers`` layers (hidden 64, 4 query heads over 2 key/value heads, vocab
-    128) from ``Qwen2Config`` with every other setting at its default: ``use_cache=True``
-    (each layer fills a KV cache in the training step) and the default attention."""
+def hf_qwen2_default(layers: int = 12, hidden: int = 64) -> Model:
+    """A Qwen2 of ``layers`` layers (``hidden`` wide, MLP twice that, 4 query heads over 2
+    key/value heads, vocab 128) from ``Qwen2Config`` with every other setting at its default:
+    ``use_cache=True`` (each layer fills a KV cache in the training step) and the default
+    attention."""
 
     def build(tf: Any) -> torch.nn.Module:
         cfg = tf.Qwen2Config(
             vocab_size=VOCAB,
-            hidden_size=64,
-            intermediate_size=128,
+            hidden_size=hidden,
+            intermediate_size=2 * hidden,
             num_hidden_layers=layers,
             num_attention_heads=4,
             num_key_value_heads=2,

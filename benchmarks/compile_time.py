@@ -140,19 +140,12 @@ def _model(kind: str, layers: int, small: bool) -> tuple[Any, tuple[Any, ...]]:
 
 def _qwen(layers: int, d: int, seq: int) -> tuple[Any, tuple[Any, ...]]:
     import torch
-    import transformers
 
-    config = transformers.Qwen2Config(
-        vocab_size=128,
-        hidden_size=d,
-        intermediate_size=2 * d,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2 * seq,
-    )
+    from benchmarks._hf_zoo import hf_qwen2_default
+
     torch.manual_seed(0)
-    model = transformers.Qwen2ForCausalLM(config)
+    model = hf_qwen2_default(layers, hidden=d).module
+    assert model is not None
     ids = torch.randint(0, 128, (2, seq), generator=torch.Generator().manual_seed(0))
 
     def loss(ids: torch.Tensor) -> torch.Tensor:

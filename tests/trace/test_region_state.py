@@ -132,17 +132,10 @@ def test_property_cache_updating_stacks_equal_eager(uses: list[str], mode: str, 
 
 
 def _qwen(layers: int) -> Any:
-    config = transformers.Qwen2Config(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
+    from benchmarks._hf_zoo import hf_qwen2_default  # the benchmarks' HF-defaults family
+
     torch.manual_seed(0)
-    return transformers.Qwen2ForCausalLM(config)
+    return hf_qwen2_default(layers, hidden=32).module
 
 
 def test_hf_default_config_layers_are_one_region_and_train_as_eager() -> None:
@@ -170,3 +163,21 @@ def test_hf_default_config_layers_are_one_region_and_train_as_eager() -> None:
     for a, b in zip(got.cache.layers, want.cache.layers, strict=True):
         torch.testing.assert_close(a.keys, b.keys)
         torch.testing.assert_close(a.values, b.values)
+
+
+def test_layer_indices_changed_after_compiling_fill_the_slots_eager_fills() -> None:
+    """The index attribute left out of the region's key is still state the step read: a
+    caller swapping two layers' ``layer_idx`` after the first call gets eager's cache (the
+    step recompiles), not the slots the first trace filled."""
+    torch.manual_seed(0)
+    model = Net(8, 3, "none")
+    x = torch.randn(2, 3, 8)
+    with overridden(FUNCTRANS_CACHE="0"):
+        jitted = ft.jit(model)
+        _step(model, jitted, x)
+        model.layers[0].layer_idx, model.layers[2].layer_idx = 2, 0
+        want = _step(model, model, x)
+        got = _step(model, jitted, x)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b)
+    assert jitted.cache_info().misses == 2

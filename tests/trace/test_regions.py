@@ -553,3 +553,33 @@ def test_blocks_in_a_module_dict_are_one_region_and_guards_hold(
         f(_x()).backward()
     info = f.cache_info()
     assert (info.misses, info.hits) == (1, 1)
+
+
+def test_a_closure_value_changed_after_compiling_is_followed() -> None:
+    """A block's function attribute is keyed by what it closes over; a caller rebinding that
+    value after the first call gets eager's result (the step recompiles)."""
+
+    def scaled(scale: float) -> tuple[Callable[[torch.Tensor], torch.Tensor], Any]:
+        def act(x: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(x) * scale
+
+        def rescale(value: float) -> None:
+            nonlocal scale
+            scale = value
+
+        return act, rescale
+
+    torch.manual_seed(0)
+    blocks = [WithClosure(1.0) for _ in range(3)]
+    setters = []
+    for b in blocks:
+        b.act, rescale = scaled(1.0)
+        setters.append(rescale)
+    model = Stack(blocks)
+    f = ft.jit(model)
+    f(_x()).backward()
+    setters[1](3.0)
+    model.zero_grad()
+    want = model(_x())
+    torch.testing.assert_close(f(_x()), want)
+    assert f.cache_info().misses == 2

@@ -13,16 +13,21 @@ in the same order inside a block, each copy with fresh node names and fresh fake
 partitioning and the memory model see the whole step.
 
 The key holds everything the block's trace reads: the module class and forward code, the
-``training`` flag and every non-tensor attribute of the block and its submodules (plain values
-by value, other objects by identity), the metadata of each input, parameter and buffer (shape,
+``training`` flag and every non-tensor attribute of the block and its submodules that the
+trace read (plain values by value, functions by their code and what they close over, other
+objects by identity; :mod:`.keys`), the metadata of each input, parameter and buffer (shape,
 stride, dtype, device, requires_grad, how they alias), the non-tensor arguments, and the
-decomposition table. A block with a forward hook (or any module hook, global ones included),
-under autocast, inside a functorch transform, without anything to differentiate, with outputs
-that alias its inputs, or that mutates an input, a buffer or one of its attributes while traced,
-is traced inline as before (a block whose forward changed an attribute gets it back).
+decomposition table. A block's writes to its buffers (batch norm's running statistics) are
+more outputs, written back by each call (:class:`~.graph.Region`), and a key/value cache it
+fills is a stand-in in its trace (:mod:`.state`). A block with a forward hook (or any module
+hook, global ones included), under autocast, inside a functorch transform, without anything
+to differentiate, with outputs that alias its inputs, or that mutates an input, writes a
+buffer through a view or changes one of its attributes while traced, is traced inline as
+before (a block whose forward changed an attribute gets it back).
 
-Blocks are found in ``nn.ModuleList`` and ``nn.Sequential`` (a member with a sibling of the
-same class) and where :func:`region` marks a function or module. ``ft.jit`` goes further
+Blocks are found in ``nn.ModuleList``, ``nn.Sequential`` and ``nn.ModuleDict`` (a member with
+a sibling of the same class; :mod:`.finding`), as plain functions called repeatedly
+(:mod:`.functions`) and where :func:`region` marks a function or module. ``ft.jit`` goes further
 where it can and cuts and compiles a region once (:mod:`functrans._jit.outline`);
 ``FUNCTRANS_REGIONS=unrolled`` pastes the copies instead, and ``FUNCTRANS_REGIONS=0`` traces
 every block inline (both for A/B comparisons).

@@ -75,11 +75,6 @@ def _mark_siblings(mods: Any) -> None:
 
 
 _ORIGINAL_CALL = torch.nn.Module.__call__
-_ORIGINAL_ITER = torch.nn.ModuleList.__iter__
-_ORIGINAL_GETITEM = torch.nn.ModuleList.__getitem__
-_ORIGINAL_DICT_GETITEM = torch.nn.ModuleDict.__getitem__
-_ORIGINAL_VALUES = torch.nn.ModuleDict.values
-_ORIGINAL_ITEMS = torch.nn.ModuleDict.items
 
 
 def _patched_call(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -141,15 +136,6 @@ def module_region(m: torch.nn.Module, original: Callable[..., Any], args: Any, k
                 raise SideEffect
         return out if updated is None else (out, stand_in.outputs)
 
-    if updated is None:
-        return _regions.call_region(
-            (type(m), state.structure, statics),
-            tensors,
-            call,
-            eager,
-            type(m).__qualname__,
-            (m, state.attrs),
-        )
     ran = _Eager()
     result = _regions.call_region(
         (type(m), state.structure, statics),
@@ -162,6 +148,8 @@ def module_region(m: torch.nn.Module, original: Callable[..., Any], args: Any, k
     )
     if result is ran:
         return ran.value
+    if updated is None:
+        return result
     out, outputs = cast(tuple[Any, list[torch.Tensor]], result)
     updated.replay(outputs, tensors, m)
     return out
@@ -177,49 +165,32 @@ class _Eager:
         return self
 
 
-def _patched_iter(self: torch.nn.ModuleList) -> Iterator[torch.nn.Module]:
-    _mark_siblings(self._modules.values())
-    return _ORIGINAL_ITER(self)
+def _marking(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``original`` (a container's iteration, indexing, ``values`` or ``items``) marking the
+    container's members with a sibling of their class first. A read of the patched method
+    during a trace (``layers.values``) records ``original``, the method a guard finds after
+    it."""
 
-
-def _patched_getitem(self: torch.nn.ModuleList, idx: Any) -> Any:
-    if _CANDIDATES.get() is not None:
+    def patched(self: Any, *args: Any) -> Any:
         _mark_siblings(self._modules.values())
-    return _ORIGINAL_GETITEM(self, idx)
+        return original(self, *args)
 
+    leave(patched, reads.StandsFor(original))
+    return patched
 
-def _patched_dict_getitem(self: torch.nn.ModuleDict, key: str) -> torch.nn.Module:
-    if _CANDIDATES.get() is not None:
-        _mark_siblings(self._modules.values())
-    return _ORIGINAL_DICT_GETITEM(self, key)
-
-
-def _patched_values(self: torch.nn.ModuleDict) -> Any:
-    _mark_siblings(self._modules.values())
-    return _ORIGINAL_VALUES(self)
-
-
-def _patched_items(self: torch.nn.ModuleDict) -> Any:
-    _mark_siblings(self._modules.values())
-    return _ORIGINAL_ITEMS(self)
-
-
-for _patched, _original in (
-    (_patched_dict_getitem, _ORIGINAL_DICT_GETITEM),
-    (_patched_values, _ORIGINAL_VALUES),
-    (_patched_items, _ORIGINAL_ITEMS),
-):  # a read of ``layers.values`` during a trace records the method a guard finds after it
-    leave(_patched, reads.StandsFor(_original))
 
 #: (class, method name, patched) while a trace runs: the containers whose members with a
 #: sibling of their class are blocks (a ``ModuleDict`` of layers is torchtitan's stack)
 _PATCHES: tuple[tuple[type, str, Callable[..., Any]], ...] = (
     (torch.nn.Module, "__call__", _patched_call),
-    (torch.nn.ModuleList, "__iter__", _patched_iter),
-    (torch.nn.ModuleList, "__getitem__", _patched_getitem),
-    (torch.nn.ModuleDict, "__getitem__", _patched_dict_getitem),
-    (torch.nn.ModuleDict, "values", _patched_values),
-    (torch.nn.ModuleDict, "items", _patched_items),
+    *(
+        (cls, name, _marking(getattr(cls, name)))
+        for cls, names in (
+            (torch.nn.ModuleList, ("__iter__", "__getitem__")),
+            (torch.nn.ModuleDict, ("__getitem__", "values", "items")),
+        )
+        for name in names
+    ),
 )
 
 

@@ -254,7 +254,10 @@ def index_attribute(
         holder[attr[1]] = index
         state.like = None
     seen = state.last.updates if state.last is not None else []
-    if again is None or [u.slot for u in seen] != [far] or seen[0][1:] != updates[0][1:]:
+    if again is None or [u.slot for u in seen] != [far]:
+        return None
+    # the far index reached update (and nothing else did), with the same other arguments
+    if seen[0]._replace(slot=index) != updates[0]:
         return None
     return attr if graph_of(again) == graph_of(first) else None
 
