@@ -43,6 +43,9 @@ Every class and function here documents itself with an example. The other names:
   of a block depends on that block alone, or what its options ask of the step's peak (a
   :class:`PeakGoal`, ``PeakGoalOf``); ``jit`` then plans a step of repeated blocks block by
   block (:func:`registered` reads what a strategy declared);
+- ``RecomputeForm`` and :func:`register_recompute_form`: a cheaper way to re-run an op in
+  backward where the backward reads only its first results (training batch norm re-runs
+  without its running statistics), bit for bit the op's; :func:`split` uses it;
 - ``SWITCHES``: every ``FUNCTRANS_*`` environment variable, by name (a :class:`Switch`),
   read with :func:`switch_value`, set for a block with :func:`switches_overridden`
   (``docs/switches.md`` is their table);
@@ -216,6 +219,8 @@ from ._cut.problem import CutProblem as CutProblem
 from ._cut.problem import ForwardValue as ForwardValue
 from ._cut.problem import OpRule as OpRule
 from ._cut.problem import cut_problem as cut_problem
+from ._cut.recompute_forms import RecomputeForm as RecomputeForm
+from ._cut.recompute_forms import register_recompute_form as register_recompute_form
 from ._cut.replay import REPLAY_OPS as REPLAY_OPS
 from ._cut.scratch import scratch_bytes as scratch_bytes
 from ._cut.segments import SHARED as SHARED

@@ -7,7 +7,7 @@ Roles and phases live under namespaced meta keys; nothing in functrans matches o
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -510,9 +510,14 @@ def _verify_phases(nodes: Iterable[fx.Node]) -> None:
             raise GraphError(f"node {node.name} has phase {got}, but data flow says otherwise")
 
 
-def ancestors(roots: Iterable[Any], stop: set[fx.Node]) -> set[fx.Node]:
+def ancestors(
+    roots: Iterable[Any],
+    stop: set[fx.Node],
+    inputs: Callable[[fx.Node], Iterable[fx.Node]] | None = None,
+) -> set[fx.Node]:
     """All nodes reachable backwards from ``roots`` through inputs, not crossing ``stop`` (the
-    ``stop`` nodes reached are included, their inputs are not).
+    ``stop`` nodes reached are included, their inputs are not). ``inputs(node)``: the inputs
+    to follow (a node's ``all_input_nodes`` by default).
 
     >>> import torch, functrans as ft
     >>> g = ft.trace(lambda x: x.sin().exp() + x.cos())(torch.ones(3))
@@ -530,5 +535,5 @@ def ancestors(roots: Iterable[Any], stop: set[fx.Node]) -> set[fx.Node]:
             continue
         seen.add(n)
         if n not in stop:
-            todo.extend(n.all_input_nodes)
+            todo.extend(n.all_input_nodes if inputs is None else inputs(n))
     return seen

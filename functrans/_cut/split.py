@@ -8,7 +8,7 @@ the saved set; this function does all graph surgery, so one property test covers
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +31,7 @@ from functrans._core.pytree import check_matches, flatten, unflatten
 from functrans._core.validate import check_joint, check_saved
 
 from .problem import cut_problem
+from .recompute_forms import RecomputeForm, recompute_form
 
 __all__ = ["BackwardGraph", "Split", "ancestors", "resolve_nodes", "split"]
 
@@ -143,7 +144,7 @@ def split(joint: JointGraph, saved: Iterable[str | fx.Node]) -> Split:
     check_saved("split", saved)
     chosen = _unpack_tuples(resolve_nodes(joint, saved))
     tangents = set(joint.tangents())
-    bwd = ancestors(joint.grad_outputs(), chosen | tangents)
+    bwd, forms = _needed_in_backward(joint, chosen | tangents)
     chosen |= {n for n in bwd if n.op == "placeholder" and n.meta.get(ROLE) is Role.PRIMAL}
     bwd_inputs = [n for n in joint.fx_graph.nodes if n in chosen and n in bwd]
     fwd = ancestors(list(joint.forward_outputs()) + bwd_inputs, set())
@@ -151,8 +152,36 @@ def split(joint: JointGraph, saved: Iterable[str | fx.Node]) -> Split:
     recomputed = [n for n in recomputed if n.op != "placeholder"]
     _check_rules(joint, bwd_inputs, recomputed)
     forward = _forward_graph(joint, fwd, bwd_inputs)
-    backward = _backward_graph(joint, bwd, bwd_inputs, set(recomputed))
+    backward = _backward_graph(joint, bwd, bwd_inputs, set(recomputed), forms)
     return Split(forward, backward, tuple(bwd_inputs), tuple(recomputed))
+
+
+def _needed_in_backward(
+    joint: JointGraph, stop: set[fx.Node]
+) -> tuple[set[fx.Node], dict[fx.Node, RecomputeForm]]:
+    """What the backward reads or recomputes, walking a recomputed op's cheaper form
+    (:mod:`functrans._cut.recompute_forms`) where it has one, and those forms. A form that
+    turns out not to give a result the backward reads is dropped, and the walk redone."""
+    written: set[fx.Node] = set()  # nodes re-run as written, whatever their form
+
+    def form_of(node: fx.Node) -> RecomputeForm | None:
+        if node in written or node.meta.get(PHASE) is not Phase.FORWARD:
+            return None
+        return recompute_form(node, ())
+
+    def inputs(node: fx.Node) -> list[fx.Node]:
+        form = form_of(node)
+        if form is None:
+            return node.all_input_nodes
+        return form.inputs(node)
+
+    while True:
+        bwd = ancestors(joint.grad_outputs(), stop, inputs)
+        walked = [n for n in bwd if n not in stop and form_of(n) is not None]
+        dropped = {n for n in walked if recompute_form(n, bwd) is None}
+        if not dropped:
+            return bwd, {n: f for n in walked if (f := form_of(n)) is not None}
+        written |= dropped
 
 
 def _unpack_tuples(nodes: set[fx.Node]) -> set[fx.Node]:
@@ -211,10 +240,21 @@ def just_in_time(body: list[fx.Node]) -> list[fx.Node]:
 
 
 def _emit(
-    graph: fx.Graph, nodes: Iterable[fx.Node], env: dict[fx.Node, fx.Node], mark: set[fx.Node]
+    graph: fx.Graph,
+    nodes: Iterable[fx.Node],
+    env: dict[fx.Node, fx.Node],
+    mark: set[fx.Node],
+    forms: Mapping[fx.Node, RecomputeForm] | None = None,
 ) -> None:
     for n in nodes:
-        copied = graph.node_copy(n, lambda a: env[a])
+        form = forms.get(n) if forms else None
+        if form is None:
+            copied = graph.node_copy(n, lambda a: env[a])
+        else:  # re-run in its cheaper form, which gives the first results of the op's
+            args = fx.node.map_arg(form.args(n), lambda a: env[a])
+            copied = graph.call_function(form.target, tuple(args))
+            copied.meta.update(n.meta)
+            copied.meta["val"] = tuple(n.meta["val"][: form.results])
         if n in mark:
             copied.meta[RECOMPUTED] = True
         env[n] = copied
@@ -237,7 +277,11 @@ def _forward_graph(joint: JointGraph, needed: set[fx.Node], saved: list[fx.Node]
 
 
 def _backward_graph(
-    joint: JointGraph, needed: set[fx.Node], saved: list[fx.Node], recomputed: set[fx.Node]
+    joint: JointGraph,
+    needed: set[fx.Node],
+    saved: list[fx.Node],
+    recomputed: set[fx.Node],
+    forms: Mapping[fx.Node, RecomputeForm],
 ) -> Graph:
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -249,7 +293,7 @@ def _backward_graph(
         env[t] = g.placeholder(t.name)
         env[t].meta.update(t.meta)
     body = [n for n in joint.fx_graph.nodes if n in needed and n not in env and n.op in _VALUE_OPS]
-    _emit(g, just_in_time(body), env, recomputed)
+    _emit(g, just_in_time(body), env, recomputed, forms)
     g.output(tuple(env[o] for o in joint.grad_outputs()))
     vals = (tuple(s.meta["val"] for s in saved), tuple(t.meta["val"] for t in joint.tangents()))
     _, in_flat = flatten((vals, {}))
