@@ -102,7 +102,11 @@ class transform_frame:  # used as a function: with transform_frame(...)
     inside passes through as itself."""
 
     def __init__(self, transform: str, fn: Callable[..., Any], shown: bool = True) -> None:
-        self.frames = (*_STACK.get(), Frame(transform, fn, shown))
+        stack = _STACK.get()
+        inner = next((f for f in reversed(stack) if f.shown), None)
+        if inner is not None and inner.transform == transform and inner.fn is fn:
+            shown = False  # re-entered for the same function (grad through its own jit)
+        self.frames = (*stack, Frame(transform, fn, shown))
 
     def __enter__(self) -> None:
         self.token = _STACK.set(self.frames)

@@ -55,9 +55,13 @@ class Lifted:
 class Captures:
     """The captured tensors one jitted function lifted: their paths and a reader of them."""
 
-    def __init__(self, f: Callable[..., Any], owner: str, warned: set[str]) -> None:
-        """``warned``: the jitted function's set of warnings given once."""
+    def __init__(
+        self, f: Callable[..., Any], owner: str, warned: set[str], parameters: bool = True
+    ) -> None:
+        """``warned``: the jitted function's set of warnings given once; ``parameters``:
+        :meth:`prelift` lifts parameters too."""
         self._f, self._owner, self._warned = f, owner, warned
+        self._parameters = parameters
         self.paths: tuple[Path, ...] = ()
         self.reader = Reader(())
 
@@ -96,8 +100,9 @@ class Captures:
         return target
 
     def prelift(self, found: Reach, given: Sequence[torch.Tensor]) -> Lifted | None:
-        """Before a first trace: lift the registered buffers of the modules the function
-        reaches (``found``), unless they require grad or are among its arguments ``given``.
+        """Before a first trace: lift the registered buffers (and parameters, see below) of
+        the modules the function reaches (``found``), unless they are among its arguments
+        ``given``.
 
         A function that calls a module through ``functional_call(model, params, x)`` reads
         the module's buffers (position ids, rotary frequencies, normalization statistics)
@@ -109,18 +114,35 @@ class Captures:
         Buffers of one element are left to :meth:`lift`: flags and counters (``initialized``,
         ``num_batches_tracked``) that a forward may read as Python values, which a traced
         input cannot give. A path the walk found that no longer leads to the same tensor (the
-        module changed since) is skipped."""
+        module changed since) is skipped.
+
+        Parameters are lifted too where no argument requires grad: a loss closing over its
+        model (``lambda ids: model(ids).loss``) is then traced once, as the training step it
+        is. Lifted after a first trace, that trace would be an inference trace, thrown away
+        once it found them (the whole model traced twice). Left to :meth:`lift` where the
+        arguments may stand in for them (``functional_call(model, params, x)``, a step
+        taking the parameters): where an argument requires grad, or is a tensor of the
+        parameter's shape and dtype. Lifting one the trace does not read costs an input the
+        graph ignores; lifting is never wrong, only sooner."""
         given_ids = {id(t) for t in given}
+        params = self._parameters and not any(t.requires_grad for t in given)
+        stand_ins = {(t.shape, t.dtype) for t in given}
         lifted = {p.steps for p in self.paths}
         new: list[Path] = []
         for tid, paths in found.tensors.items():
-            if tid in given_ids or not any(p.steps[-1][0] == "buffer" for p in paths):
+            kinds = {p.steps[-1][0] for p in paths}
+            if tid in given_ids or not ("buffer" in kinds or (params and "param" in kinds)):
                 continue
             current = [p for p in paths if _leads_to(p, found.root, tid)]
             if not current:
                 continue
             t = current[0].read(found.root)
-            if not plain(t) or t.requires_grad or t.numel() <= 1:
+            if "buffer" in kinds:
+                wanted = not t.requires_grad and t.numel() > 1
+            else:  # frozen parameters too (a LoRA's base weights), of more than one element
+                wanted = params and (t.shape, t.dtype) not in stand_ins
+                wanted = wanted and (t.requires_grad or t.numel() > 1)
+            if not plain(t) or not wanted:
                 continue
             fresh = [p for p in current if p.writable and p.steps not in lifted]
             lifted.update(p.steps for p in fresh)

@@ -110,14 +110,16 @@ def value_and_grad(
 def _reusing(run: Callable[_P, _R], transform: str, f: Any) -> Callable[_P, _R]:
     """``run`` (``transform`` of ``f``) through a jit of it, on calls that can be compiled."""
     owner = f"{transform}({getattr(f, '__qualname__', type(f).__name__)})"
-    jitted = Jitted(run, Options("default", "aten", (), "auto", {}), shown=False, owner=owner)
+    options = Options("default", "aten", (), "auto", {})
+    jitted = Jitted(run, options, shown=False, owner=owner)
 
     @functools.wraps(run)
     def call(*args: _P.args, **kwargs: _P.kwargs) -> _R:
         if runs_as_written():
             return run(*args, **kwargs)
         try:
-            return jitted(*args, **kwargs)
+            with transform_frame(transform, f):  # what the jit's own trace refuses names it
+                return jitted(*args, **kwargs)
         except InvalidArgumentError:  # bad input: grad's own check names the parameter
             run(*args, **kwargs)
             raise

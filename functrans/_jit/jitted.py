@@ -126,11 +126,14 @@ class Jitted(Generic[_P, _R]):
         module_names: Callable[[], Sequence[str]] | None = None,
         shown: bool = True,
         owner: str | None = None,
+        prelifts_parameters: bool = True,
     ) -> None:
         """``module_names``: for a caller that passes the module flags itself (``jit(module)``
         does), the names of the modules behind them; ``shown``: named in messages (False for
         the jit ``grad`` runs through); ``owner``: the name its warnings and errors give it
-        (``jit(f)`` unless given)."""
+        (``jit(f)`` unless given); ``prelifts_parameters``: the parameters of the modules
+        ``f`` reaches are inputs from its first trace (see :meth:`Captures.prelift`; False
+        for the jit ``grad`` runs through, whose result is a gradient, not a loss)."""
         self._f, self._opts = f, options
         self._shown = shown  # named in messages (not where grad reuses its trace through it)
         self._owner = owner or f"jit({getattr(f, '__qualname__', type(f).__name__)})"
@@ -138,7 +141,8 @@ class Jitted(Generic[_P, _R]):
         self._lock = threading.RLock()
         self._times = CacheInfo()
         self._warned: set[str] = set()
-        self._captures = Captures(f, self._owner, self._warned)  # lifted to inputs
+        # lifted to inputs
+        self._captures = Captures(f, self._owner, self._warned, prelifts_parameters)
         self._builder = Builder(options, self._times)
         self._modules: Reader | None = None  # the modules it reaches (None: not walked yet)
         self._walked: Reach | None = None  # that walk, until a first compile prelifts from it

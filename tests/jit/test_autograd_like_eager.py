@@ -386,10 +386,31 @@ def test_update_bn_on_a_jitted_model_runs_as_eager() -> None:
 
 
 def test_a_pure_transform_over_a_training_batch_norm_names_its_update() -> None:
-    """A loss closing over a train-mode BatchNorm under ``ft.grad``: the refusal names the
-    norm's own running-statistics update and the ways out, not the user's code to rewrite."""
+    """A loss closing over a train-mode BatchNorm under ``ft.joint`` (a graph, which cannot
+    write the module): the refusal names the norm's own running-statistics update and the
+    ways out, not the user's code to rewrite."""
     m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8)).train()
     with pytest.raises(
         ft.FunctransError, match=r"BatchNorm in training mode updates its run.*ft\.jit"
     ):
-        ft.grad(lambda x: m(x).square().mean())(torch.randn(16, 4))
+        ft.joint(lambda x: m(x).square().mean())(torch.randn(16, 4))
+
+
+def test_grad_of_a_loss_closing_over_a_training_batch_norm_is_eagers() -> None:
+    """``ft.grad`` of a loss closing over a train-mode BatchNorm: the gradient and the running
+    statistics are eager's (the model's tensors are the call's inputs, its buffers written
+    back, as ``ft.jit`` does), and the parameters' ``.grad`` are untouched, as
+    ``torch.autograd.grad`` leaves them. It was refused while its first trace baked the
+    parameters in."""
+    torch.manual_seed(0)
+    mine = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8)).train()
+    want = copy.deepcopy(mine)
+    grad = ft.grad(lambda x: mine(x).square().mean())
+    for step in range(2):
+        x = torch.randn(16, 4)
+        xr = x.clone().requires_grad_()
+        (expected,) = torch.autograd.grad(want(xr).square().mean(), xr)
+        assert torch.equal(grad(x), expected), step
+        for (name, a), (_, b) in zip(mine.named_buffers(), want.named_buffers(), strict=True):
+            assert torch.equal(a, b), name
+    assert all(p.grad is None for p in mine.parameters())

@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.func import functional_call
 
 import functrans as ft
@@ -163,3 +165,100 @@ def test_a_one_element_buffer_read_as_a_python_value_still_traces() -> None:
 
     m = ActNorm()
     torch.testing.assert_close(ft.jit(lambda x: m(x))(torch.ones(2)), torch.full((2,), 2.0))
+
+
+@pytest.fixture
+def every_trace(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Names the traces jit makes: ``"forward"`` (an inference trace) or ``"joint"``."""
+    import functrans._jit.build as build
+
+    made: list[str] = []
+    for name, kind in (("joint", "joint"), ("trace", "forward")):
+        real = getattr(build, name)
+
+        def wrapped(*a: Any, _real: Any = real, _kind: str = kind, **k: Any) -> Any:
+            traced = _real(*a, **k)
+
+            def run(*args: Any, **kwargs: Any) -> Any:
+                made.append(_kind)
+                return traced(*args, **kwargs)
+
+            return run
+
+        monkeypatch.setattr(build, name, wrapped)
+    return made
+
+
+def test_a_loss_closing_over_its_model_is_traced_once(every_trace: list[str]) -> None:
+    """``lambda x: model(x)...``: the parameters are inputs from the first trace, which is
+    the training step's (it was an inference trace, thrown away once it found them)."""
+    torch.manual_seed(0)
+    model = Scaled()
+    want = copy.deepcopy(model)
+    x = torch.randn(3, 4)
+    f = ft.jit(lambda x: model(x).pow(2).sum())
+    for _ in range(2):
+        f(x).backward()
+        want(x).pow(2).sum().backward()
+    assert every_trace == ["joint"]
+    for (name, a), (_, b) in zip(model.named_parameters(), want.named_parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, msg=name)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    used=st.lists(st.booleans(), min_size=3, max_size=3),
+    via=st.sampled_from(["closure", "functional_call", "detached_params"]),
+    x_grad=st.booleans(),
+    grad_mode=st.booleans(),
+    frozen=st.booleans(),
+)
+def test_lifting_before_the_first_trace_changes_no_result(
+    used: list[bool], via: str, x_grad: bool, grad_mode: bool, frozen: bool
+) -> None:
+    """Whatever the function reads of the modules it reaches (some layers, none; through a
+    closure or ``functional_call``), with or without grad, jit's outputs, their
+    ``requires_grad`` and every gradient are eager's: lifting a tensor before the first
+    trace (or not) is never seen in a result."""
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
+    if frozen:
+        layers[0].requires_grad_(False)
+    mine, eager = layers, copy.deepcopy(layers)
+
+    def body(ls: Any, params: dict[str, torch.Tensor] | None, x: torch.Tensor) -> torch.Tensor:
+        h = x
+        for i, (layer, on) in enumerate(zip(ls, used, strict=True)):
+            if not on:
+                continue
+            if params is None:
+                h = torch.tanh(layer(h))
+            else:
+                sub = {k.split(".", 1)[1]: v for k, v in params.items() if k.startswith(f"{i}.")}
+                h = torch.tanh(functional_call(layer, sub, (h,)))
+        return h.sum()
+
+    def call(ls: Any, x: torch.Tensor, compiled: bool) -> Any:
+        if via == "closure":
+            fn: Any = lambda x: body(ls, None, x)  # noqa: E731
+            return (ft.jit(fn) if compiled else fn)(x)
+        params = dict(ls.named_parameters())
+        if via == "detached_params":
+            params = {k: v.detach() for k, v in params.items()}
+        fn = lambda p, x: body(ls, p, x)  # noqa: E731
+        return (ft.jit(fn) if compiled else fn)(params, x)
+
+    x = torch.randn(2, 4)
+    xs = [x.clone().requires_grad_(x_grad) for _ in range(2)]
+    with torch.set_grad_enabled(grad_mode):
+        got, want = call(mine, xs[0], True), call(eager, xs[1], False)
+    torch.testing.assert_close(got, want)
+    assert got.requires_grad == want.requires_grad
+    if want.requires_grad:
+        got.backward()
+        want.backward()
+        torch.testing.assert_close(xs[0].grad, xs[1].grad)
+        for a, b in zip(mine.parameters(), eager.parameters(), strict=True):
+            assert (a.grad is None) == (b.grad is None)
+            if a.grad is not None:
+                torch.testing.assert_close(a.grad, b.grad)
