@@ -152,6 +152,7 @@ from ._core.graph import Graph as Graph
 from ._core.graph import JointGraph as JointGraph
 from ._core.graph import Phase as Phase
 from ._core.graph import Role as Role
+from ._core.name_registry import Registry as Registry
 from ._core.ops import cancelled_transposes as cancelled_transposes
 from ._core.ops import permutation as permutation
 from ._core.plugins import PluginError as PluginError
@@ -161,7 +162,6 @@ from ._core.private_dir import cache_root as cache_root
 from ._core.private_dir import private_dirs as private_dirs
 from ._core.private_dir import untrusted as untrusted
 from ._core.pytree import tensor_leaves as tensor_leaves
-from ._core.registry import Registry as Registry
 from ._core.shapes import dimension_names as dimension_names
 from ._core.shapes import hint as hint
 from ._core.shapes import sizes_at as sizes_at

@@ -29,7 +29,7 @@ from enum import Enum
 from typing import TypeVar
 
 from .errors import FunctransError
-from .registry import Registry
+from .name_registry import Registry
 
 __all__ = ["PluginError", "PluginRegistry", "PluginWarning"]
 
