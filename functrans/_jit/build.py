@@ -52,7 +52,7 @@ from .cache import CacheInfo
 from .disk import store as disk_cache
 from .disk.store import DiskKey
 from .options import Options
-from .plans import Plan
+from .planned_grad import Plan
 from .staged_plan import stitched
 from .step_plan import Outcome, blockwise, outlined
 
@@ -89,7 +89,7 @@ GRAD_ON: Literal[GradOn.GRAD_ON] = GradOn.GRAD_ON
 class Target:
     """What one compile traces: the flat function ``fn(diff_leaves, other_leaves)`` and, for
     an inference entry of ``jit(grad(f))`` or ``jit(vmap(grad(f)))``, the plan to trace
-    instead (:mod:`functrans._jit.plans`)."""
+    instead (:mod:`functrans._jit.planned_grad`)."""
 
     fn: Callable[..., Any]
     plan: Plan | None = None

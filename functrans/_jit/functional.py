@@ -38,7 +38,7 @@ from functrans._core.validate import check_callable, check_cotangents
 from functrans._cut.partition import Strategy, check_partition_options
 from functrans._transforms import grad as _grad
 from functrans._transforms.inline import pull_back
-from functrans._transforms.plans import GradSpec, plan_of
+from functrans._transforms.transform_records import GradSpec, plan_of
 
 from .jitted import Jitted
 from .options import Options

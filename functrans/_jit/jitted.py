@@ -64,7 +64,7 @@ from functrans._trace.capture import Reach, Reader, reach
 from functrans._trace.reads import Recorder, is_atom
 from functrans._trace.trace import ArgPaths, InputMutation, arg_names
 
-from . import plans
+from . import planned_grad
 from .apply import (
     Apply,
     ApplySubclass,
@@ -552,7 +552,7 @@ class Jitted(Generic[_P, _R]):
         plan = (
             None
             if training
-            else plans.plan(self._f, self._captures, self._owner, flat, example, paths, dims)
+            else planned_grad.plan(self._f, self._captures, self._owner, flat, example, paths, dims)
         )
         disk = functools.partial(
             DiskKey,

@@ -50,7 +50,7 @@ from functrans._trace.escape import refuse_batched_escapes, refuse_escapes
 from functrans._trace.trace import _no_saved_tensor_hooks
 
 from .grad import _value_and_grad_fn
-from .plans import GradSpec, Rewrap, VmapOfGrad, grad_name, plan_of, plan_per_example
+from .transform_records import GradSpec, Rewrap, VmapOfGrad, grad_name, plan_of, plan_per_example
 
 __all__ = [
     "ShapeDtypeStruct",

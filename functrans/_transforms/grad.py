@@ -30,7 +30,7 @@ from functrans._trace.joint import joint, normalize_argnums
 from functrans._trace.trace import _no_saved_tensor_hooks
 
 from .inline import inline_value_and_grad, inline_vjp
-from .plans import GradSpec
+from .transform_records import GradSpec
 
 __all__ = ["grad", "value_and_grad", "vjp"]
 

@@ -3,10 +3,11 @@
 Inlined into a forward trace, a gradient would be cut by the jit's own CSE and partition, not by
 the strategy ``grad`` was given. For an inference call of such a function, jit traces the
 function :func:`plan` builds instead: ``f``'s joint graph (for ``vmap(grad)``, the per-example
-joint graph eager plans, :func:`~functrans._transforms.plans.plan_per_example`) cut by ``s``,
-its forward then its backward, so the compiled graph saves between them what ``s`` chose and
-recomputes the rest (traced without CSE, which would merge the recomputation back). The plans
-are read from the records ``grad`` and ``vmap`` leave (:mod:`functrans._transforms.plans`).
+joint graph eager plans,
+:func:`~functrans._transforms.transform_records.plan_per_example`) cut by ``s``, its forward
+then its backward, so the compiled graph saves between them what ``s`` chose and recomputes the
+rest (traced without CSE, which would merge the recomputation back). The plans are read from
+the records ``grad`` and ``vmap`` leave (:mod:`functrans._transforms.transform_records`).
 
 >>> import torch, functrans as ft
 >>> g = ft.jit(ft.grad(lambda x: torch.sin(x).sum(), partition="min_cut"))
@@ -34,7 +35,7 @@ from functrans._trace.joint import joint
 from functrans._trace.regions import deferred as deferred_regions
 from functrans._trace.trace import ArgPaths
 from functrans._transforms.grad import check_differentiable, scalar_output
-from functrans._transforms.plans import (
+from functrans._transforms.transform_records import (
     GradSpec,
     PerExample,
     VmapOfGrad,

@@ -19,7 +19,7 @@ from torch.testing import assert_close
 import functrans as ft
 from functrans._core.marks import MARK, read
 from functrans._transforms import func as _func
-from functrans._transforms.plans import GradSpec, VmapOfGrad, plan_of
+from functrans._transforms.transform_records import GradSpec, VmapOfGrad, plan_of
 
 
 def loss(w, x):
