@@ -61,7 +61,8 @@ from functrans._core.state import (
 )
 from functrans._cut.partition import Partition
 from functrans._trace.capture import Reach, Reader, reach
-from functrans._trace.reads import Recorder, is_atom
+from functrans._trace.read_records import is_atom
+from functrans._trace.reads import Recorder
 from functrans._trace.trace import ArgPaths, InputMutation, arg_names
 
 from . import planned_grad

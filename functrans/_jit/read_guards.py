@@ -33,16 +33,9 @@ import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from functrans._trace.reads import (
-    NOTHING,
-    How,
-    Read,
-    Same,
-    class_attrs,
-    content_of,
-    is_atom,
-    table_of,
-)
+from functrans._trace.class_hooks import class_attrs
+from functrans._trace.read_records import NOTHING, How, Read, content_of, is_atom, table_of
+from functrans._trace.snapshots import Same
 
 __all__ = ["ALWAYS", "ReadGuard"]
 

@@ -39,7 +39,8 @@ import torch
 
 from functrans._core.context import classify
 from functrans._core.pytree import plain
-from functrans._trace.reads import DictView, class_attrs
+from functrans._trace.class_hooks import class_attrs
+from functrans._trace.dict_views import DictView
 
 __all__ = ["Fingerprint", "Unhashable", "classify", "code_digest", "code_names"]
 

@@ -35,17 +35,10 @@ import types
 from collections.abc import Sequence
 from typing import Any
 
-from functrans._trace.reads import (
-    NOTHING,
-    How,
-    Read,
-    Source,
-    follow,
-    is_atom,
-    original,
-    read_now,
-    snapshot,
-)
+from functrans._trace.dict_views import original
+from functrans._trace.read_records import NOTHING, How, Read, Source, is_atom, read_now
+from functrans._trace.reads import follow
+from functrans._trace.snapshots import snapshot
 
 from .fingerprint import code_digest
 from .tree_json import NotStorable
