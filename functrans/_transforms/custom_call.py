@@ -25,7 +25,7 @@ from functrans._core.dtypes import differentiable
 from functrans._core.errors import InvalidArgumentError, UnsupportedOpError
 from functrans._core.pytree import NAMESPACE
 from functrans._core.stack import fn_name, transform_frame
-from functrans._trace.trace import _no_saved_tensor_hooks
+from functrans._trace.trace_run import no_saved_tensor_hooks
 
 from .func import stop_gradient
 
@@ -270,7 +270,7 @@ def float_vjp(
             full[i] = t
         return fn(*full)
 
-    with _no_saved_tensor_hooks():  # torch.func refuses to start under any (eager remat's)
+    with no_saved_tensor_hooks():  # torch.func refuses to start under any (eager remat's)
         found: Any = torch.func.vjp(over_floats, *[inputs[i] for i in where])
     outs, vjp_fn = found[0], found[1]
 

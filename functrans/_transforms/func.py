@@ -47,7 +47,7 @@ from functrans._core.validate import (
     user_calls,
 )
 from functrans._trace.escape import refuse_batched_escapes, refuse_escapes
-from functrans._trace.trace import _no_saved_tensor_hooks
+from functrans._trace.trace_run import no_saved_tensor_hooks
 
 from .grad import _value_and_grad_fn
 from .transform_records import GradSpec, Rewrap, VmapOfGrad, grad_name, plan_of, plan_per_example
@@ -90,7 +90,7 @@ def _frame(
         with transform_frame(name, f), torch_func_arguments(name, hint):
             if not reverse:
                 return call(*args, **kwargs)
-            with _no_saved_tensor_hooks():
+            with no_saved_tensor_hooks():
                 return call(*args, **kwargs)
 
     return run
@@ -399,7 +399,7 @@ def eval_shape(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     from torch.utils._python_dispatch import _disable_current_modes
 
     from functrans._trace.capture import reach, swapped
-    from functrans._trace.trace import run_traced
+    from functrans._trace.trace_run import run_traced
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     given: Any = (args, kwargs)

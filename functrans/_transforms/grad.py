@@ -27,7 +27,7 @@ from functrans._core.validate import (
 )
 from functrans._cut.partition import Strategy, check_partition_options, partition
 from functrans._trace.joint import joint, normalize_argnums
-from functrans._trace.trace import _no_saved_tensor_hooks
+from functrans._trace.trace_run import no_saved_tensor_hooks
 
 from .inline import inline_value_and_grad, inline_vjp
 from .transform_records import GradSpec
@@ -145,7 +145,7 @@ def _partition(jg: Any, strategy: str | Strategy, options: dict[str, Any]) -> An
 def _torch_func_vjp(
     f: Callable[..., _R], primals: tuple[Any, ...]
 ) -> tuple[_R, Callable[[Any], tuple[Any, ...]]]:
-    with _no_saved_tensor_hooks():
+    with no_saved_tensor_hooks():
         found: Any = torch.func.vjp(f, *primals)
     return found[0], found[1]
 
@@ -153,7 +153,7 @@ def _torch_func_vjp(
 def _torch_func_value_and_grad(
     f: Callable[..., Any], argnums: Any, has_aux: bool, args: Any, kwargs: Any
 ) -> tuple[Any, Any]:
-    with _no_saved_tensor_hooks():
+    with no_saved_tensor_hooks():
         result = torch.func.grad_and_value(f, argnums, has_aux)(*args, **kwargs)
     return result[1], result[0]
 

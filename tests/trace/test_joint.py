@@ -163,7 +163,7 @@ def test_inputs_recorded_directly_as_make_fx_records_them(monkeypatch):
 def test_fake_devices_are_answered_as_the_tracing_modes_answer_them(monkeypatch):
     # a trace answers fake tensors' device queries ahead of make_fx's modes (autograd asks
     # dozens per op); with every query passed down instead, the joint graph is the same
-    import functrans._trace.trace as trace_module
+    import functrans._trace.trace_run as trace_run
 
     torch.manual_seed(0)
     blocks = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
@@ -176,7 +176,7 @@ def test_fake_devices_are_answered_as_the_tracing_modes_answer_them(monkeypatch)
     x = torch.randn(2, 4, requires_grad=True)
     answered = ft.joint(f)(x)
     monkeypatch.setattr(
-        trace_module._FakeDevices,
+        trace_run._FakeDevices,
         "__torch_dispatch__",
         lambda self, func, types, args=(), kwargs=None: func(*args, **(kwargs or {})),
     )

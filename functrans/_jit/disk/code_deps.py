@@ -123,8 +123,8 @@ class Recorder:
 
     - *observed*: at every torch function a traced function calls (tensor methods and
       attributes, ``torch.*`` and ``torch.nn.functional`` functions: the trace's own
-      ``TorchFunctionMode`` calls :data:`functrans._trace.trace.TORCH_CALL_WATCHERS`), each frame on
-      the stack up to the one that entered the recorder; for a method (first
+      ``TorchFunctionMode`` calls :data:`functrans._trace.trace_run.TORCH_CALL_WATCHERS`),
+      each frame on the stack up to the one that entered the recorder; for a method (first
       argument ``self`` or ``cls``) also the class it was called on;
     - *reached* (:attr:`static`), at exit: what that code names, followed to a fixed point: a
       global or a module attribute that is a function (its code and the code nested in it),
@@ -160,7 +160,7 @@ class Recorder:
         self._index: dict[int, int] = {}
 
     def __enter__(self) -> Recorder:
-        from functrans._trace.trace import TORCH_CALL_WATCHERS
+        from functrans._trace.trace_run import TORCH_CALL_WATCHERS
 
         codes, classes = self.codes, self._classes
         boundary = sys._getframe(1)  # the frame that entered: it and its callers are outside
@@ -203,7 +203,7 @@ class Recorder:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        from functrans._trace.trace import TORCH_CALL_WATCHERS
+        from functrans._trace.trace_run import TORCH_CALL_WATCHERS
 
         if self._watch is not None:
             TORCH_CALL_WATCHERS.remove(self._watch)
