@@ -19,8 +19,9 @@ from typing import Any, Generic, NamedTuple, TypeVar
 import torch
 
 from functrans._core.logs import log
-from functrans._core.pytree import Flat, Guards
+from functrans._core.pytree import Flat
 from functrans._core.state import State, describe
+from functrans._core.tree_guards import Guards
 
 from .read_guards import ALWAYS, ReadGuard
 
@@ -178,10 +179,10 @@ class Slot(Generic[_E]):
 
 
 class Cache(Generic[_E]):
-    """Entries by exact key and by guards (see :class:`~functrans._core.pytree.Guards`), at most
-    ``size`` of them; counts hits, misses and evictions for ``cache_info``. Entries of one key
-    differ in what their traces read (:attr:`Slot.reads`): a lookup takes the first whose reads
-    still read the same."""
+    """Entries by exact key and by guards (see :class:`~functrans._core.tree_guards.Guards`),
+    at most ``size`` of them; counts hits, misses and evictions for ``cache_info``. Entries of
+    one key differ in what their traces read (:attr:`Slot.reads`): a lookup takes the first
+    whose reads still read the same."""
 
     def __init__(self, owner: str, size: int) -> None:
         self.owner, self.size = owner, size

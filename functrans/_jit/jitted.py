@@ -8,8 +8,8 @@ type, dispatch keys, shape, strides, dtype, device and ``requires_grad``; the gl
 tensors it captures (closures, globals, module attributes), which are lifted to graph inputs and
 re-read on every call (:mod:`functrans._trace.capture`); ``torch.Generator`` arguments, keyed by
 device and drawn from at run time (:meth:`Jitted._run_drawing`). Calls are looked up through
-cheap guards first (:class:`~functrans._core.pytree.Guards`), then by the exact key; the cache keeps
-the ``cache_size`` most recently used entries (:mod:`functrans._jit.cache`).
+cheap guards first (:class:`~functrans._core.tree_guards.Guards`), then by the exact key; the
+cache keeps the ``cache_size`` most recently used entries (:mod:`functrans._jit.cache`).
 
 Training calls run the forward graph inside a ``torch.autograd.Function`` that saves exactly the
 partition's saved values; inference calls (nothing requires grad, or grad mode off) run a
@@ -406,7 +406,7 @@ class Jitted(Generic[_P, _R]):
     def _lookup(self, tree: Any, state: State) -> tuple[Slot[Entry], list[torch.Tensor]] | Outcome:
         """The exact path: the entry by its full key (compiled on a miss) and the inputs in
         its order, or what to do instead; the guarded path above is the same lookup, cheaper,
-        for trees :class:`~functrans._core.pytree.Guards` can describe."""
+        for trees :class:`~functrans._core.tree_guards.Guards` can describe."""
         why = hooked(state.modules)
         if why is not None:  # a hook runs every call; a trace would run it once
             self._warn_once(

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import functrans as ft
-from functrans._core import pytree as _pytree
+from functrans._core import tree_guards as _tree_guards
 from functrans._jit import jitted as _jit
 
 
@@ -230,7 +230,7 @@ def test_in_place_change_of_a_saved_input_still_raises_on_fast_hits():
 
 
 def test_without_tensor_guards_the_exact_path_serves(monkeypatch):
-    monkeypatch.setattr(_pytree, "_TENSOR_GUARDS", None)
+    monkeypatch.setattr(_tree_guards, "_TENSOR_GUARDS", None)
     f = ft.jit(loss)
     params, x = make()
     f(params, x)
