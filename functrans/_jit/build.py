@@ -9,7 +9,7 @@ A forward trace of a call whose inputs require grad under ``torch.no_grad()`` wa
 (:func:`watched`): eager records what a ``torch.enable_grad()`` block in the body computes, so a
 body that turns grad mode on stops the trace at its first such op (before the on-disk cache
 stores it) and :meth:`Builder.build` answers :data:`GRAD_ON`; the caller builds a training
-entry instead (see :meth:`~functrans._jit.jitted.Jitted._compile`).
+entry instead (see :meth:`~functrans._jit.entry_compiler.EntryCompiler.compile`).
 
 >>> import torch, functrans as ft
 >>> f = ft.jit(lambda x: (x * 2).sum())

@@ -14,8 +14,9 @@ cache keeps the ``cache_size`` most recently used entries (:mod:`functrans._jit.
 Training calls run the forward graph inside a ``torch.autograd.Function`` that saves exactly the
 partition's saved values; inference calls (nothing requires grad, or grad mode off) run a
 forward-only graph that saves nothing, unless the body turns grad mode back on itself (see
-:meth:`Jitted._compile`). Under torch.func transforms (``vmap``, ``grad``, ``jvp``) and inside
-other functrans traces the function runs as written, so the transform sees its ops.
+:meth:`~functrans._jit.entry_compiler.EntryCompiler.compile`, which builds the entry for a
+call the cache has none for). Under torch.func transforms (``vmap``, ``grad``, ``jvp``) and
+inside other functrans traces the function runs as written, so the transform sees its ops.
 """
 
 from __future__ import annotations
@@ -31,19 +32,14 @@ from typing import Any, Generic, ParamSpec, TypeVar
 import torch
 
 from functrans._core.context import runs_as_written
-from functrans._core.dtypes import differentiable
 from functrans._core.dynamo_skip import compiling, outside_dynamo
 from functrans._core.errors import TraceError, UnsupportedOpError
-from functrans._core.marks import leave
-from functrans._core.ops import is_random
 from functrans._core.pytree import (
     Flat,
     exact_key,
-    first_of_pair,
     flatten_leaves,
     leaves_of,
     plain,
-    static_value,
     unflatten,
     wrap_static,
 )
@@ -54,35 +50,27 @@ from functrans._core.state import (
     State,
     capture,
     eager_fast_path,
-    grad_enabled,
     hooked,
     module_state,
     no_autocast,
 )
 from functrans._cut.partition import Partition
 from functrans._trace.capture import Reach, Reader, reach
-from functrans._trace.read_records import is_atom
-from functrans._trace.reads import Recorder
-from functrans._trace.trace import ArgPaths, InputMutation, arg_names
 
-from . import planned_grad
 from .apply import (
     Apply,
     ApplySubclass,
     Entry,
-    Twice,
     apply_graphs,
     inner_tensors,
     run_forward,
     write_back,
 )
-from .build import DISK_STORES, Builder, GradOn, Stopped, Target, grad_off, watched
-from .cache import Cache, CacheInfo, Signature, Slot, leaves_order, rank_key
+from .build import DISK_STORES, Builder
+from .cache import Cache, CacheInfo, Slot, leaves_order, rank_key
 from .captures import CAPTURED, Captures, Lifted
-from .dims import build_dynamic, chosen_dims
-from .disk.store import DiskKey
+from .entry_compiler import EntryCompiler
 from .options import CACHE_SIZE, Options
-from .read_guards import ReadGuard
 
 __all__ = ["CACHE_SIZE", "DISK_STORES", "CacheInfo", "Jitted", "Outcome"]
 
@@ -145,6 +133,9 @@ class Jitted(Generic[_P, _R]):
         # lifted to inputs
         self._captures = Captures(f, self._owner, self._warned, prelifts_parameters)
         self._builder = Builder(options, self._times)
+        self._compiler = EntryCompiler(
+            f, options, self._owner, self._warned, self._captures, self._builder, self._cache
+        )
         self._modules: Reader | None = None  # the modules it reaches (None: not walked yet)
         self._walked: Reach | None = None  # that walk, until a first compile prelifts from it
         self._module_names: tuple[str, ...] = ()
@@ -298,7 +289,7 @@ class Jitted(Generic[_P, _R]):
                 slot, ordered = looked
                 apply = Apply.apply
             entry = slot.entry
-            if entry.enable_grad:  # see _compile: grad mode off outside, on in the body
+            if entry.enable_grad:  # see EntryCompiler.compile: grad off outside, on in the body
                 with torch.enable_grad(), no_autocast(state):
                     outs = _execute(apply, entry, ordered)
             elif entry.subclass:
@@ -371,30 +362,9 @@ class Jitted(Generic[_P, _R]):
             return self._module_flags()
         return tuple([(m, module_state(m)) for m in modules]) + reads
 
-    def _writing(
-        self,
-        mutation: InputMutation,
-        flat: Flat,
-        tensors: list[torch.Tensor],
-        state: State,
-        key: Any,
-        grad_inside: bool,
-        writes: tuple[int, ...],
-    ) -> Slot[Entry] | Lifted:
-        """The entry of a function that writes in place to its inputs (``x.add_(1)``, a
-        batch norm's running statistics it reaches through ``functional_call``), as
-        AOTAutograd compiles one: traced again with each written input copied first, the
-        copies' final values returned beside its outputs and copied into the inputs after
-        every call (:func:`~functrans._jit.apply.write_back`). A captured tensor it writes is
-        lifted to an input first (the call is keyed again)."""
-        if mutation.captured:
-            lifted = self._captures.lift_tensors(mutation.captured)
-            if lifted is not None:
-                return lifted
-        more = tuple(sorted(set(writes) | set(mutation.inputs)))
-        if more == writes:  # nothing new to copy: the trace's refusal stands
-            raise mutation
-        return self._compile(flat, tensors, state, key, grad_inside, more)
+    def _modules_named(self) -> Sequence[str]:
+        """The names of the modules behind the module flags (and the global hooks)."""
+        return self._module_names if self._given_names is None else self._given_names()
 
     def _forget(self) -> None:
         """A captured tensor or module moved: forget the paths and entries, walk again."""
@@ -409,7 +379,7 @@ class Jitted(Generic[_P, _R]):
         for trees :class:`~functrans._core.tree_guards.Guards` can describe."""
         why = hooked(state.modules)
         if why is not None:  # a hook runs every call; a trace would run it once
-            self._warn_once(
+            self._compiler.warn_once(
                 f"hooks: {why}",
                 f"{self._owner}: {why}: a hook runs on every call (a probe, an activation "
                 "cache, a patch) and a compiled graph would have run it once, while tracing; "
@@ -419,7 +389,7 @@ class Jitted(Generic[_P, _R]):
             return AS_WRITTEN
         fast = eager_fast_path(state.modules)
         if fast is not None:  # eager's results there differ from the traced path's
-            self._warn_once(
+            self._compiler.warn_once(
                 "fast path",
                 f"{self._owner}: {fast.why}, a path a trace cannot follow; calls run as "
                 f"written (eagerly) meanwhile. {fast.fix}",
@@ -429,7 +399,9 @@ class Jitted(Generic[_P, _R]):
         try:
             tensors, flat = flatten_leaves(leaves, spec, self._opts.static_argnums)
         except UnsupportedOpError as e:  # a tensor subclass it cannot take apart
-            self._warn_once(type(e).__name__, f"{self._owner}: {e}; this call runs as written")
+            self._compiler.warn_once(
+                type(e).__name__, f"{self._owner}: {e}; this call runs as written"
+            )
             return AS_WRITTEN
         if not all(map(plain, tensors)):
             return self._as_written(flat, tensors)
@@ -440,7 +412,7 @@ class Jitted(Generic[_P, _R]):
         try:
             hash(key)
         except TypeError as e:  # a subclass whose flatten context cannot be keyed
-            self._warn_once(
+            self._compiler.warn_once(
                 "unhashable",
                 f"{self._owner}: {e} in an input's metadata; this call runs as written",
             )
@@ -454,7 +426,9 @@ class Jitted(Generic[_P, _R]):
                     return REKEY  # the module buffers it reads are inputs now: key again
                 if slot is None:
                     with transform_frame("jit", self._f, self._shown):
-                        compiled = self._compile(flat, tensors, state, key)
+                        compiled = self._compiler.compile(
+                            flat, tensors, state, key, self._modules_named
+                        )
                     if isinstance(compiled, Lifted):  # the key now covers them: key again
                         self._cache.clear()  # entries compiled before take fewer inputs
                         return REKEY
@@ -469,7 +443,7 @@ class Jitted(Generic[_P, _R]):
 
     def _as_written(self, flat: Flat, tensors: list[torch.Tensor]) -> Outcome:
         """Tensor subclasses (DTensor, fake tensors of another tracer...) are not compiled."""
-        names = self._names(flat)
+        names = self._compiler.names(flat)
         odd = [(n, type(t)) for n, t in zip(names, tensors, strict=True) if not plain(t)]
         name, kind = odd[0]
         fake = isinstance(tensors[0], torch._subclasses.FakeTensor)
@@ -482,187 +456,12 @@ class Jitted(Generic[_P, _R]):
             )
         return AS_WRITTEN
 
-    def _warn_once(self, key: str, message: str) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            warnings.warn(message, stacklevel=5)
-
-    def _names(self, flat: Flat, *, every_leaf: bool = False) -> list[str]:
-        """Readable names of the tensor leaves (every leaf), captured tensors included."""
-        return [self._captures.name(n) for n in arg_names(self._f, flat, every_leaf=every_leaf)]
-
-    def _compile(
-        self,
-        flat: Flat,
-        tensors: list[torch.Tensor],
-        state: State,
-        key: Any,
-        grad_inside: bool = False,
-        writes: tuple[int, ...] = (),
-    ) -> Slot[Entry] | Lifted:
-        """The entry for this call, or the captured tensors its trace baked in that are now
-        lifted (the call's key changed: the caller keys it again). ``grad_inside``: called
-        again after the body was seen to turn grad mode on under the caller's
-        ``torch.no_grad()`` (a ``torch.enable_grad()`` block): eager records what that block
-        computes from inputs that require grad, so the entry is a training one, traced with
-        grad mode off around the body as the caller had it (its other ops stay unrecorded)
-        and run with grad mode on."""
-        training = (grad_enabled(state) or grad_inside) and any(t.requires_grad for t in tensors)
-        # grad off here, yet inputs require grad: the body may turn grad on (watched below)
-        watch = not training and not state.inference and any(t.requires_grad for t in tensors)
-        diff = [
-            i for i, t in enumerate(tensors) if training and t.requires_grad and differentiable(t)
-        ]
-        chosen = set(diff)
-        other = [i for i in range(len(tensors)) if i not in chosen]
-        call = grad_off(self._captures.call) if grad_inside else self._captures.call
-        if watch:
-            call = watched(call)
-
-        n_leaves = len(tensors)  # not the tensors: the entry keeps flat_f (Twice)
-
-        def flat_f(
-            diff_leaves: tuple[torch.Tensor, ...], other_leaves: tuple[torch.Tensor, ...]
-        ) -> Any:
-            leaves: list[Any] = [None] * n_leaves
-            for i, t in zip(diff, diff_leaves, strict=True):
-                leaves[i] = t
-            for i, t in zip(other, other_leaves, strict=True):
-                leaves[i] = t
-            if not writes:
-                a, kw = unflatten(flat, leaves)
-                return call(*a, **kw)
-            copies = [leaves[i].clone() for i in written]  # what the function writes to
-            for i, c in zip(written, copies, strict=True):
-                leaves[i] = c
-            a, kw = unflatten(flat, leaves)
-            return call(*a, **kw), tuple(copies)
-
-        order = diff + other
-        written = [order[p] for p in writes]  # the written inputs, by leaf
-        names = self._names(flat)
-        paths = [names[i] for i in diff + other]
-        leave(flat_f, ArgPaths(tuple(paths)))  # errors name the arguments, not the tuples
-        flat_f.__qualname__ = getattr(self._f, "__qualname__", self._owner)
-        functools.update_wrapper(flat_f, self._f, assigned=(), updated=())  # sets __wrapped__
-        example = (
-            tuple(tensors[i].detach() for i in diff),
-            tuple(tensors[i].detach() for i in other),
-        )
-        dims = chosen_dims(self._opts.dynamic, self._cache, tensors, key, paths, diff + other)
-        plan = (
-            None
-            if training
-            else planned_grad.plan(self._f, self._captures, self._owner, flat, example, paths, dims)
-        )
-        disk = functools.partial(
-            DiskKey,
-            fn=self._f,
-            options=self._opts,
-            state=state,
-            flat=flat,
-            tensors=tuple(tensors[i] for i in diff + other),
-            names=tuple(paths),
-            planned=plan is not None,
-            store=self._builder.stores,
-        )
-        scalars = _scalars(self._f)  # make_fx runs ops on captured one-element tensors
-        try:
-            with Recorder(
-                self._f, also=_static_objects(flat, self._names(flat, every_leaf=True))
-            ) as recorder:
-                built = build_dynamic(
-                    self._builder,
-                    self._owner,
-                    self._warn_once,
-                    Target(flat_f, plan, after_trace=self._captures.lift),
-                    example,
-                    training,
-                    disk,
-                    dims,
-                )
-        except InputMutation as e:  # it writes its inputs in place: see _writing
-            if e.captured:  # the trace ran those writes on the captured scalars themselves
-                _restore(e.captured, scalars)
-            return self._writing(e, flat, tensors, state, key, grad_inside, writes)
-        if isinstance(built, GradOn):  # the body turned grad mode on: a training entry
-            torch._C._set_grad_enabled(False)  # as the caller had it (watch: grad was off)
-            return self._compile(flat, tensors, state, key, True)
-        if isinstance(built, Stopped):  # the trace baked in captured tensors, now lifted
-            assert isinstance(built.value, Lifted)
-            return built.value
-        entry = built
-        if grad_inside and entry.backward is not None:
-            entry = dataclasses.replace(entry, enable_grad=True)
-        if entry.backward is not None and not entry.subclass:
-            twice = Twice(flat_f, len(diff), self._owner, _random_op(entry))
-            entry = dataclasses.replace(entry, twice=twice)
-            if entry.stages is not None:
-                stages = entry.stages.twice(
-                    lambda e, g: Twice(
-                        flat_f if g is None else g,
-                        len(diff) if g is None else g.num_diff,
-                        self._owner,
-                        _random_op(e),
-                    )
-                )
-                entry = dataclasses.replace(entry, stages=stages)
-        if writes:  # its last outputs are the written inputs' values; the user's, the rest
-            out_flat = first_of_pair(entry.out_flat)
-            entry = dataclasses.replace(entry, out_flat=out_flat, writes=writes)
-        modules = self._module_names if self._given_names is None else self._given_names()
-        signature = Signature.of(flat, self._names(flat, every_leaf=True), tensors, state, modules)
-        reads = ReadGuard(recorder.reads)
-        return Slot(
-            entry, diff + other, signature, key, shape=entry.shape, rank=rank_key(key), reads=reads
-        )
-
-
-def _scalars(f: Any) -> dict[int, torch.Tensor]:
-    """Copies of the one-element tensors ``f`` reaches (a batch norm's step counter): a trace
-    keeps such captured constants real and runs ops on them, so one that writes to them in
-    place changes them (see :func:`_restore`)."""
-    with torch.no_grad():
-        return {
-            tid: t.clone()
-            for tid, paths in reach(f).tensors.items()
-            if (t := paths[0].read(f)).numel() <= 1 and plain(t)
-        }
-
-
-def _restore(written: Sequence[torch.Tensor], scalars: dict[int, torch.Tensor]) -> None:
-    """Put back the values a failed trace wrote to captured one-element tensors."""
-    with torch.no_grad():
-        for t in written:
-            old = scalars.get(id(t))
-            if old is not None:
-                t.copy_(old)
-
 
 def _holds_module(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """Whether a call passes a module as an argument (a few type checks a call)."""
     return any(isinstance(a, torch.nn.Module) for a in args) or any(
         isinstance(v, torch.nn.Module) for v in kwargs.values()
     )
-
-
-def _random_op(entry: Entry) -> object | None:
-    """A random op ``entry``'s forward graph draws with, or None."""
-    p = entry.partition
-    if p is None:
-        return None
-    return next((n.target for n in p.forward.graph_module.graph.nodes if is_random(n)), None)
-
-
-def _static_objects(flat: Flat, names: Sequence[str]) -> list[tuple[Any, str]]:
-    """The static leaves of a call that are objects (a config passed as a static argument),
-    with their names: what the trace reads of them is guarded too."""
-    out = []
-    for value, name in zip(flat.static, names, strict=False):
-        value = static_value(value)
-        if value is not None and not is_atom(value) and not isinstance(value, torch.Tensor):
-            out.append((value, name))
-    return out
 
 
 def _execute(apply: Callable[..., Any], entry: Entry, ordered: Sequence[torch.Tensor]) -> Any:

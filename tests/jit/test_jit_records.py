@@ -55,14 +55,14 @@ def test_the_traced_function_carries_records_only_under_the_one_mark() -> None:
         return x.sin()
 
     g = ft.jit(f)
-    real = g._compile
+    real = g._compiler.compile
 
     def spy(*a):
         slot = real(*a)
         seen.append(slot)
         return slot
 
-    g._compile = spy  # type: ignore[method-assign]
+    g._compiler.compile = spy  # type: ignore[method-assign]
     g(torch.randn(2))
     assert seen and not [k for k in vars(f) if k.startswith("__functrans")]
     assert read(f, ArgPaths) is None  # the record is left on jit's flat function, not on f

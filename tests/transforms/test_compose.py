@@ -483,12 +483,12 @@ def test_eager_remat_around_torch_func_jacrev():
 def test_vmap_of_jit_compiles_the_batched_function(monkeypatch):
     """``ft.vmap(ft.jit(f))`` is one compiled graph of the batched function (as
     ``jax.vmap(jax.jit(f))``), compiled once and reused; values equal torch.func's."""
-    from functrans._jit import jitted as _jit
+    from functrans._jit.entry_compiler import EntryCompiler
 
     compiles = []
-    real = _jit.Jitted._compile
+    real = EntryCompiler.compile
     monkeypatch.setattr(
-        _jit.Jitted, "_compile", lambda self, *a: compiles.append(self) or real(self, *a)
+        EntryCompiler, "compile", lambda self, *a: compiles.append(self) or real(self, *a)
     )
     batched = ft.vmap(ft.jit(lambda x, w: torch.tanh(x @ w)), in_dims=(0, None))
     x, w = torch.randn(4, 5, 3), torch.randn(3, 2)
