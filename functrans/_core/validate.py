@@ -3,19 +3,19 @@
 Every error names the argument or option, shows the value and says what is accepted. Strategy
 authors get :func:`check_names`, :func:`check_option`, :func:`check_number` and
 :func:`parse_options` from :mod:`functrans.extend`, so their options fail the same way ours do.
+What torch.func itself raises about a transform's arguments is named in
+:mod:`functrans._core.torch_func_errors`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import difflib
 import functools
 import inspect
 import math
 import numbers
-import traceback
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any, TypeVar
 
 import torch.fx as fx
@@ -23,7 +23,6 @@ import torch.fx as fx
 from .describe import _REPR, check_numpy_leaves, describe
 from .dtypes import differentiable
 from .errors import InvalidArgumentError, InvalidPartitionError
-from .marks import leave, marked
 
 __all__ = [
     "check_call",
@@ -508,74 +507,6 @@ def check_cotangents(where: str, cotangents: Any, outs: Any) -> list[Any]:
             check_like(where, f"cotangent{path or ''} (for output{path})", given, out)
             chosen.append(given)
     return chosen
-
-
-# -- torch.func's own argument errors, named -------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class UserError:
-    """The record :func:`user_calls` leaves on an exception the user's function raised."""
-
-
-def user_calls(func: Callable[..., Any]) -> Callable[..., Any]:
-    """``func``, marking any exception it raises as the user's own, so that
-    :func:`torch_func_arguments` lets it through unchanged."""
-    import functools
-
-    @functools.wraps(func)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return func(*args, **kwargs)
-        except BaseException as e:
-            leave(e, UserError())
-            raise
-
-    return run
-
-
-def _raised_in_user_code(exc: BaseException) -> bool:
-    from .context import LIBRARY_DIRS
-
-    frames = traceback.extract_tb(exc.__traceback__)
-    return any(not f.filename.startswith(LIBRARY_DIRS) for f in frames)
-
-
-@contextlib.contextmanager
-def torch_func_arguments(where: str, hint: Callable[[], str] = lambda: "") -> Iterator[None]:
-    """Re-raise what torch.func raises about the transform's arguments (``in_dims`` that do
-    not fit, a non-tensor primal, an integer input to ``jacrev``...) as
-    :class:`InvalidArgumentError` naming the transform; errors from the user's function (see
-    :func:`user_calls`) and functrans' own errors pass through as they are."""
-    from .errors import FunctransError
-
-    try:
-        yield
-    except FunctransError:
-        raise
-    except (ValueError, RuntimeError, TypeError, IndexError, AttributeError) as e:
-        if marked(e, UserError) or _raised_in_user_code(e):
-            raise
-        message = f"{where}: {e}{hint()}"
-        try:
-            named = _argument_error(type(e))(message)
-        except TypeError:  # a class with its own constructor or layout
-            named = InvalidArgumentError(message)
-        raise named from e
-
-
-_ARGUMENT_ERRORS: dict[type[Exception], type[InvalidArgumentError]] = {}
-
-
-def _argument_error(kind: type[Exception]) -> type[InvalidArgumentError]:
-    """:class:`InvalidArgumentError` that is also a ``kind`` (``except RuntimeError`` around a
-    torch.func call still catches what torch raised)."""
-    if issubclass(InvalidArgumentError, kind):
-        return InvalidArgumentError
-    if kind not in _ARGUMENT_ERRORS:
-        name = f"InvalidArgumentError[{kind.__name__}]"
-        _ARGUMENT_ERRORS[kind] = type(name, (InvalidArgumentError, kind), {})  # may raise TypeError
-    return _ARGUMENT_ERRORS[kind]
 
 
 def check_dims(where: str, name: str, dims: object) -> None:

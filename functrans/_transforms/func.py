@@ -35,6 +35,7 @@ from functrans._core.errors import InvalidArgumentError
 from functrans._core.marks import leave
 from functrans._core.pytree import NAMESPACE
 from functrans._core.stack import transform_frame
+from functrans._core.torch_func_errors import torch_func_arguments, user_calls
 from functrans._core.validate import (
     check_argnums,
     check_bool,
@@ -43,8 +44,6 @@ from functrans._core.validate import (
     check_primals,
     check_tangents,
     describe,
-    torch_func_arguments,
-    user_calls,
 )
 from functrans._trace.escape import refuse_batched_escapes, refuse_escapes
 from functrans._trace.trace_run import no_saved_tensor_hooks

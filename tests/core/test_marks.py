@@ -69,7 +69,7 @@ def test_exceptions_carry_what_functrans_learned_about_them_as_records() -> None
     import pytest
 
     from functrans._core.stack import Named, transform_frame
-    from functrans._core.validate import UserError, user_calls
+    from functrans._core.torch_func_errors import UserError, user_calls
 
     def boom() -> None:
         raise ValueError("mine")
