@@ -55,13 +55,9 @@ class Lifted:
 class Captures:
     """The captured tensors one jitted function lifted: their paths and a reader of them."""
 
-    def __init__(
-        self, f: Callable[..., Any], owner: str, warned: set[str], parameters: bool = True
-    ) -> None:
-        """``warned``: the jitted function's set of warnings given once; ``parameters``:
-        :meth:`prelift` lifts parameters too."""
+    def __init__(self, f: Callable[..., Any], owner: str, warned: set[str]) -> None:
+        """``warned``: the jitted function's set of warnings given once."""
         self._f, self._owner, self._warned = f, owner, warned
-        self._parameters = parameters
         self.paths: tuple[Path, ...] = ()
         self.reader = Reader(())
 
@@ -125,7 +121,7 @@ class Captures:
         parameter's shape and dtype. Lifting one the trace does not read costs an input the
         graph ignores; lifting is never wrong, only sooner."""
         given_ids = {id(t) for t in given}
-        params = self._parameters and not any(t.requires_grad for t in given)
+        params = not any(t.requires_grad for t in given)
         stand_ins = {(t.shape, t.dtype) for t in given}
         lifted = {p.steps for p in self.paths}
         new: list[Path] = []

@@ -115,14 +115,11 @@ class Jitted(Generic[_P, _R]):
         module_names: Callable[[], Sequence[str]] | None = None,
         shown: bool = True,
         owner: str | None = None,
-        prelifts_parameters: bool = True,
     ) -> None:
         """``module_names``: for a caller that passes the module flags itself (``jit(module)``
         does), the names of the modules behind them; ``shown``: named in messages (False for
         the jit ``grad`` runs through); ``owner``: the name its warnings and errors give it
-        (``jit(f)`` unless given); ``prelifts_parameters``: the parameters of the modules
-        ``f`` reaches are inputs from its first trace (see :meth:`Captures.prelift`; False
-        for the jit ``grad`` runs through, whose result is a gradient, not a loss)."""
+        (``jit(f)`` unless given)."""
         self._f, self._opts = f, options
         self._shown = shown  # named in messages (not where grad reuses its trace through it)
         self._owner = owner or f"jit({getattr(f, '__qualname__', type(f).__name__)})"
@@ -130,8 +127,7 @@ class Jitted(Generic[_P, _R]):
         self._lock = threading.RLock()
         self._times = CacheInfo()
         self._warned: set[str] = set()
-        # lifted to inputs
-        self._captures = Captures(f, self._owner, self._warned, prelifts_parameters)
+        self._captures = Captures(f, self._owner, self._warned)  # lifted to inputs
         self._builder = Builder(options, self._times)
         self._compiler = EntryCompiler(
             f, options, self._owner, self._warned, self._captures, self._builder, self._cache
