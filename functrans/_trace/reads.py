@@ -55,7 +55,6 @@ True
 
 from __future__ import annotations
 
-import contextvars
 import functools
 import logging
 import types
@@ -79,6 +78,7 @@ from .read_scope import (
     role_of,
     user_class,
 )
+from .session import Slot, SlotToken
 from .snapshots import snapshot
 
 #: what this module holds (Recorder, current, follow, not_reading), and what regions/ (keys,
@@ -104,9 +104,8 @@ _role = role_of
 
 # -- the trace's recorder --------------------------------------------------------------------
 
-_CURRENT: contextvars.ContextVar[Recorder | None] = contextvars.ContextVar(
-    "functrans_reads", default=None
-)
+#: the recorder of the running trace (None: no reads are recorded)
+_CURRENT: Slot[Recorder | None] = Slot("reads", None)
 #: what :meth:`Recorder._chain` and :func:`_swap_back` find where nothing is
 _ABSENT = object()
 
@@ -198,7 +197,7 @@ class Recorder:
         self._learned: set[int] = set()  # functions and classes whose reads are recorded
         self._content: set[int] = set()  # holders whose content is recorded
         self._written: set[tuple[int, Any]] = set()  # (holder id, key) the trace wrote
-        self._token: contextvars.Token[Recorder | None] | None = None
+        self._token: SlotToken[Recorder | None] | None = None
 
     # -- entering and leaving
 

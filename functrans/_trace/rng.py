@@ -25,7 +25,6 @@ True
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 import threading
 from collections.abc import Callable, Iterator
@@ -38,6 +37,8 @@ from torch.utils._python_dispatch import _disable_current_modes
 from functrans._core.errors import TraceError
 from functrans._core.marks import leave, marked
 
+from .session import Slot
+
 __all__ = ["Seeding", "seeded_then_drew", "tracing_guard"]
 
 
@@ -48,9 +49,8 @@ class Seeding:
     call: str | None = None  # the first reseeding call (``torch.manual_seed``), if any
 
 
-_CURRENT: contextvars.ContextVar[Seeding | None] = contextvars.ContextVar(
-    "functrans_rng_seeding", default=None
-)
+#: what the running trace did to the global generator (None: not watched)
+_CURRENT: Slot[Seeding | None] = Slot("rng seeding", None)
 _INSTALL = threading.Lock()
 _installed = False
 

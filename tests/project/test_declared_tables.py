@@ -108,3 +108,54 @@ def test_a_name_registered_again_at_another_order_is_refused() -> None:
     with pytest.raises(InvalidArgumentError, match="registered already at order"):
         register_trace_extension(again)
     assert trace_extensions()[0] is first
+
+
+def _context_variables(tree: ast.Module) -> Iterator[ast.stmt]:
+    """Top-level statements that make a ``ContextVar`` (``contextvars.ContextVar(...)`` or an
+    imported ``ContextVar(...)``)."""
+    for node in _top_level(tree.body):
+        value = node.value if isinstance(node, (ast.Assign, ast.AnnAssign, ast.Expr)) else None
+        if isinstance(value, ast.Call):
+            func = value.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+            if name == "ContextVar":
+                yield node
+
+
+def test_the_trace_session_is_the_only_context_variable_of_trace() -> None:
+    """What a trace keeps while it runs lives in its session (:mod:`functrans._trace.session`):
+    each extension's state a typed ``Slot`` of it, not an ambient variable of its own."""
+    trace_dir = ROOT / "_trace"
+    found = [
+        str(path.relative_to(ROOT))
+        for path in sorted(trace_dir.rglob("*.py"))
+        for node in _context_variables(ast.parse(path.read_text()))
+    ]
+    assert found == ["_trace/session.py"], found
+
+
+def test_the_context_variable_check_sees_both_spellings() -> None:
+    source = (
+        "import contextvars\n"
+        "from contextvars import ContextVar\n"
+        "A = contextvars.ContextVar('a')\n"
+        "B: ContextVar[int] = ContextVar('b', default=0)\n"
+        "C = Slot('c', None)\n"
+    )
+    assert [n.lineno for n in _context_variables(ast.parse(source))] == [3, 4]
+
+
+def test_a_slot_reset_out_of_order_restores_that_slot_alone() -> None:
+    """As separate context variables would: the session's slots are independent."""
+    from functrans._trace.session import Slot, current
+
+    a, b = Slot("test a", 0), Slot("test b", 0)
+    ta = a.set(1)
+    tb = b.set(2)
+    a.reset(ta)
+    assert (a.get(), b.get()) == (0, 2)
+    b.reset(tb)
+    assert (a.get(), b.get()) == (0, 0)
+    assert "test a" not in current() and "test b" not in current()
+    with pytest.raises(ValueError, match="token given to"):
+        a.reset(b.set(3))

@@ -36,7 +36,6 @@ every block inline (both for A/B comparisons).
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import operator
 from collections.abc import Callable, Iterator
@@ -57,6 +56,7 @@ from functrans._core.stack import ControlFlow
 
 from ..extensions import TraceExtension, register_trace_extension, trace_extensions
 from ..record import CallRecorder, call_recorder, no_stack_traces
+from ..session import Slot
 from .graph import (
     Region,
     Storages,
@@ -145,12 +145,10 @@ class Stats:
 
 
 stats = Stats()
-_SESSION: contextvars.ContextVar[_Session | None] = contextvars.ContextVar(
-    "functrans_regions", default=None
-)
-_INSIDE: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "functrans_inside_region", default=False
-)
+#: the regions of the running joint trace (None: blocks are traced inline)
+_SESSION: Slot[_Session | None] = Slot("regions", None)
+#: True while a region's own trace runs (a block inside it is traced inline)
+_INSIDE: Slot[bool] = Slot("inside a region", False)
 
 
 def mode() -> str:
@@ -176,9 +174,7 @@ class Deferred:
     blocks: dict[int, torch.nn.Module] = field(default_factory=dict)
 
 
-_DEFER: contextvars.ContextVar[Deferred | None] = contextvars.ContextVar(
-    "functrans_regions_deferred", default=None
-)
+_DEFER: Slot[Deferred | None] = Slot("regions deferred", None)
 
 
 @contextlib.contextmanager
@@ -249,9 +245,7 @@ def _bwd_fake(key: int, call: int, inputs: list[torch.Tensor]) -> list[torch.Ten
 
 
 #: how the region call being made is recorded (None: dispatched)
-_RECORDER: contextvars.ContextVar[CallRecorder | None] = contextvars.ContextVar(
-    "functrans_region_recorder", default=None
-)
+_RECORDER: Slot[CallRecorder | None] = Slot("region call recorder", None)
 
 
 class _Apply(torch.autograd.Function):

@@ -20,7 +20,6 @@ tensor([[0.7616, 0.7616]])
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ from functrans._trace import regions as _regions
 
 from .. import reads
 from ..extensions import TraceExtension, register_trace_extension
+from ..session import Slot
 from .keys import (
     SideEffect,
     attrs_snapshot,
@@ -51,9 +51,8 @@ __all__ = ["Marked", "finding_blocks", "module_region", "region"]
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
-_CANDIDATES: contextvars.ContextVar[dict[int, torch.nn.Module] | None] = contextvars.ContextVar(
-    "functrans_region_candidates", default=None
-)
+#: the blocks found so far in the running trace (None: not looking)
+_CANDIDATES: Slot[dict[int, torch.nn.Module] | None] = Slot("block candidates", None)
 
 
 @dataclass(frozen=True)
