@@ -94,6 +94,7 @@ bench: $(STAMP)
 	$(VPY) -m benchmarks.compile_time
 	$(VPY) -m benchmarks.staged
 	$(VPY) -m benchmarks.regions_step
+	$(VPY) -m benchmarks.bn_step
 
 bench-quick: $(STAMP)
 	$(VPY) -m benchmarks.partition_quality --quick
@@ -107,3 +108,4 @@ bench-quick: $(STAMP)
 	$(VPY) -m benchmarks.compose --quick --no-compile
 	$(VPY) -m benchmarks.distributed --quick --no-compile
 	$(VPY) -m benchmarks.compile_time --quick --no-inductor --repeats 1
+	$(VPY) -m benchmarks.bn_step --quick
