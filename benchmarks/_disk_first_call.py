@@ -67,7 +67,7 @@ def child(name: str, threads: int, profile: str | None = None) -> None:
         t.requires_grad_(True)
     ft.jit(warm.fn)(wp, wx).backward()
     os.environ["FUNCTRANS_CACHE"] = mode
-    model = zoo.ZOO[name]()
+    model = (zoo.ZOO | zoo.FAMILIES)[name]()
     params, x = model.make("bench")
     for t in tensor_leaves(((params,), {})):
         t.requires_grad_(t.is_floating_point())

@@ -44,6 +44,7 @@ from ._hf_zoo import (
 from ._model import LossFn, Model, Params, Wrap, pick
 
 __all__ = [
+    "FAMILIES",
     "HF_MODELS",
     "MISTRAL_WINDOW",
     "SDPA_NOTE",
@@ -52,6 +53,7 @@ __all__ = [
     "Model",
     "conv_block",
     "forward_flops",
+    "functional_gpt",
     "gpt_block",
     "gpt_layer",
     "gpt_stack",
@@ -401,6 +403,43 @@ ZOO: dict[str, Callable[[], Model]] = {
 if has_transformers():
     ZOO.update(hf_llama=hf_llama, hf_gpt2=hf_gpt2, hf_bert=hf_bert, hf_mistral=hf_mistral)
     ZOO["hf_qwen2_default"] = hf_qwen2_default  # HF's defaults: use_cache=True
+
+
+def functional_gpt(layers: int = 12) -> Model:
+    """``benchmarks._functional_gpt`` (a block a plain function called in a loop over a list
+    of parameter dicts) as a zoo model: ``x`` is ``(idx, targets)``, batch 2 of its 32 tokens,
+    width 32 at "small" and 64 at "bench"."""
+    from benchmarks import _functional_gpt as fg
+    from benchmarks.dynamic import SEQ, VOCAB
+
+    def fn(params: Params, x: Any) -> torch.Tensor:
+        return fg.loss(params, *x)
+
+    def make(
+        size: str = "small", dtype: torch.dtype = torch.float32, seed: int = 0
+    ) -> tuple[Params, Any]:
+        gen = torch.Generator().manual_seed(seed)
+        idx = torch.randint(0, VOCAB, (2, SEQ), generator=gen)
+        params = fg.init(layers, pick(size, 32, 64), seed)
+        params = torch.utils._pytree.tree_map(lambda t: t.detach().to(dtype), params)
+        return params, (idx, idx)
+
+    return Model(f"functional_gpt_{layers}", fn, make)
+
+
+def _bn_resnet_12() -> Model:
+    from benchmarks._module_zoo import bn_resnet
+
+    return bn_resnet(12)
+
+
+#: the families of issue 51 written the ways research code is, beside the zoo (not in it, so
+#: the per-model test sweeps stay as they are): ``benchmarks._disk_first_call`` takes them by
+#: name
+FAMILIES: dict[str, Callable[[], Model]] = {
+    "functional_gpt": functional_gpt,
+    "bn_resnet": _bn_resnet_12,
+}
 
 
 def forward_flops(model: Model, size: str = "bench", dtype: torch.dtype = torch.float32) -> int:

@@ -38,6 +38,7 @@ from .build import Builder, GradOn, Stopped, Target, grad_off, watched
 from .cache import Cache, Signature, Slot, rank_key
 from .captures import Captures, Lifted
 from .dims import build_dynamic, chosen_dims
+from .disk import store as disk_cache
 from .disk.store import DiskKey
 from .options import Options
 from .read_guards import ReadGuard
@@ -150,7 +151,13 @@ class EntryCompiler:
             names=tuple(paths),
             planned=plan is not None,
             store=self._builder.stores,
+            writes=writes,
         )
+        if not writes:  # an earlier process found the inputs it writes: trace with them
+            hint = disk(kind="writes", decompositions=self._builder.decompositions())
+            hinted = tuple(p for p in disk_cache.writes_hint(hint) if p < len(order))
+            if hinted:
+                return self.compile(flat, tensors, state, key, module_names, grad_inside, hinted)
         scalars = _scalars(self._f)  # make_fx runs ops on captured one-element tensors
         try:
             with Recorder(
@@ -169,7 +176,11 @@ class EntryCompiler:
         except InputMutation as e:  # it writes its inputs in place: see _writing
             if e.captured:  # the trace ran those writes on the captured scalars themselves
                 _restore(e.captured, scalars)
-            return self._writing(e, flat, tensors, state, key, module_names, grad_inside, writes)
+            found = self._writing(e, flat, tensors, state, key, module_names, grad_inside, writes)
+            if isinstance(found, Slot) and not writes and found.entry.writes:
+                hint = disk(kind="writes", decompositions=self._builder.decompositions())
+                disk_cache.remember_writes(hint, found.entry.writes)
+            return found
         if isinstance(built, GradOn):  # the body turned grad mode on: a training entry
             torch._C._set_grad_enabled(False)  # as the caller had it (watch: grad was off)
             return self.compile(flat, tensors, state, key, module_names, True)

@@ -1023,3 +1023,65 @@ def test_fingerprints_hash_each_kind_of_value_by_what_it_holds():
     digest(plain_x())
     with pytest.raises(Unhashable, match="state lives in C"):
         digest(c_state_x())
+
+
+WRITES_PROGRAM = """
+import json, torch, functrans as ft
+from functrans._jit.disk import store
+from torch.func import functional_call
+
+traces = []  # the traces made: misses of the disk, and traces that failed
+
+def counting(key, make, real=store.traced):
+    try:
+        g, hit = real(key, make)
+    except Exception:
+        traces.append(1)
+        raise
+    traces.extend([] if hit else [1])
+    return g, hit
+
+store.traced = counting
+
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6)).train()
+eager = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6)).train()
+eager.load_state_dict(model.state_dict())
+params = {k: v.detach().requires_grad_() for k, v in model.named_parameters()}
+x = torch.randn(8, 4)
+
+def loss(p, x):
+    return functional_call(model, p, (x,)).square().mean()
+
+f = ft.jit(loss)
+got = f(params, x)
+want = functional_call(eager, dict(eager.named_parameters()), (x,)).square().mean()
+same = (
+    isinstance(got, torch.Tensor)
+    and torch.equal(got, want)
+    and all(torch.equal(a, b) for a, b in zip(model.buffers(), eager.buffers()))
+)
+hits = f.cache_info().disk_hits
+print("RESULT " + json.dumps({"hits": hits, "same": bool(same), "traces": len(traces)}))
+"""
+
+
+def test_a_stored_step_that_writes_a_buffer_writes_it_in_a_fresh_process(tmp_path):
+    """A function writing a buffer it reaches (batch norm under ``functional_call``) is traced
+    with copies whose final values are more outputs; read back from the disk in a fresh
+    process, that graph returned the written values to the caller and wrote no buffer (the
+    disk key did not say which inputs the trace wrote). The first process traces three
+    times: to find the batch counter it writes (a captured one-element tensor, lifted then),
+    to find the inputs it writes, and with them copied. The second traces once, to find the
+    counter: the first left a hint of which inputs the call writes, so it looks up the graph
+    that copies them without tracing again to learn them."""
+    program = tmp_path / "program"
+    program.mkdir()
+    (program / "writes.py").write_text(WRITES_PROGRAM)
+    past = time.time() - 60  # written before the processes start, as source files are
+    os.utime(program / "writes.py", (past, past))
+    cache = tmp_path / "cache"
+    first = _run(program, cache, script="writes.py")
+    again = _run(program, cache, script="writes.py")
+    assert first == {"hits": 0, "same": True, "traces": 3}, first
+    assert again == {"hits": 1, "same": True, "traces": 1}, again

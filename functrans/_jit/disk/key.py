@@ -57,6 +57,9 @@ class DiskKey:
     decompositions: Decompositions  # the decompositions actually used
     dims: Dims | None = None  # symbolic dimensions of the trace (None: static shapes)
     planned: bool = False  # jit(grad(f, partition=...)): traced from a plan made outside
+    #: the inputs the function writes in place, by position (traced with copies whose final
+    #: values are more outputs): the trace of the same call without them is another graph
+    writes: tuple[int, ...] = ()
     #: record and store on a miss (recording doubles the trace's time on CPython 3.11, so a
     #: jitted function stores its first few entries only; later misses just look up)
     store: bool = True
@@ -90,6 +93,8 @@ def digest(key: DiskKey, fp: Fingerprint) -> str:
         fp.add(repr(_tensors(key.tensors, symbolic=True)))
         symbolic = disk_shapes.key_tensors(key.tensors, key.dims, key.names)
         fp.add(("dims", disk_shapes.dims_doc(key.dims), symbolic))
+    if key.writes:
+        fp.add(("writes", key.writes))
     fp.add(key.fn)
     return fp.digest()
 

@@ -182,6 +182,45 @@ def traced(key: DiskKey, make: Callable[[], _G]) -> tuple[_G, bool]:
     return g, False
 
 
+def writes_hint(key: DiskKey) -> tuple[int, ...]:
+    """The inputs an earlier process found ``key``'s call writes in place (``()``: none
+    known). Its graph is stored under the key that names them (:attr:`DiskKey.writes`): a
+    call looked up without them would trace once only to learn them. A hint is never trusted
+    for a value: copying an input the call does not write writes back what it holds, and a
+    write it misses is found by the trace as before."""
+    path = _hint_path(key)
+    if path is None:
+        return ()
+    try:
+        found = json.loads(path.read_text()).get("writes")
+    except (OSError, ValueError, AttributeError):
+        return ()
+    if not isinstance(found, list) or not all(type(i) is int and i >= 0 for i in found):
+        return ()
+    _say(key, f"writes {found} (hint {path.name})")
+    return tuple(found)
+
+
+def remember_writes(key: DiskKey, writes: tuple[int, ...]) -> None:
+    """Record for later processes that ``key``'s call writes the inputs ``writes``."""
+    path = _hint_path(key)
+    if path is not None and key.store:
+        with contextlib.suppress(OSError):
+            _write(path, json.dumps({"writes": list(writes)}))
+
+
+def _hint_path(key: DiskKey) -> Path | None:
+    if not enabled() or key.writes:
+        return None
+    folder = _folder()
+    if folder is None:
+        return None
+    try:
+        return folder / f"{disk_key.digest(key, Fingerprint())}.writes.json"
+    except (Unhashable, graph_json.NotStorable):
+        return None
+
+
 def _say(key: DiskKey, message: str) -> None:
     name = getattr(key.fn, "__qualname__", type(key.fn).__name__)
     log("disk", f"jit({name}) {key.kind}", lambda: message)
