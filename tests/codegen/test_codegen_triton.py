@@ -531,3 +531,32 @@ def test_every_generated_kernel_compiles_for_gpus(arch):
         art = aot.compile_for_gpu(src, ("cuda", arch, 32))
         assert f".entry {src.name}" in art.ptx
         assert art.cubin or art.cubin_missing_reason
+
+
+def test_regression_a_scalar_loaded_in_one_loop_is_loaded_again_in_the_next():
+    """Found by the random-program property in a CI run (the kernels passed the interpreter
+    and failed to compile for sm_90): a backward kernel reducing a row in one loop and writing
+    it in a second loaded a scalar input in the first loop's body and read the name in the
+    second. Python sees a name made in a loop after it; Triton does not (NameError)."""
+    generated: list[runtime.KernelSource] = []
+
+    class Keeping(_Recording):
+        def compile(self, graph, inputs):
+            run = super().compile(graph, inputs)
+            generated.extend(
+                runtime.KernelSource(r.name, r.source, r.signature, r.constexprs)
+                for r in run.rendered
+            )
+            return run
+
+    def prog(x, s, g):
+        u = x * s
+        return (torch.log(u * u + 1) * g).sum()
+
+    gen = torch.Generator().manual_seed(0)
+    x, g = torch.randn(4, 3, generator=gen), torch.randn(4, 3, generator=gen)
+    backend = TritonBackend(persistent_limit=8, max_block=16)  # 12 elements: looped rows
+    check_backend(prog, (x, torch.tensor(0.7), g), Keeping(backend), "min_cut")
+    assert any(src.source.count("for roffset") >= 2 for src in generated)
+    for src in generated:
+        assert f".entry {src.name}" in aot.compile_for_gpu(src, ("cuda", 90, 32), cubin=False).ptx

@@ -28,7 +28,8 @@ of an :class:`Emitter`.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections import ChainMap
+from collections.abc import Iterator, Mapping, MutableMapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
@@ -168,9 +169,14 @@ class Scope:
     shift: Mapping[int, str] = field(default_factory=dict)
     piece_mask: str | None = None
 
-    def values(self, reduced: bool) -> dict[ValueKey, str]:
-        """Where a value belongs: the loop's table when it varies along a row inside a loop."""
-        return self.loop if reduced and self.loop is not None else self.top
+    def values(self, reduced: bool) -> MutableMapping[ValueKey, str]:
+        """Where a value is looked up and kept. Inside a loop, in the loop's table, whether it
+        varies along a row (``reduced``) or not: Triton does not see a name made in a loop
+        body after that loop, so one made there (a scalar load) is not reused by a later
+        loop or the block after it (the interpreter, which runs the kernel as Python, did).
+        The top block's values made before the loop are read through."""
+        del reduced  # where a value is made decides, not what it varies along
+        return self.top if self.loop is None else ChainMap(self.loop, self.top)
 
     def in_loop(self) -> Scope:
         """This scope inside a new loop over the row (the top block's values stay visible)."""
@@ -288,7 +294,7 @@ class Emitter:
             self.params[root] = f"{prefix}_ptr{count}"
         return self.params[root]
 
-    def values(self, fdims: Sequence[int | None]) -> dict[ValueKey, str]:
+    def values(self, fdims: Sequence[int | None]) -> MutableMapping[ValueKey, str]:
         """The table of the current scope a value with dim map ``fdims`` belongs in."""
         return self.scope.values(self.varies_reduced(fdims))
 
