@@ -369,9 +369,14 @@ def write_back(entry: Entry, outs: list[Any], inputs: Sequence[torch.Tensor]) ->
     """Copy the final values of the inputs ``entry`` writes in place (its last outputs) into
     those inputs, as AOTAutograd does; the other outputs. Under autograd the copy is recorded
     as eager records the in-place op: a leaf that requires grad refuses it as eager does, a
-    value computed from one gets a history through the compiled function."""
+    value computed from one gets a history through the compiled function. An input the call
+    turns out not to write (its final value an unmodified copy: a stale hint of
+    :mod:`functrans._jit.disk.store` named it) is left alone, its version unchanged."""
     k = len(entry.writes)
-    for at, value in zip(entry.writes, outs[-k:], strict=True):
+    first = len(outs) - k
+    for j, (at, value) in enumerate(zip(entry.writes, outs[-k:], strict=True)):
+        if entry.copies.get(first + j) == at:  # not written: its copy holds what it held
+            continue
         inputs[at].copy_(value)
     return outs[:-k]
 

@@ -24,6 +24,7 @@ gradient).
 from __future__ import annotations
 
 import functools
+import json
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -167,6 +168,34 @@ class Captures:
             new.extend(fresh)
             if not fresh:
                 self._baked(t, paths, where)
+        if not new:
+            return None
+        self.paths = (*self.paths, *new)
+        self.reader = Reader(self.paths)
+        return Lifted(tuple(new))
+
+    def lift_steps(self, steps: Sequence[Any]) -> Lifted | None:
+        """Lift the tensors at the paths with these ``steps`` (as JSON gives them back: an
+        earlier process lifted them, see :class:`~functrans._jit.disk.store.WritesHint`);
+        None where none is found now or all are lifted already."""
+        wanted = {json.dumps(s) for s in steps}
+        lifted = {p.steps for p in self.paths}
+        found = reach(self._f)
+        new: list[Path] = []
+        for paths in found.tensors.values():
+            for p in paths:
+                try:
+                    named = json.dumps([list(step) for step in p.steps])
+                except (TypeError, ValueError):
+                    continue
+                if (
+                    named in wanted
+                    and p.writable
+                    and p.steps not in lifted
+                    and plain(p.read(found.root))
+                ):
+                    lifted.add(p.steps)
+                    new.append(p)
         if not new:
             return None
         self.paths = (*self.paths, *new)

@@ -153,9 +153,15 @@ class EntryCompiler:
             store=self._builder.stores,
             writes=writes,
         )
-        if not writes:  # an earlier process found the inputs it writes: trace with them
-            hint = disk(kind="writes", decompositions=self._builder.decompositions())
-            hinted = tuple(p for p in disk_cache.writes_hint(hint) if p < len(order))
+        hint_key = functools.partial(
+            disk, kind="writes", decompositions=self._builder.decompositions()
+        )
+        if not writes:  # an earlier process found what it writes: trace with that at once
+            hint = disk_cache.writes_hint(hint_key())
+            lifted = self._captures.lift_steps(hint.lifted) if hint.lifted else None
+            if lifted is not None:
+                return lifted  # the caller keys the call again, with them as inputs
+            hinted = tuple(p for p in hint.writes if p < len(order))
             if hinted:
                 return self.compile(flat, tensors, state, key, module_names, grad_inside, hinted)
         scalars = _scalars(self._f)  # make_fx runs ops on captured one-element tensors
@@ -177,9 +183,12 @@ class EntryCompiler:
             if e.captured:  # the trace ran those writes on the captured scalars themselves
                 _restore(e.captured, scalars)
             found = self._writing(e, flat, tensors, state, key, module_names, grad_inside, writes)
-            if isinstance(found, Slot) and not writes and found.entry.writes:
-                hint = disk(kind="writes", decompositions=self._builder.decompositions())
-                disk_cache.remember_writes(hint, found.entry.writes)
+            if writes:
+                return found
+            if isinstance(found, Lifted):  # captured tensors it writes, lifted
+                disk_cache.remember_writes(hint_key(), lifted=tuple(p.steps for p in found.paths))
+            elif found.entry.writes:
+                disk_cache.remember_writes(hint_key(), writes=found.entry.writes)
             return found
         if isinstance(built, GradOn):  # the body turned grad mode on: a training entry
             torch._C._set_grad_enabled(False)  # as the caller had it (watch: grad was off)

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import functrans as ft
 from benchmarks.zoo import ZOO, has_transformers
@@ -1072,9 +1073,9 @@ def test_a_stored_step_that_writes_a_buffer_writes_it_in_a_fresh_process(tmp_pat
     process, that graph returned the written values to the caller and wrote no buffer (the
     disk key did not say which inputs the trace wrote). The first process traces three
     times: to find the batch counter it writes (a captured one-element tensor, lifted then),
-    to find the inputs it writes, and with them copied. The second traces once, to find the
-    counter: the first left a hint of which inputs the call writes, so it looks up the graph
-    that copies them without tracing again to learn them."""
+    to find the inputs it writes, and with them copied. The second traces nothing: the first
+    left hints of what the call writes (the counter's path, the inputs' positions), so it
+    lifts the counter and looks up the graph that copies them without tracing to learn."""
     program = tmp_path / "program"
     program.mkdir()
     (program / "writes.py").write_text(WRITES_PROGRAM)
@@ -1084,4 +1085,54 @@ def test_a_stored_step_that_writes_a_buffer_writes_it_in_a_fresh_process(tmp_pat
     first = _run(program, cache, script="writes.py")
     again = _run(program, cache, script="writes.py")
     assert first == {"hits": 0, "same": True, "traces": 3}, first
-    assert again == {"hits": 1, "same": True, "traces": 1}, again
+    assert again == {"hits": 1, "same": True, "traces": 0}, again
+    third = _run(program, cache, script="writes.py")  # the hints hold as they are read
+    assert third == again, third
+
+
+@settings(max_examples=15, deadline=None)
+@given(data=st.data())
+def test_a_wrong_writes_hint_changes_no_result(data: st.DataObject) -> None:
+    """The rule behind the hints: whatever a hint says (inputs the call does not write,
+    captured tensors it does not write, or too little), the step computes eager's loss,
+    gradients and buffers, and leaves the inputs it does not write untouched (their version
+    too: a hinted write-back into an unwritten leaf that requires grad raised, found by this
+    property). A hint only decides what the first trace tries."""
+    from torch.func import functional_call
+
+    from functrans._trace.capture import reach
+
+    torch.manual_seed(0)
+    mine = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6)).train()
+    eager = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6)).train()
+    eager.load_state_dict(mine.state_dict())
+
+    def loss(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return functional_call(mine, p, (x,)).square().mean()
+
+    steps = sorted(
+        {json.dumps([list(s) for s in p.steps]) for ps in reach(loss).tensors.values() for p in ps}
+    )
+    hint = _disk_cache.WritesHint(
+        tuple(data.draw(st.lists(st.integers(0, 12), unique=True, max_size=6))),
+        tuple(json.loads(s) for s in data.draw(st.lists(st.sampled_from(steps), unique=True))),
+    )
+    params = {k: v.detach().requires_grad_() for k, v in mine.named_parameters()}
+    ref = {k: v.detach().requires_grad_() for k, v in eager.named_parameters()}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_disk_cache, "writes_hint", lambda key: hint)
+        f = ft.jit(loss)
+        for _ in range(2):
+            x = torch.randn(8, 4)
+            versions = [t._version for t in (x, *params.values())]
+            got = f(params, x)
+            # inputs it does not write keep their version (no copy into them): eager's
+            assert [t._version for t in (x, *params.values())] == versions
+            want = functional_call(eager, ref, (x,)).square().mean()
+            assert isinstance(got, torch.Tensor) and torch.equal(got, want)
+            got.backward()
+            want.backward()
+    for k in params:
+        torch.testing.assert_close(params[k].grad, ref[k].grad)
+    for (name, a), (_, b) in zip(mine.named_buffers(), eager.named_buffers(), strict=True):
+        assert torch.equal(a, b), name

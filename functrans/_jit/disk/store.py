@@ -87,6 +87,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -182,31 +183,52 @@ def traced(key: DiskKey, make: Callable[[], _G]) -> tuple[_G, bool]:
     return g, False
 
 
-def writes_hint(key: DiskKey) -> tuple[int, ...]:
-    """The inputs an earlier process found ``key``'s call writes in place (``()``: none
-    known). Its graph is stored under the key that names them (:attr:`DiskKey.writes`): a
-    call looked up without them would trace once only to learn them. A hint is never trusted
-    for a value: copying an input the call does not write writes back what it holds, and a
-    write it misses is found by the trace as before."""
+@dataclass(frozen=True)
+class WritesHint:
+    """What an earlier process learnt, by tracing, of the call a key names: the inputs it
+    writes in place (by position) and the paths to captured tensors it writes, lifted to
+    inputs then. Its graph is stored under the key that names them (:attr:`DiskKey.writes`,
+    the lifted tensors among the inputs): a call looked up without them would trace once
+    only to learn them. A hint is never trusted for a value: copying an input the call does
+    not write writes back what it holds, a lifted tensor the call does not write is an input
+    it reads, and a write the hint misses is found by the trace as before."""
+
+    writes: tuple[int, ...] = ()
+    lifted: tuple[Any, ...] = ()  # paths' steps, as JSON gives them back (lists)
+
+
+def writes_hint(key: DiskKey) -> WritesHint:
+    """The :class:`WritesHint` an earlier process left for ``key`` (empty: none)."""
     path = _hint_path(key)
     if path is None:
-        return ()
+        return WritesHint()
     try:
-        found = json.loads(path.read_text()).get("writes")
+        doc = json.loads(path.read_text())
+        writes, lifted = doc.get("writes", []), doc.get("lifted", [])
     except (OSError, ValueError, AttributeError):
-        return ()
-    if not isinstance(found, list) or not all(type(i) is int and i >= 0 for i in found):
-        return ()
-    _say(key, f"writes {found} (hint {path.name})")
-    return tuple(found)
+        return WritesHint()
+    if not isinstance(writes, list) or not all(type(i) is int and i >= 0 for i in writes):
+        writes = []
+    if not isinstance(lifted, list):
+        lifted = []
+    _say(key, f"hint {path.name}: writes {writes}, lifts {len(lifted)} captured tensors")
+    return WritesHint(tuple(writes), tuple(lifted))
 
 
-def remember_writes(key: DiskKey, writes: tuple[int, ...]) -> None:
-    """Record for later processes that ``key``'s call writes the inputs ``writes``."""
+def remember_writes(
+    key: DiskKey, writes: tuple[int, ...] = (), lifted: tuple[Any, ...] = ()
+) -> None:
+    """Record for later processes that ``key``'s call writes the inputs ``writes`` and the
+    captured tensors at the paths ``lifted`` (their steps)."""
     path = _hint_path(key)
-    if path is not None and key.store:
-        with contextlib.suppress(OSError):
-            _write(path, json.dumps({"writes": list(writes)}))
+    if path is None or not key.store:
+        return
+    try:
+        text = json.dumps({"writes": list(writes), "lifted": [list(s) for s in lifted]})
+    except (TypeError, ValueError):  # a step JSON cannot hold: no hint
+        return
+    with contextlib.suppress(OSError):
+        _write(path, text)
 
 
 def _hint_path(key: DiskKey) -> Path | None:
