@@ -137,11 +137,8 @@ def tracing_guard(owner: Callable[[], str]) -> Iterator[Seeding]:
     alone = threading.active_count() == 1
     before = _bytes(torch.random.get_rng_state())
     seeding = Seeding()
-    token = _CURRENT.set(seeding)
-    try:
+    with _CURRENT.bound(seeding):
         yield seeding
-    finally:
-        _CURRENT.reset(token)
     checked = seeding.call is not None or (alone and threading.active_count() == 1)
     if checked and _bytes(torch.random.get_rng_state()) != before:
         torch.random.set_rng_state(torch.frombuffer(bytearray(before), dtype=torch.uint8))

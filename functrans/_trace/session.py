@@ -96,11 +96,11 @@ class Slot(Generic[_T]):
         _STATE.set(state)
 
     @contextlib.contextmanager
-    def bound(self, value: _T) -> Iterator[_T]:
+    def bound(self, value: _T) -> Iterator[None]:
         """The slot set to ``value`` for the body."""
         token = self.set(value)
         try:
-            yield value
+            yield
         finally:
             self.reset(token)
 

@@ -182,11 +182,8 @@ def deferred() -> Iterator[Deferred]:
     """Traces inside keep their region ops (``region_fwd``, ``region_bwd``) unexpanded; the
     regions they call are left in the yielded :class:`Deferred`."""
     held = Deferred()
-    token = _DEFER.set(held)
-    try:
+    with _DEFER.bound(held):
         yield held
-    finally:
-        _DEFER.reset(token)
 
 
 class Undifferentiable(ControlFlow):
@@ -202,22 +199,11 @@ class Undifferentiable(ControlFlow):
 def session(table: Any, on: bool = True) -> Iterator[None]:
     """Regions are traced and reused while this is entered (one joint trace); ``on=False``:
     every block is traced inline meanwhile, in an enclosing session's trace too."""
-    if not on:
-        token = _SESSION.set(None)
-        try:
-            yield
-        finally:
-            _SESSION.reset(token)
-        return
-    if not enabled() or _SESSION.get() is not None:
+    if on and (not enabled() or _SESSION.get() is not None):
         yield
         return
-    s = _Session(table)
-    token = _SESSION.set(s)
-    try:
+    with _SESSION.bound(_Session(table) if on else None):
         yield
-    finally:
-        _SESSION.reset(token)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -305,15 +291,13 @@ def _outside_outer_trace() -> Iterator[None]:
     with _disable_current_modes():
         while torch._C._len_torch_function_stack() > 0:
             popped.append(torch._C._pop_torch_function_stack())
-        token = _INSIDE.set(True)
         try:
-            with contextlib.ExitStack() as stack:
+            with _INSIDE.bound(True), contextlib.ExitStack() as stack:
                 for extension in trace_extensions():
                     if extension.context is not None:
                         stack.enter_context(extension.context(None))
                 yield
         finally:
-            _INSIDE.reset(token)
             for mode in reversed(popped):
                 torch._C._push_on_torch_function_stack(mode)
 
@@ -381,12 +365,8 @@ def call_region(
     # would otherwise see each of the two dozen device queries autograd makes of its inputs
     # and outputs (0.2 ms a call)
     modes = _disable_current_modes() if recorder is not None else nullcontext()
-    token = _RECORDER.set(recorder)
-    try:
-        with _no_torch_functions(), modes:
-            outs = _Apply.apply(rid, s.calls, *tensors)  # type: ignore[no-untyped-call]  # autograd.Function.apply is unannotated
-    finally:
-        _RECORDER.reset(token)
+    with _RECORDER.bound(recorder), _no_torch_functions(), modes:
+        outs = _Apply.apply(rid, s.calls, *tensors)  # type: ignore[no-untyped-call]  # autograd.Function.apply is unannotated
     mine = len(outs) - len(region.writes)
     if region.writes:  # what the block wrote in place (running statistics), written back
         with torch.no_grad(), _no_torch_functions():
