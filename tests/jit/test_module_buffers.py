@@ -262,3 +262,22 @@ def test_lifting_before_the_first_trace_changes_no_result(
             assert (a.grad is None) == (b.grad is None)
             if a.grad is not None:
                 torch.testing.assert_close(a.grad, b.grad)
+
+
+def test_a_prelifted_parameter_replaced_after_the_first_call_is_read() -> None:
+    """A parameter lifted before the first trace is read through its path on every call:
+    a caller that replaces it later (a new ``nn.Parameter``, a loaded checkpoint's) gets
+    eager's result and the gradient lands on the new one."""
+    torch.manual_seed(0)
+    model = Scaled()
+    x = torch.randn(3, 4)
+    f = ft.jit(lambda x: model(x).pow(2).sum())
+    f(x).backward()
+    new = torch.nn.Parameter(torch.randn(4, 4))
+    model.lin.weight = new
+    got = f(x)
+    want = model(x).pow(2).sum()
+    torch.testing.assert_close(got, want)
+    (expected,) = torch.autograd.grad(want, new)
+    got.backward()
+    torch.testing.assert_close(new.grad, expected)
