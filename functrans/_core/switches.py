@@ -122,6 +122,7 @@ REGIONS: Switch[str] = Switch(
     "1 or compiled (the default), unrolled, or 0",
     "repeated blocks: traced, cut and compiled once (compiled), traced once and pasted into "
     "the step (unrolled), or every block traced inline (0)",
+    read="when a transform is built (ft.jit: its regions= wins)",
 )
 LOGS: Switch[str] = Switch(
     "FUNCTRANS_LOGS",

@@ -24,6 +24,7 @@ from functrans._core.validate import (
 )
 from functrans._cut.partition import Strategy, check_partition_options, get_strategy
 from functrans._trace.decomp import Decompositions, decomposition_table
+from functrans._trace.options import RegionsMode, TraceOptions
 
 from .jitted import Jitted
 from .module import JitModule
@@ -58,6 +59,7 @@ def jit(
     decompositions: Decompositions = ...,
     cache_size: int = ...,
     dynamic: JitDynamic = ...,
+    regions: RegionsMode | None = ...,
     **partition_options: Any,
 ) -> JitModule: ...
 @overload
@@ -70,6 +72,7 @@ def jit(
     decompositions: Decompositions = ...,
     cache_size: int = ...,
     dynamic: JitDynamic = ...,
+    regions: RegionsMode | None = ...,
     **partition_options: Any,
 ) -> Jitted[_P, _R]: ...
 @overload
@@ -82,6 +85,7 @@ def jit(
     decompositions: Decompositions = ...,
     cache_size: int = ...,
     dynamic: JitDynamic = ...,
+    regions: RegionsMode | None = ...,
     **partition_options: Any,
 ) -> JitDecorator: ...
 def jit(
@@ -93,6 +97,7 @@ def jit(
     decompositions: Decompositions = "auto",
     cache_size: int = CACHE_SIZE,
     dynamic: JitDynamic = "auto",
+    regions: RegionsMode | None = None,
     **partition_options: Any,
 ) -> JitModule | Jitted[..., Any] | JitDecorator:
     """Compile ``f``: trace on first call per input signature, partition with ``partition``,
@@ -110,6 +115,11 @@ def jit(
     attribute, ``"core"`` when it has none): ``"aten"`` runs ATen's own fused kernels and keeps
     composite ops such as ``gelu_backward`` whole (``"minimal"``); a code generator that fuses
     wants small ``"core"`` ops. Any value :func:`functrans.trace` takes overrides it.
+
+    ``regions`` says how repeated blocks are traced: ``"compiled"`` (cut and compiled once,
+    called per block), ``"unrolled"`` (traced once, pasted into the step) or ``"off"`` (every
+    block traced inline); None reads ``FUNCTRANS_REGIONS`` (by default ``"compiled"``). It is
+    read once, here: changing the variable between two calls of the result changes neither.
 
     Every option is checked when ``jit`` is called, not at the first training step: a
     ``partition`` name that is not registered, an option the strategy does not take or a value
@@ -133,6 +143,7 @@ def jit(
     """
     _check_options(f, partition, backend, static_argnums, decompositions, cache_size)
     check_partition_options("jit", partition, partition_options)
+    trace_options = TraceOptions.read(regions=regions)  # the environment, read once: here
     if f is None:
         # mypy sees partial(jit) through jit's first overload only
         decorate = functools.partial(
@@ -143,6 +154,7 @@ def jit(
             decompositions=decompositions,
             cache_size=cache_size,
             dynamic=dynamic,
+            regions=regions,
             **partition_options,
         )
         return cast(JitDecorator, decorate)
@@ -154,6 +166,7 @@ def jit(
         partition_options=partition_options,
         cache_size=cache_size,
         dynamic=check_dynamic(dynamic),
+        trace=trace_options,
     )
     if isinstance(f, torch.nn.Module):
         _refuse_fsdp(f)

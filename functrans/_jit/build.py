@@ -41,6 +41,7 @@ from functrans._core.stack import ControlFlow
 from functrans._core.state import autocast_off
 from functrans._cut.partition import Partition, partition
 from functrans._trace.joint import joint
+from functrans._trace.options import OPTIONS
 from functrans._trace.passes import no_gc
 from functrans._trace.regions import deferred as deferred_regions
 from functrans._trace.regions import stats as region_stats
@@ -208,7 +209,7 @@ class Builder:
         step = "training step" if training else "call"
         strategy = self.options.partition
         what = f"compiling {name}'s {step} (trace, partition {strategy!r}, codegen)"
-        with no_gc(), slow(lambda: what):
+        with OPTIONS.bound(self.options.trace), no_gc(), slow(lambda: what):
             return self._build(target, example, training, disk, dims)
 
     def _build(

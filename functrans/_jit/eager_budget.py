@@ -51,6 +51,7 @@ from functrans._core.strategies import PeakGoal
 from functrans._core.tags import PolicyLike
 from functrans._core.validate import check_number
 from functrans._trace.joint import joint
+from functrans._trace.options import OPTIONS, TraceOptions
 from functrans._trace.regions import deferred as deferred_regions
 from functrans._transforms import remat as _remat
 from functrans._transforms.remat import RematDecorator, RematModule
@@ -64,6 +65,8 @@ _P = ParamSpec("_P")
 _R = TypeVar("_R")
 _M = TypeVar("_M", bound=torch.nn.Module)
 
+#: the options of the planning trace
+_PLANNING = TraceOptions(regions="compiled")
 #: the cuts eager mode has: a checkpointed block, a block run as written
 _FULL_REMAT, _DEFAULT = 0, len(CHOICES) - 1
 
@@ -149,7 +152,9 @@ def _plan(
     buffers = dict(module.named_buffers())
     backend = get_backend("aten")  # its decompositions are jit's: the plans' simulation is jit's
     decompositions = capabilities(backend).decompositions
-    with deferred_regions() as held, _statistics_held(module):
+    # the blocks are where checkpoints go: found as regions whatever FUNCTRANS_REGIONS says
+    # (it chooses how jit's steps run; this trace only plans and never runs)
+    with OPTIONS.bound(_PLANNING), deferred_regions() as held, _statistics_held(module):
         jg = joint(step, argnums=0, decompositions=decompositions)(values, buffers, args, kwargs)
     jg.regions = tuple(held.regions)
     calls = region_calls(jg)

@@ -6,12 +6,13 @@ True
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from functrans._core.shapes import JitDynamic
 from functrans._cut.partition import Strategy
 from functrans._trace.decomp import Decompositions
+from functrans._trace.options import TraceOptions
 
 __all__ = ["CACHE_SIZE", "Options"]
 
@@ -21,7 +22,9 @@ CACHE_SIZE = 32
 
 @dataclass(frozen=True)
 class Options:
-    """What :func:`~functrans._jit.api.jit` was asked for (see its parameters)."""
+    """What :func:`~functrans._jit.api.jit` was asked for (see its parameters); ``trace``:
+    what the environment decides of its traces, read once, when the record is made (when
+    ``jit`` is called), so a switch changed between two calls changes neither."""
 
     partition: str | Strategy
     backend: str
@@ -30,3 +33,4 @@ class Options:
     partition_options: dict[str, Any]
     cache_size: int = CACHE_SIZE
     dynamic: JitDynamic = "auto"
+    trace: TraceOptions = field(default_factory=TraceOptions.read)

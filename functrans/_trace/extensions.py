@@ -5,9 +5,11 @@ user's function plus what other parts of functrans need while it runs: lazy grap
 ``torch.compile``-d code traced as written, blocks found and traced once (regions), plain
 functions called as blocks, ``torch.utils.checkpoint`` calls made remat regions. Each is a
 :class:`TraceExtension` registered here by name, with an order (lower is entered first, outer)
-and what it adds: a context entered around the traced body (also around a region traced on its
-own) and a pass over the raw graph after it. The trace reads :func:`trace_extensions` and
-nothing else; ``python -m functrans explain --trace`` prints them.
+whether the trace's options want it (:class:`~functrans._trace.options.TraceOptions`; the
+regions extension is off under ``FUNCTRANS_REGIONS=0``), and what it adds: a context entered
+around the traced body (also around a region traced on its own) and a pass over the raw graph
+after it. The trace reads :func:`active` and nothing else; ``python -m functrans explain
+--trace`` prints them.
 
 >>> from functrans._trace.extensions import trace_extensions
 >>> import functrans  # its modules register theirs when imported
@@ -26,8 +28,11 @@ import torch.fx as fx
 
 from functrans._core.errors import InvalidArgumentError
 
+from .options import TraceOptions, options
+
 __all__ = [
     "TraceExtension",
+    "active",
     "describe",
     "register_trace_extension",
     "trace_extensions",
@@ -44,13 +49,16 @@ class TraceExtension:
     """What one part of functrans adds to every trace: a ``context`` entered around the
     traced body (and around a region's own trace) and a ``graph_pass`` over the raw graph,
     run before the input-mutation check and functionalization; ``order`` places it among the
-    others (lower: entered first)."""
+    others (lower: entered first); ``wanted`` says whether a trace with those options uses it
+    (None: every trace), and ``when`` says so in words for ``explain --trace``."""
 
     name: str
     order: int
     context: TraceContext | None = None
     graph_pass: Callable[[fx.GraphModule], fx.GraphModule] | None = None
     doc: str = ""
+    wanted: Callable[[TraceOptions], bool] | None = None
+    when: str = "always"
 
 
 _REGISTERED: dict[str, TraceExtension] = {}
@@ -87,13 +95,27 @@ def trace_extensions() -> tuple[TraceExtension, ...]:
     return tuple(sorted(_REGISTERED.values(), key=lambda e: (e.order, e.name)))
 
 
+def active(given: TraceOptions | None = None) -> tuple[TraceExtension, ...]:
+    """The extensions a trace with options ``given`` (the running trace's where None) enters,
+    in order.
+
+    >>> from functrans._trace.options import TraceOptions
+    >>> import functrans
+    >>> on = {e.name for e in active(TraceOptions(regions="compiled"))}
+    >>> sorted(on - {e.name for e in active(TraceOptions(regions="off"))})
+    ['regions']
+    """
+    opts = options() if given is None else given
+    return tuple(e for e in trace_extensions() if e.wanted is None or e.wanted(opts))
+
+
 def describe() -> str:
-    """One line per extension: order, name, what it adds, who declared it."""
+    """One line per extension: order, name, what it adds, when, who declared it."""
     lines = []
     for e in trace_extensions():
         adds = ", ".join(
             what for what, has in (("context", e.context), ("pass", e.graph_pass)) if has
         )
         owner = getattr(e.context or e.graph_pass, "__module__", "?")
-        lines.append(f"{e.order:>4}  {e.name:<40} {adds:<14} {owner}: {e.doc}")
+        lines.append(f"{e.order:>4}  {e.name:<34} {adds:<14} {e.when:<18} {owner}: {e.doc}")
     return "\n".join(lines)

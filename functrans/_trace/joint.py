@@ -8,7 +8,7 @@ graph, connected only by data flow, which is what lets a partitioner plan global
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, ParamSpec
 
@@ -36,11 +36,11 @@ from functrans._core.validate import check_argnums, check_bool, check_callable
 
 from .decomp import Decompositions, decomposition_table
 from .escape import refuse_escapes
+from .options import OPTIONS, TraceOptions, options
 from .passes import InputSpec, canonicalize, no_gc
 from .record import late_inputs, no_stack_traces, untraced
 from .regions import Undifferentiable
-from .regions import finding as _region_finding  # noqa: F401  # registers its trace context
-from .regions import functions as _region_functions  # noqa: F401  # registers its trace context
+from .regions import extension as _region_extension  # noqa: F401  # registers its extension
 from .regions import session as region_session
 from .trace import (
     arg_names,
@@ -100,6 +100,15 @@ def _grads_structure(args: tuple[Any, ...], argnums: tuple[int, ...], is_int: bo
     return per_arg[0] if is_int else tuple(per_arg)
 
 
+@contextlib.contextmanager
+def _tracing(read: TraceOptions) -> Iterator[None]:
+    """A joint trace's frame: its options bound, the collector waiting, out of inference
+    mode (under it autograd records nothing: the backward would be zeros; the trace runs on
+    fake tensors, so leaving it costs nothing)."""
+    with OPTIONS.bound(read), no_gc(), torch.inference_mode(False):
+        yield
+
+
 def joint(
     f: Callable[_P, Any],
     *,
@@ -114,7 +123,8 @@ def joint(
     positional arguments, ``tangents`` one cotangent per floating-point output leaf. With
     ``has_aux``, ``f`` returns ``(output, aux)`` and ``aux`` gets no tangent. ``joint(f)``
     takes ``f``'s parameters. ``dynamic`` keeps input dimensions symbolic, as in
-    :func:`~functrans.trace`.
+    :func:`~functrans.trace`. Repeated blocks are traced once each
+    (:mod:`functrans._trace.regions`) unless ``FUNCTRANS_REGIONS=0`` when ``joint`` is called.
 
     >>> import torch, functrans as ft
     >>> jg = ft.joint(lambda x: (x * x).sum())(torch.ones(3))
@@ -127,16 +137,15 @@ def joint(
         check_argnums("joint", argnums)
     check_bool("joint", "has_aux", has_aux)
     table = decomposition_table(decompositions)
+    read = options()  # the environment's (or an enclosing trace's), read once, here
 
     def traced(*args: _P.args, **kwargs: _P.kwargs) -> JointGraph:
         try:
-            # under torch.inference_mode() autograd records nothing: the backward would be
-            # zeros. The trace runs on fake tensors, so leaving inference mode costs nothing
             try:
-                with no_gc(), torch.inference_mode(False), region_session(table):
+                with _tracing(read), region_session(table):
                     return build(*args, **kwargs)
             except Undifferentiable:  # a gradient differentiated again: blocks inline
-                with no_gc(), torch.inference_mode(False), region_session(table, on=False):
+                with _tracing(read), region_session(table, on=False):
                     return build(*args, **kwargs)
         except RuntimeError as e:
             if "in-place operation" in str(e):  # autograd refused to mutate a leaf: name it

@@ -50,7 +50,7 @@ from functrans._core.zero_tensors import views_reach_fake_modes
 
 from .decomp import Decompositions, decomposition_table
 from .escape import refuse_escapes
-from .extensions import trace_extensions
+from .extensions import active
 from .passes import InputSpec, canonicalize, identifier, out_of_place
 from .record import inputs_first, inputs_recorded, known_inputs
 from .trace_run import TRACE_LOCK, in_traced_function, lazy_modules, run_traced
@@ -373,7 +373,7 @@ def trace_module(
     for t in recorded:  # the graph's values are detached, as make_fx records them
         t.requires_grad_(False)
     inputs_first(gm)
-    for extension in trace_extensions():
+    for extension in active():
         if extension.graph_pass is not None:
             gm = extension.graph_pass(gm)
     check_no_input_mutation(gm, input_paths)

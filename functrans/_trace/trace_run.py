@@ -35,7 +35,7 @@ from functrans._core.errors import TraceError
 from functrans._core.ops import is_random
 from functrans._core.torch_compat import anchor_stack_traces, is_device_mismatch
 
-from .extensions import TraceExtension, register_trace_extension, trace_extensions
+from .extensions import TraceExtension, active, register_trace_extension
 from .record import stack_traces
 from .rng import seeded_then_drew, tracing_guard
 
@@ -228,7 +228,7 @@ def run_traced(fn: Callable[..., Any], user_fn: Callable[..., Any]) -> Any:
             no_saved_tensor_hooks(),
             contextlib.ExitStack() as contexts,
         ):
-            for extension in trace_extensions():
+            for extension in active():
                 if extension.context is not None:
                     contexts.enter_context(extension.context(user_fn))
             result = fn()

@@ -16,7 +16,6 @@ from hypothesis import strategies as st
 
 import functrans as ft
 from functrans._core.graph import PATH, ROLE, Role
-from functrans._core.switches import overridden
 from functrans._cut.recompute_forms import _FORMS, RecomputeForm, recompute_form_of
 
 aten = torch.ops.aten
@@ -36,20 +35,19 @@ class Net(torch.nn.Module):
         return (torch.tanh(self.b(h)) + h).square().mean()
 
 
-@pytest.mark.parametrize("mode", ["unrolled", "on"])
+@pytest.mark.parametrize("mode", ["unrolled", "compiled"])
 @pytest.mark.parametrize("strategy", ["full_remat", "min_cut"])
 def test_a_recomputed_batch_norm_reads_no_running_statistics(strategy: str, mode: str) -> None:
     """Unrolled, the step's own backward; as regions, the blocks' (a stack of two; the step
     re-running a whole block's forward under ``full_remat`` re-runs its updates with it)."""
     torch.manual_seed(0)
     net = torch.nn.Sequential(Block(4), Block(4))
-    step = ft.jit(net, partition=strategy)
-    with overridden(FUNCTRANS_REGIONS=mode):
-        step(torch.randn(3, 4, 5, 5)).square().mean().backward()
+    step = ft.jit(net, partition=strategy, regions=mode)
+    step(torch.randn(3, 4, 5, 5)).square().mean().backward()
     (p,) = step.partitions()
     outlined = [o.partition.backward.fx_graph for o in _outlined(p.forward.fx_graph)]
-    backwards = outlined if mode == "on" else [p.backward.fx_graph]
-    assert len(outlined) == (2 if mode == "on" else 0)
+    backwards = outlined if mode == "compiled" else [p.backward.fx_graph]
+    assert len(outlined) == (2 if mode == "compiled" else 0)
     norms = [n for g in backwards for n in g.nodes if "batch_norm_legit" in str(n.target)]
     assert norms and all(n.target is aten._native_batch_norm_legit.no_stats for n in norms)
     # the running statistics are neither recomputed from nor handed over

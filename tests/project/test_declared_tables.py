@@ -19,7 +19,13 @@ import pytest
 import functrans
 from functrans.__main__ import main
 from functrans._core.errors import InvalidArgumentError
-from functrans._trace.extensions import TraceExtension, register_trace_extension, trace_extensions
+from functrans._trace.extensions import (
+    TraceExtension,
+    active,
+    register_trace_extension,
+    trace_extensions,
+)
+from functrans._trace.options import TraceOptions
 
 ROOT = Path(functrans.__file__).parent
 MUTATORS = frozenset({"append", "extend", "insert", "update", "add", "setdefault", "__setitem__"})
@@ -94,12 +100,41 @@ def test_trace_extensions_are_listed_in_order(capsys: pytest.CaptureFixture[str]
     assert main(["explain", "--trace"]) == 0
     lines = capsys.readouterr().out.splitlines()
     names = [e.name for e in trace_extensions()]
-    assert len(lines) == len(names) >= 6
+    assert len(lines) == len(names) >= 4
     assert all(name in line for name, line in zip(names, lines, strict=True))
     orders = [e.order for e in trace_extensions()]
     assert orders == sorted(orders) and len(set(orders)) == len(orders)
-    assert "blocks found in module containers" in names
+    assert "regions" in names
     assert "torch.utils.checkpoint as remat" in names
+
+
+def _registrations(tree: ast.Module) -> list[ast.stmt]:
+    """Top-level statements that call ``register_trace_extension``."""
+    return [
+        node
+        for node in _top_level(tree.body)
+        if any(
+            isinstance(call, ast.Call)
+            and getattr(call.func, "id", None) == "register_trace_extension"
+            for call in ast.walk(node)
+        )
+    ]
+
+
+def test_the_region_machinery_is_one_trace_extension() -> None:
+    """Block finding, plain functions and the expansion pass are one extension, declared in
+    one module of the regions folder: a trace with regions off enters none of it."""
+    folder = ROOT / "_trace" / "regions"
+    found = {
+        path.name: len(_registrations(ast.parse(path.read_text())))
+        for path in sorted(folder.glob("*.py"))
+    }
+    assert {name: n for name, n in found.items() if n} == {"extension.py": 1}, found
+    on = {e.name for e in active(TraceOptions(regions="compiled"))}
+    off = {e.name for e in active(TraceOptions(regions="off"))}
+    assert on - off == {"regions"}
+    (regions,) = (e for e in trace_extensions() if e.name == "regions")
+    assert regions.context is not None and regions.graph_pass is not None
 
 
 def test_a_name_registered_again_at_another_order_is_refused() -> None:

@@ -28,9 +28,10 @@ before (a block whose forward changed an attribute gets it back).
 Blocks are found in ``nn.ModuleList``, ``nn.Sequential`` and ``nn.ModuleDict`` (a member with
 a sibling of the same class; :mod:`.finding`), as plain functions called repeatedly
 (:mod:`.functions`) and where :func:`region` marks a function or module. ``ft.jit`` goes further
-where it can and cuts and compiles a region once (:mod:`functrans._jit.outline`);
-``FUNCTRANS_REGIONS=unrolled`` pastes the copies instead, and ``FUNCTRANS_REGIONS=0`` traces
-every block inline (both for A/B comparisons).
+where it can and cuts and compiles a region once (:mod:`functrans._jit.outline`); the regions
+mode ``"unrolled"`` (``FUNCTRANS_REGIONS=unrolled``, or ``ft.jit(..., regions="unrolled")``)
+pastes the copies instead, and ``"off"`` traces every block inline (both for A/B comparisons).
+All of it is one trace extension, :mod:`.extension`.
 """
 
 from __future__ import annotations
@@ -49,12 +50,12 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import _disable_current_modes
 
-from functrans._core import switches
 from functrans._core.graph import lazy_module
 from functrans._core.logs import log
 from functrans._core.stack import ControlFlow
 
-from ..extensions import TraceExtension, register_trace_extension, trace_extensions
+from ..extensions import active
+from ..options import options
 from ..record import CallRecorder, call_recorder, no_stack_traces
 from ..session import Slot
 from .graph import (
@@ -152,16 +153,16 @@ _INSIDE: Slot[bool] = Slot("inside a region", False)
 
 
 def mode() -> str:
-    """``"compiled"`` (the default, ``FUNCTRANS_REGIONS=1``: ``ft.jit`` cuts and compiles a
-    region once and calls it per block where it can, see :mod:`functrans._jit.outline`; regions
-    are traced once everywhere), ``"unrolled"`` (``FUNCTRANS_REGIONS=unrolled``: traced once,
-    pasted into the step's graph) or ``"off"`` (``FUNCTRANS_REGIONS=0``: every block traced
-    inline); see :mod:`functrans._core.switches`."""
-    return switches.value(switches.REGIONS)
+    """The running trace's regions mode (:class:`~functrans._trace.options.TraceOptions`, read
+    from ``FUNCTRANS_REGIONS`` when its transform was built): ``"compiled"`` (the default:
+    ``ft.jit`` cuts and compiles a region once and calls it per block where it can, see
+    :mod:`functrans._jit.outline`; regions are traced once everywhere), ``"unrolled"`` (traced
+    once, pasted into the step's graph) or ``"off"`` (every block traced inline)."""
+    return options().regions
 
 
 def enabled() -> bool:
-    """Whether region reuse is on (``FUNCTRANS_REGIONS=0`` turns it off)."""
+    """Whether region reuse is on (regions mode ``"off"`` turns it off)."""
     return mode() != "off"
 
 
@@ -293,7 +294,7 @@ def _outside_outer_trace() -> Iterator[None]:
             popped.append(torch._C._pop_torch_function_stack())
         try:
             with _INSIDE.bound(True), contextlib.ExitStack() as stack:
-                for extension in trace_extensions():
+                for extension in active():
                     if extension.context is not None:
                         stack.enter_context(extension.context(None))
                 yield
@@ -577,13 +578,3 @@ def _fake_mode(gm: fx.GraphModule) -> FakeTensorMode:
         if isinstance(v, FakeTensor):
             return v.fake_mode
     return FakeTensorMode()
-
-
-register_trace_extension(
-    TraceExtension(
-        "region calls expanded",
-        60,
-        graph_pass=expand,
-        doc="each region call in a raw trace becomes copies of its region's nodes",
-    )
-)

@@ -32,7 +32,6 @@ from functrans._core.marks import leave, marked
 from functrans._trace import regions as _regions
 
 from .. import reads
-from ..extensions import TraceExtension, register_trace_extension
 from ..session import Slot
 from .keys import (
     SideEffect,
@@ -262,14 +261,3 @@ def region(fn: _F) -> _F:
         return _regions.call_region(parts, found.tensors, call, lambda: fn(*args, **kwargs), what)
 
     return cast(_F, wrapper)
-
-
-register_trace_extension(
-    TraceExtension(
-        "blocks found in module containers",
-        40,
-        finding_blocks,
-        doc="ModuleList/Sequential/ModuleDict members with a sibling of their class, and "
-        "ft.region marks, are called as regions",
-    )
-)

@@ -56,7 +56,6 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from functrans._trace import regions as _regions
 
-from ..extensions import TraceExtension, register_trace_extension
 from ..reads import _role, code_reads
 from .keys import code_key
 
@@ -240,13 +239,3 @@ def _ops_made(run: Callable[[], Any]) -> _Made:
     before = 0 if graph is None else len(graph.nodes)
     result = run()
     return _Made(result, 0 if graph is None else len(graph.nodes) - before)
-
-
-register_trace_extension(
-    TraceExtension(
-        "plain functions called as blocks",
-        50,
-        repeated_functions,
-        doc="user functions the traced code names are diverted; repeated calls are regions",
-    )
-)
