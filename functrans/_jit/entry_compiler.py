@@ -139,7 +139,9 @@ class EntryCompiler:
         plan = (
             None
             if training
-            else planned_grad.plan(self._f, self._captures, self._owner, flat, example, paths, dims)
+            else planned_grad.plan(
+                self._f, self._captures, self._owner, flat, example, paths, dims, tuple(written)
+            )
         )
         disk = functools.partial(
             DiskKey,

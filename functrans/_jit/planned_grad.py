@@ -17,6 +17,7 @@ True
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +27,7 @@ import torch
 from functrans._core.backends import Backend
 from functrans._core.graph import JointGraph
 from functrans._core.marks import leave
-from functrans._core.pytree import Flat, unflatten
+from functrans._core.pytree import Flat, flatten, unflatten
 from functrans._core.shapes import Dims
 from functrans._core.stack import transform_frame
 from functrans._cut.partition import Partition, partition
@@ -72,12 +73,16 @@ def plan(
     example: Any,
     paths: list[str],
     dims: Dims | None,
+    written: tuple[int, ...] = (),
 ) -> Plan | None:
-    """The plan for an inference entry of jitted ``f`` (None: ``f`` is traced as it is)."""
+    """The plan for an inference entry of jitted ``f`` (None: ``f`` is traced as it is).
+    ``written``: the tensor leaves ``f`` writes in place (a training batch norm's running
+    statistics, lifted), by position; the plan's function then returns ``(result, their
+    final values)`` for jit to write back, as a traced function with writes does."""
     spec, batched = plan_of(f, GradSpec), plan_of(f, VmapOfGrad)
     if spec is not None and _chosen(spec, dims):
-        return _planned_grad(spec, captures, owner, flat, example, paths, dims)
-    if batched is not None and _chosen(batched.spec, dims):
+        return _planned_grad(spec, captures, owner, flat, example, paths, dims, written)
+    if batched is not None and _chosen(batched.spec, dims) and not written:
         return _planned_per_example(batched, captures, owner, flat, example, paths)
     return None
 
@@ -98,12 +103,17 @@ def _planned_grad(
     example: Any,
     paths: list[str],
     dims: Dims | None,
+    written: tuple[int, ...],
 ) -> Plan:
     """For ``jit(grad(f, partition=s))``: ``f``'s joint graph cut by ``s``, its forward then
     its backward; repeated blocks kept as regions and cut block by block as a training step's
-    are (:mod:`functrans._jit.step_plan`), so a peak goal is planned as the step runs."""
+    are (:mod:`functrans._jit.step_plan`), so a peak goal is planned as the step runs. The
+    leaves ``f`` writes (``written``) are copied inside the joint graph, and the copies'
+    final values are outputs without a tangent, beside ``f``'s aux (:func:`_writing`)."""
     leaves = [*example[1]]  # an inference entry: no input is differentiated
     target = captures.swapping(spec.f)
+    if written:
+        target = _writing(target, flat, written, spec.has_aux)
     options = dict(spec.options)
 
     def make(decompositions: Decompositions, backend: Backend) -> Stitched:
@@ -115,7 +125,7 @@ def _planned_grad(
                 return joint(
                     target,
                     argnums=spec.argnums,
-                    has_aux=spec.has_aux,
+                    has_aux=spec.has_aux or bool(written),
                     decompositions=decompositions,
                 )(*a, **kw)
 
@@ -126,15 +136,50 @@ def _planned_grad(
         def stitched(diff: tuple[Any, ...], other: tuple[Any, ...]) -> Any:
             a, kw = unflatten(flat, list(other))
             value, saved = p.forward(*a, **kw)
+            value, copies = _written(value, spec.has_aux) if written else (value, ())
             out = scalar_output(spec.f, value, spec.has_aux)
             grads = p.backward(saved, (torch.ones_like(out),))
             if spec.with_value:
-                return value, grads
-            return (grads, value[1]) if spec.has_aux else grads
+                result = value, grads
+            else:
+                result = (grads, value[1]) if spec.has_aux else grads
+            return (result, copies) if written else result
 
         return _stitched(stitched, p, spec, owner, paths)
 
     return make
+
+
+def _writing(
+    f: Callable[..., Any], flat: Flat, written: tuple[int, ...], has_aux: bool
+) -> Callable[..., Any]:
+    """``f`` called with copies of the tensor leaves at ``written`` (what it writes in place
+    lands on them); returns ``(loss, (aux, copies))`` (``(loss, copies)`` without
+    ``has_aux``), so the copies are outputs a joint graph gives no tangent."""
+
+    def writing(*a: Any, **kw: Any) -> Any:
+        tensors, inner = flatten((a, kw), static_argnums=flat.static_argnums)
+        copies = tuple(tensors[i].clone() for i in written)
+        for i, c in zip(written, copies, strict=True):
+            tensors[i] = c
+        a, kw = unflatten(inner, tensors)
+        out = f(*a, **kw)
+        if has_aux:
+            loss, aux = out
+            return loss, (aux, copies)
+        return out, copies
+
+    functools.update_wrapper(writing, f, updated=())
+    return writing
+
+
+def _written(value: Any, has_aux: bool) -> tuple[Any, tuple[torch.Tensor, ...]]:
+    """What :func:`_writing`'s function returned, parted: ``f``'s value and the copies."""
+    loss, rest = value
+    if has_aux:
+        aux, copies = rest
+        return (loss, aux), tuple(copies)
+    return loss, tuple(rest)
 
 
 def _planned_per_example(

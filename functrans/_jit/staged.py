@@ -25,12 +25,14 @@ tensor([0.9589, 1.6829])
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensor
 
 from functrans._core.dtypes import differentiable
 from functrans._core.graph import PHASE, JointGraph, Phase, ancestors, copy_joint
@@ -185,10 +187,11 @@ def stage_graphs(jg: JointGraph, at: Sequence[fx.Node], num_diff: int) -> Cut | 
     for n in forward:
         stage_of[n] = k
         k += n in cut
-    # values that require grad in the forward: computed from a differentiated input
+    # values that require grad in the forward: computed from a differentiated input, as
+    # autograd marks them (a batch norm's saved mean and inverse deviation do not)
     reached = {n for n, i in primals.items() if i < num_diff}
     for n in forward:
-        if any(a in reached for a in n.all_input_nodes):
+        if any(a in reached for a in n.all_input_nodes) and _autograd_output(n, reached):
             reached.add(n)
     grad_of = {n for n in reached if differentiable(n.meta.get("val"))}
     needed = {o for o in outs if o in stage_of}
@@ -205,6 +208,55 @@ def stage_graphs(jg: JointGraph, at: Sequence[fx.Node], num_diff: int) -> Cut | 
         graphs.append(_stage(jg, nodes, exports[s], where, grad_of, stage_of))
         where.update((n, Source(s, j)) for j, n in enumerate(exports[s]))
     return Cut(graphs, tuple(where[o] for o in outs), tuple(exports[0]))
+
+
+#: per op, output index and which inputs require grad: whether that output does
+_DIFFERENTIABLE_OUTPUT: dict[tuple[Any, int, tuple[bool, ...]], bool] = {}
+
+
+def _autograd_output(n: fx.Node, reached: set[fx.Node]) -> bool:
+    """Whether autograd makes ``n`` (a forward value computed from the values ``reached``,
+    which require grad) require grad: False for an output an op declares not differentiable
+    (the saved mean and inverse deviation of ``_native_batch_norm_legit_functional``), which
+    eager's autograd never differentiates through, and which a stage must not take as a
+    differentiated input (no op has a derivative in them). Found by running the op once on
+    its fake values, those ``reached`` requiring grad."""
+    if n.target is not operator.getitem:
+        return True
+    src, index = n.args
+    if not (isinstance(src, fx.Node) and isinstance(src.target, torch._ops.OpOverload)):
+        return True
+    assert isinstance(index, int)
+    wants = tuple(a in reached for a in src.all_input_nodes)
+    key = (src.target, index, wants)
+    if key not in _DIFFERENTIABLE_OUTPUT:
+        _DIFFERENTIABLE_OUTPUT[key] = _probe(src, index, reached)
+    return _DIFFERENTIABLE_OUTPUT[key]
+
+
+def _probe(src: fx.Node, index: int, reached: set[fx.Node]) -> bool:
+    op = src.target
+    assert isinstance(op, torch._ops.OpOverload)
+    vals = [a.meta.get("val") for a in src.all_input_nodes]
+    mode = next((v.fake_mode for v in vals if isinstance(v, FakeTensor)), None)
+    if mode is None:
+        return True
+
+    def leaf(a: Any) -> Any:
+        v = a.meta.get("val") if isinstance(a, fx.Node) else a
+        if not isinstance(v, torch.Tensor):
+            return v
+        v = v.detach().clone()
+        return v.requires_grad_() if a in reached and differentiable(v) else v
+
+    try:
+        with mode, torch.enable_grad():
+            args, kwargs = fx.node.map_aggregate((src.args, src.kwargs), leaf)
+            out = op(*args, **kwargs)
+    except Exception:  # a probe that cannot run changes nothing
+        return True
+    value = out[index] if isinstance(out, tuple | list) else None
+    return not isinstance(value, torch.Tensor) or value.requires_grad
 
 
 @dataclass(frozen=True)
