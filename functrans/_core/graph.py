@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 import torch.fx as fx
@@ -27,6 +27,7 @@ __all__ = [
     "RECOMPUTED",
     "ROLE",
     "SOURCE",
+    "Attachment",
     "Graph",
     "GraphError",
     "JointGraph",
@@ -50,6 +51,38 @@ MADE_BY = "functrans.made_by"
 #: program hands the call its inputs (:data:`functrans.extend.HANDOVER_OPS`), so those whose
 #: last use it is die inside it; else the dispatcher holds them until it returns
 HANDED_OVER = "functrans.handed_over"
+
+
+_T = TypeVar("_T")
+
+
+class Attachment(Generic[_T]):
+    """A typed value a higher layer keeps on a :class:`JointGraph`, declared once (named,
+    typed, with a default) by the module that owns it: the regions a trace's region ops call
+    (:mod:`functrans._trace.regions`), the cut regions an outlined step calls
+    (:mod:`functrans._jit.outline`), a value derived from the graph (the cut problem). The
+    core knows none of their types. ``copied``: :func:`copy_joint` carries it to the copy
+    (what the graph's ops refer to); otherwise it is this graph's alone (derived from its
+    nodes, it lives and dies with them: a module-level cache keyed weakly by the graph, whose
+    value refers to the graph, would keep every graph alive).
+
+    >>> import torch, functrans as ft
+    >>> note = Attachment("doctest note", 0, copied=True)
+    >>> jg = ft.joint(lambda x: x.sin().sum())(torch.ones(2))
+    >>> jg.attached(note)
+    0
+    >>> jg.attach(note, 3)
+    >>> jg.attached(note), copy_joint(jg).attached(note)
+    (3, 3)
+    """
+
+    __slots__ = ("copied", "default", "name")
+
+    def __init__(self, name: str, default: _T, *, copied: bool = False) -> None:
+        self.name, self.default, self.copied = name, default, copied
+
+    def __repr__(self) -> str:
+        return f"Attachment({self.name!r})"
 
 
 def lazy_module(root: torch.nn.Module, graph: fx.Graph) -> fx.GraphModule:
@@ -255,15 +288,17 @@ class JointGraph(Graph):
             vals = [getattr(n, "meta", {}).get("val") for n in self.forward_outputs()]
             differentiable = tuple(is_differentiable(v) for v in vals)
         self.differentiable = differentiable
-        #: the traced regions its region ops call, where the trace kept them
-        #: (``ft.jit``'s default, :mod:`functrans._jit.outline`); else empty
-        self.regions: tuple[Any, ...] = ()
-        #: those regions cut and compiled, once its region calls were rewritten to call them
-        self.outlined: tuple[Any, ...] = ()
-        #: values derived from this graph, by who derived them (the cut problem): they live and
-        #: die with it (a module-level cache keyed weakly by the graph, whose value refers to
-        #: the graph, would keep every graph alive)
-        self.derived: dict[str, Any] = {}
+        #: what higher layers keep on it (:class:`Attachment`), by their declared keys
+        self._attached: dict[Attachment[Any], Any] = {}
+
+    def attached(self, key: Attachment[_T]) -> _T:
+        """The value ``key``'s owner attached (its default where none)."""
+        value: _T = self._attached.get(key, key.default)
+        return value
+
+    def attach(self, key: Attachment[_T], value: _T) -> None:
+        """Attach ``value`` under ``key`` (replacing what was)."""
+        self._attached[key] = value
 
     def primals(self) -> list[fx.Node]:
         return [n for n in self.placeholders() if n.meta[ROLE] is Role.PRIMAL]
@@ -323,8 +358,9 @@ class JointGraph(Graph):
 
 def copy_joint(jg: JointGraph) -> JointGraph:
     """A copy of ``jg`` with a graph of its own: the nodes copied (their meta shallowly, the
-    values shared), the regions and the rest of its record the same (what a pass that rewrites
-    a joint graph starts from: passes are pure).
+    values shared), the rest of its record the same, and the attachments its ops refer to
+    (those declared ``copied``); what was derived from its nodes is not carried (what a pass
+    that rewrites a joint graph starts from: passes are pure).
 
     >>> import torch, functrans as ft
     >>> jg = ft.joint(lambda x: x.sin().sum())(torch.ones(2))
@@ -351,7 +387,7 @@ def copy_joint(jg: JointGraph) -> JointGraph:
         argnums=jg.argnums,
         differentiable=jg.differentiable,
     )
-    copy.regions = jg.regions
+    copy._attached = {k: v for k, v in jg._attached.items() if k.copied}
     return copy
 
 

@@ -19,7 +19,7 @@ import torch.fx as fx
 
 from functrans._core.errors import InvalidArgumentError, InvalidPartitionError, UnknownNameError
 from functrans._core.format import format_value_type, op_name
-from functrans._core.graph import MADE_BY, SOURCE, Graph, JointGraph
+from functrans._core.graph import MADE_BY, SOURCE, Attachment, Graph, JointGraph
 from functrans._core.logs import log
 from functrans._core.shapes import hint, is_symbolic, legend
 from functrans._core.strategies import (
@@ -472,11 +472,16 @@ def partition(joint: JointGraph, strategy: str | Strategy = "default", **options
     return apply_cut(joint, cut, name)
 
 
+#: a joint graph's copy whose random ops the backward may draw again (its own: not copied)
+_REPLAYABLE: Attachment[JointGraph | None] = Attachment("replayable", None)
+
+
 def _replayable(joint: JointGraph) -> JointGraph:
     """:func:`~functrans._cut.replay.replayable` of ``joint``, made once per joint."""
-    found = joint.derived.get("replayable")
+    found = joint.attached(_REPLAYABLE)
     if found is None:
-        found = joint.derived["replayable"] = replayable(joint)
+        found = replayable(joint)
+        joint.attach(_REPLAYABLE, found)
     return found
 
 

@@ -60,7 +60,7 @@ import torch
 import torch.fx as fx
 
 from functrans._core.errors import InvalidPartitionError
-from functrans._core.graph import PHASE, JointGraph, Phase, Role, ancestors
+from functrans._core.graph import PHASE, Attachment, JointGraph, Phase, Role, ancestors
 from functrans._core.graph import ROLE as _ROLE
 from functrans._core.ops import is_view_op
 from functrans._core.shapes import planned_sizes
@@ -420,7 +420,8 @@ def _build(joint: JointGraph) -> CutProblem:
     return problem
 
 
-_DERIVED = "functrans.cut_problem"  # its key in JointGraph.derived: (stamp, problem)
+#: a joint graph's cut problem and the stamp it was built for (its own: not copied)
+_PROBLEM: Attachment[tuple[tuple[object, ...], CutProblem] | None] = Attachment("cut problem", None)
 
 
 def cut_problem(joint: JointGraph) -> CutProblem:
@@ -433,10 +434,10 @@ def cut_problem(joint: JointGraph) -> CutProblem:
     True
     """
     stamp = (planned_sizes(), *(policy_of(n) for n in joint.fx_graph.nodes))
-    found = joint.derived.get(_DERIVED)
+    found = joint.attached(_PROBLEM)
     if found is not None and found[0] == stamp:
         problem: CutProblem = found[1]
         return problem
     problem = _build(joint)
-    joint.derived[_DERIVED] = (stamp, problem)
+    joint.attach(_PROBLEM, (stamp, problem))
     return problem

@@ -74,7 +74,6 @@ def replayable(joint: JointGraph) -> JointGraph:
     if not any(_replayable(n) for n in joint.fx_graph.nodes):
         return joint
     copy = copy_joint(joint)
-    copy.outlined = joint.outlined
     graph = copy.fx_graph
     for r in [n for n in graph.nodes if _replayable(n)]:
         op, val = overload_of(r), r.meta["val"]

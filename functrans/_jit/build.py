@@ -45,6 +45,7 @@ from functrans._trace.options import OPTIONS
 from functrans._trace.passes import no_gc
 from functrans._trace.regions import deferred as deferred_regions
 from functrans._trace.regions import stats as region_stats
+from functrans._trace.regions.graph import REGIONS
 from functrans._trace.trace import trace
 
 from . import staged
@@ -53,6 +54,7 @@ from .cache import CacheInfo
 from .disk import store as disk_cache
 from .disk.store import DiskKey
 from .options import Options
+from .outline import OUTLINED
 from .planned_grad import Plan
 from .staged_plan import stitched
 from .step_plan import Outcome, blockwise, outlined
@@ -275,7 +277,7 @@ class Builder:
         def traced_keeping_regions() -> JointGraph:
             with deferred_regions() as held:
                 jg = traced_joint()
-            jg.regions = tuple(held.regions)
+            jg.attach(REGIONS, tuple(held.regions))
             return jg
 
         outlines = self._outlines(dims, subclass)
@@ -291,7 +293,7 @@ class Builder:
         t1 = time.perf_counter()
         planned: Partition | None = None
         unmet: Outcome | None = None
-        if outlines and jg.regions:
+        if outlines and jg.attached(REGIONS):
             found = self._outlined(jg, backend)
             if isinstance(found, JointGraph):
                 jg = found
@@ -317,7 +319,7 @@ class Builder:
         if at and dims is None and not subclass:  # returned intermediates: see staged
             self._times.trace_s += t1 - t0
             done = self._staged(jg, at, len(example[0]), inputs, backend)
-            if done is None and (jg.outlined or jg.regions):  # cut the unrolled forward
+            if done is None and _blockwise(jg):  # cut the unrolled forward
                 flat = self._traced(disk, "joint", decompositions, traced_joint, dims)
                 mask = [w and d for w, d in zip(wants, flat.differentiable, strict=True)]
                 at = staged.cuts(flat, mask)
@@ -349,7 +351,7 @@ class Builder:
     ) -> Entry:
         """The training entry of ``jg`` cut as ``p``: its graphs compiled by ``backend``."""
         t2 = time.perf_counter()
-        for o in jg.outlined:  # the region cuts the step calls (a plan's others never are)
+        for o in jg.attached(OUTLINED):  # the region cuts it calls (a plan's others never are)
             o.compile()
         fwd = backend.compile(p.forward, inputs)
         bwd = boxed(backend.compile(p.backward, []))
@@ -401,7 +403,7 @@ class Builder:
             stages.append(staged.Stage(first, takes))
             graphs, gives = head.later, head.gives
         else:
-            if jg.outlined or jg.regions:  # the stages are cut from the unrolled forward
+            if _blockwise(jg):  # the stages are cut from the unrolled forward
                 return None
             graphs, gives = tuple(cut.graphs), cut.gives
         decompositions = self.decompositions()
@@ -462,6 +464,11 @@ class Builder:
 
     def _outlined(self, jg: JointGraph, backend: Backend) -> JointGraph | Outcome:
         return outlined(jg, self.options.partition, self.options.partition_options, backend)
+
+
+def _blockwise(jg: JointGraph) -> bool:
+    """Whether ``jg`` calls regions (kept, or outlined)."""
+    return bool(jg.attached(OUTLINED)) or bool(jg.attached(REGIONS))
 
 
 def _after_trace(target: Target, gm: torch.fx.GraphModule) -> Stopped | None:

@@ -53,6 +53,7 @@ from functrans._core.validate import check_number
 from functrans._trace.joint import joint
 from functrans._trace.options import OPTIONS, TraceOptions
 from functrans._trace.regions import deferred as deferred_regions
+from functrans._trace.regions.graph import REGIONS
 from functrans._transforms import remat as _remat
 from functrans._transforms.remat import RematDecorator, RematModule
 
@@ -156,7 +157,7 @@ def _plan(
     # (it chooses how jit's steps run; this trace only plans and never runs)
     with OPTIONS.bound(_PLANNING), deferred_regions() as held, _statistics_held(module):
         jg = joint(step, argnums=0, decompositions=decompositions)(values, buffers, args, kwargs)
-    jg.regions = tuple(held.regions)
+    jg.attach(REGIONS, tuple(held.regions))
     calls = region_calls(jg)
     if not calls:  # no repeated blocks: nothing to place checkpoints on
         return EagerPlan((), 0, 0)

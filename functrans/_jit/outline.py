@@ -63,6 +63,7 @@ from functrans._core.graph import (
     MADE_BY,
     PHASE,
     SOURCE,
+    Attachment,
     JointGraph,
     Phase,
     Role,
@@ -78,9 +79,9 @@ from functrans._cut.partition import Partition, Strategy, apply_cut, partition
 from functrans._cut.scratch import CallMemory, register_call_memory
 from functrans._trace.passes import InputSpec, canonicalize
 from functrans._trace.regions import BACKWARD_OP, FORWARD_OP
-from functrans._trace.regions.graph import Region, Storages, results_like
+from functrans._trace.regions.graph import REGIONS, Region, Storages, results_like
 
-__all__ = ["Outlined", "copy_joint", "cut_region", "inner_graph", "outline", "uniform"]
+__all__ = ["OUTLINED", "Outlined", "copy_joint", "cut_region", "inner_graph", "outline", "uniform"]
 
 _LIB = torch.library.Library("functrans", "FRAGMENT")  # type: ignore[no-untyped-call]  # torch.library is unannotated
 _LIB.define("outlined_fwd(int id, Tensor[] inputs) -> Tensor[]")  # type: ignore[no-untyped-call]  # torch.library is unannotated
@@ -164,8 +165,12 @@ class Outlined:
         return Picked(self.forward, self.kept)
 
 
+#: on an outlined step's joint graph (:func:`outline`): the cut regions its calls run, held
+#: as long as the graph lives; copied with the graph
+OUTLINED: Attachment[tuple[Outlined, ...]] = Attachment("outlined", (), copied=True)
+
 #: the outlined regions alive in this process, by id (the compiled step's ops name them by id;
-#: the step's joint graph, which its entry keeps, holds them: ``JointGraph.outlined``)
+#: the step's joint graph, which its entry keeps, holds them: its :data:`OUTLINED`)
 _OUTLINED: weakref.WeakValueDictionary[int, Outlined] = weakref.WeakValueDictionary()
 _IDS = itertools.count()
 
@@ -341,7 +346,7 @@ def uniform(
 
     def cut_of(key: int, call: int) -> Outlined:
         if key not in cuts:
-            region = jg.regions[key]
+            region = jg.attached(REGIONS)[key]
             assert region is not None, "a region op without its region"
             cuts[key] = cut_region(region, strategy, options, backend)
         return cuts[key]
@@ -363,7 +368,7 @@ def outline(jg: JointGraph, cut_of: CutOf, hands_over: bool) -> JointGraph:
     :func:`functrans._trace.regions.deferred`, its regions in ``jg.regions``) with each
     region call turned into calls of its region's cut forward and backward, ``cut_of(key,
     call)`` (see the module docstring); ``hands_over``: the backend's executor runs those
-    calls with their inputs handed over. The copy holds the cut regions (``.outlined``) as
+    calls with their inputs handed over. The copy holds the cut regions (:data:`OUTLINED`) as
     long as it lives; ``jg`` is left as it is."""
     jg = copy_joint(jg)
     used: dict[int, Outlined] = {}
@@ -391,7 +396,7 @@ def outline(jg: JointGraph, cut_of: CutOf, hands_over: bool) -> JointGraph:
         _say_made_by(fwd, o)
     graph.lint()
     jg.graph_module.recompile()
-    jg.outlined = tuple(used.values())
+    jg.attach(OUTLINED, tuple(used.values()))
     return jg
 
 

@@ -34,6 +34,7 @@ from functrans._cut.partition import Partition, partition
 from functrans._trace.decomp import Decompositions
 from functrans._trace.joint import joint
 from functrans._trace.regions import deferred as deferred_regions
+from functrans._trace.regions.graph import REGIONS
 from functrans._trace.trace import ArgPaths
 from functrans._transforms.grad import check_differentiable, scalar_output
 from functrans._transforms.transform_records import (
@@ -46,6 +47,7 @@ from functrans._transforms.transform_records import (
 )
 
 from .captures import Captures
+from .outline import OUTLINED
 from .step_plan import blockwise, outlined
 
 __all__ = ["Plan", "Stitched", "plan"]
@@ -237,8 +239,8 @@ def _blockwise(
         return None
     with deferred_regions() as held:
         jg = traced()
-    jg.regions = tuple(held.regions)
-    if not jg.regions:
+    jg.attach(REGIONS, tuple(held.regions))
+    if not jg.attached(REGIONS):
         return partition(jg, strategy, **options)
     found = outlined(jg, strategy, options, backend)
     if isinstance(found, JointGraph):
@@ -247,7 +249,7 @@ def _blockwise(
         return None
     else:
         p = found.best(traced, strategy, options)
-    for o in p.joint.outlined:
+    for o in p.joint.attached(OUTLINED):
         o.compile()
     return p
 

@@ -346,7 +346,6 @@ def without_tangents(jg: JointGraph, dead: Sequence[int]) -> JointGraph:
     (tensor([1., 1.]),)
     """
     copy = copy_joint(jg)
-    copy.outlined = jg.outlined
     graph = copy.fx_graph
     tangents = copy.tangents()
     zero = {tangents[i] for i in dead}

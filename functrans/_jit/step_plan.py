@@ -54,6 +54,7 @@ from functrans._core.logs import log
 from functrans._core.strategies import PeakGoal, registered
 from functrans._cut.partition import Partition, Strategy, partition
 from functrans._trace.regions import mode as region_mode
+from functrans._trace.regions.graph import REGIONS
 
 from .outline import CutOf, Outlined, cut_region, outline, region_calls, uniform
 
@@ -154,7 +155,7 @@ class _Planner:
 
     def cut(self, key: int, level: int) -> Outlined:
         if (key, level) not in self.cuts:
-            region = self.jg.regions[key]
+            region = self.jg.attached(REGIONS)[key]
             assert region is not None, "a region op without its region"
             choice = CHOICES[level]
             self.cuts[key, level] = cut_region(

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import functrans as ft
+from functrans._jit.outline import OUTLINED
 from functrans._jit.step_plan import CHOICES, _most
 from functrans.testing import measure_peak
 
@@ -116,7 +117,7 @@ def test_recompute_inside_blocks_is_counted(named: dict[str, tuple[int, Any]]) -
     recompute FLOPs count it (they were the step's own ops only)."""
     _, default = named["default"]
     _, full = named["full_remat"]
-    block_flops = sum(o.forward_flops for o in full.joint.outlined)
+    block_flops = sum(o.forward_flops for o in full.joint.attached(OUTLINED))
     assert full.recompute_flops >= 0.5 * block_flops * 5  # five blocks
     assert default.recompute_flops < full.recompute_flops / 100
 

@@ -22,6 +22,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 import functrans as ft
 from functrans import policies
 from functrans._core.tags import REMAT_OP
+from functrans._jit.outline import OUTLINED
 from functrans.extend import PinnedHost, Policy, policy_of, use_transfer, why_not_offload
 from functrans.policies import InvalidPolicyError
 
@@ -534,7 +535,7 @@ def _planned_offloads(p: ft.Partition) -> int:
     from functrans._jit.outline import FORWARD, FORWARD_RANDOM
 
     calls = [n.args[0] for n in p.forward.fx_graph.nodes if n.target in (FORWARD, FORWARD_RANDOM)]
-    regions = {o.id: len(o.partition.offloaded) for o in p.joint.outlined}
+    regions = {o.id: len(o.partition.offloaded) for o in p.joint.attached(OUTLINED)}
     return len(p.offloaded) + sum(regions[c] for c in calls)
 
 

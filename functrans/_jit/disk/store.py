@@ -93,9 +93,11 @@ from typing import Any, TypeVar
 
 from functrans._core import switches
 from functrans._core.errors import FunctransError
+from functrans._core.graph import JointGraph
 from functrans._core.logs import log
 from functrans._core.private_dir import cache_root, private_dirs, untrusted
 from functrans._trace import reads
+from functrans._trace.regions.graph import REGIONS
 
 from . import graph_json as graph_json
 from . import key as disk_key
@@ -330,7 +332,7 @@ def _load(path: Path, digest: str, key: DiskKey, watching: reads.Recorder | None
         if key.dims is None:
             g: Any = graph_json.load(doc["graph"], key.fn, verify=not signed)
             if "regions" in doc:
-                g.regions = tuple(region_json.load(doc["regions"], verify=not signed))
+                g.attach(REGIONS, tuple(region_json.load(doc["regions"], verify=not signed)))
         else:
             g = disk_shapes.load(doc, key)
             if g is None:
@@ -460,8 +462,9 @@ def _store(
         entry["created"], entry["deps"] = time.time(), deps
         entry["reads"] = reads_json.dump(read or [])
         entry["graph"] = graph_json.dump(g, key.fn, symbolic=key.dims is not None)
-        if getattr(g, "regions", ()):  # a joint trace that kept its region ops
-            entry["regions"] = region_json.dump(list(g.regions))
+        regions = g.attached(REGIONS) if isinstance(g, JointGraph) else ()
+        if regions:  # a joint trace that kept its region ops
+            entry["regions"] = region_json.dump(list(regions))
         # a symbolic trace per set of guards: each branch of an `if` on a size is an entry
         which_doc: Any = deps
         if key.dims is not None:
@@ -472,7 +475,7 @@ def _store(
         text = json.dumps(entry, separators=(",", ":"))
         graph_json.check_round_trip(json.loads(text)["graph"], g)
         if "regions" in entry:
-            region_json.check_round_trip(entry["regions"], list(g.regions))
+            region_json.check_round_trip(entry["regions"], list(regions))
     except (Unhashable, graph_json.NotStorable) as e:
         _say(key, f"not stored: {e}")
         return

@@ -22,6 +22,7 @@ from torch.utils._mode_utils import no_dispatch
 
 from functrans._core.fake_rules import SymbolicFakeMode
 from functrans._core.fakes import fake_empty
+from functrans._core.graph import Attachment
 from functrans._core.shapes import is_symbolic, shape_env_of
 
 from ..passes import writes_out_of_place
@@ -29,6 +30,7 @@ from ..record import inputs_first, late_inputs, no_stack_traces
 from ..trace import in_traced_function, view_base
 
 __all__ = [
+    "REGIONS",
     "Region",
     "Storages",
     "copy_backward",
@@ -369,3 +371,9 @@ def copy_backward(
     local.update(zip(region.tangents, cotangents, strict=True))
     _paste(graph, region.backward, local, mode)
     return [local[g] for _, g in region.grads]
+
+
+#: on a joint graph traced with its region ops kept (:func:`functrans._trace.regions.deferred`,
+#: ``ft.jit``'s default): the regions those ops call, by key (None: a key whose region was
+#: given up); copied with the graph
+REGIONS: Attachment[tuple[Region | None, ...]] = Attachment("regions", (), copied=True)
