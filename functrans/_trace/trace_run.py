@@ -7,7 +7,7 @@ caller's saved-tensor hooks set aside and the contexts the trace extensions decl
 :class:`~functrans.TraceError` that names the user's line (a value-dependent branch, inputs on
 two devices). :func:`in_traced_function` wraps the traced function itself in the modes that
 must see only its calls: differentiated RNNs sent down torch's unfused path, fake tensors'
-device queries answered early, torch calls shown to the :data:`TORCH_CALL_WATCHERS`.
+device queries answered early, torch calls shown to the watchers bound with :func:`watching`.
 """
 
 from __future__ import annotations
@@ -38,14 +38,16 @@ from functrans._core.torch_compat import anchor_stack_traces, is_device_mismatch
 from .extensions import TraceExtension, active, register_trace_extension
 from .record import stack_traces
 from .rng import seeded_then_drew, tracing_guard
+from .session import Slot
 
 __all__ = [
-    "TORCH_CALL_WATCHERS",
     "TRACE_LOCK",
+    "WATCHERS",
     "in_traced_function",
     "lazy_modules",
     "no_saved_tensor_hooks",
     "run_traced",
+    "watching",
 ]
 
 _DATA_DEPENDENT = (
@@ -114,16 +116,25 @@ _RNNS = frozenset(
 
 
 #: Called (with no arguments) at every torch function a traced function calls, before it runs:
-#: what :class:`functrans._jit.disk.code_deps.Recorder` watches the running code with.
-TORCH_CALL_WATCHERS: list[Callable[[], None]] = []
+#: what :class:`functrans._jit.disk.code_deps.Recorder` watches the running code with; a slot
+#: of the trace session, bound by :func:`watching` (this thread's, for the block)
+WATCHERS: Slot[tuple[Callable[[], None], ...]] = Slot("torch call watchers", ())
+
+
+@contextlib.contextmanager
+def watching(watch: Callable[[], None]) -> Iterator[None]:
+    """``watch`` is called at every torch function a trace run in this context calls (beside
+    the watchers already bound)."""
+    with WATCHERS.bound((*WATCHERS.get(), watch)):
+        yield
 
 
 class _PlainRNNs(torch.overrides.TorchFunctionMode):
     """While a trace runs: a differentiated LSTM/GRU/RNN call takes the unfused path (and the
-    :data:`TORCH_CALL_WATCHERS` see each torch call)."""
+    watchers bound with :func:`watching` see each torch call)."""
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        for watch in TORCH_CALL_WATCHERS:
+        for watch in WATCHERS.get():
             watch()
         kwargs = kwargs or {}
         if func not in _RNNS or not torch.is_grad_enabled() or not _requires_grad(args):

@@ -826,10 +826,10 @@ def test_the_recorder_follows_an_installed_packages_class_by_name(tmp_path, monk
 
 
 def test_a_trace_without_a_recorder_calls_no_watcher():
-    from functrans._trace.trace_run import TORCH_CALL_WATCHERS
+    from functrans._trace.trace_run import WATCHERS
 
     ft.trace(lambda x: x * 2)(torch.ones(2))
-    assert TORCH_CALL_WATCHERS == []
+    assert WATCHERS.get() == ()
 
 
 def test_functrans_digest_follows_its_files_stats(

@@ -194,3 +194,63 @@ def test_a_slot_reset_out_of_order_restores_that_slot_alone() -> None:
     assert "test a" not in current() and "test b" not in current()
     with pytest.raises(ValueError, match="token given to"):
         a.reset(b.set(3))
+
+
+_RUNTIME_MUTATORS = MUTATORS | {"remove", "pop", "clear", "discard"}
+
+
+def _tables_written_anywhere(tree: ast.Module) -> Iterator[ast.AST]:
+    """Writes, anywhere in a module (a function body too), to a table it imports from
+    functrans by name (an upper-case name: ``TABLE.append(...)``, ``TABLE[k] = v``)."""
+    tables = {
+        alias.asname or alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom)
+        and (node.level > 0 or (node.module or "").startswith("functrans"))
+        for alias in node.names
+        if (alias.asname or alias.name).isupper()
+    }
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in _RUNTIME_MUTATORS
+            and isinstance(node.func.value, ast.Name)
+            and node.func.value.id in tables
+        ):
+            yield node
+        targets = (
+            node.targets
+            if isinstance(node, ast.Assign)
+            else [node.target]
+            if isinstance(node, ast.AugAssign)
+            else []
+        )
+        if any(isinstance(t, ast.Subscript) and _base(t) in tables for t in targets):
+            yield node
+
+
+def test_no_module_writes_a_table_it_imports_even_at_run_time() -> None:
+    """What a trace sees while it runs is the trace session's (a ``Slot`` its owner declares
+    and binds, e.g. ``trace_run.watching``), never a list another module appends to and
+    removes from (``TORCH_CALL_WATCHERS`` was one: the code recorder's watcher, shared by every
+    thread)."""
+    found = [
+        f"{path.relative_to(ROOT)}:{getattr(node, 'lineno', '?')}: {ast.unparse(node)[:80]}"
+        for path in sorted(ROOT.rglob("*.py"))
+        for node in _tables_written_anywhere(ast.parse(path.read_text()))
+    ]
+    assert not found, "bind the owner's slot, or call its register_* function:\n" + "\n".join(found)
+
+
+def test_the_run_time_check_sees_a_write_inside_a_function() -> None:
+    source = (
+        "from functrans._trace.trace_run import WATCHERS\n"
+        "def enter(w):\n"
+        "    WATCHERS.append(w)\n"
+        "def leave(w):\n"
+        "    WATCHERS.remove(w)\n"
+        "    local = []\n"
+        "    local.append(w)\n"
+    )
+    assert [n.lineno for n in _tables_written_anywhere(ast.parse(source))] == [3, 5]

@@ -20,6 +20,7 @@ True
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import inspect
@@ -29,7 +30,6 @@ import sys
 import threading
 import time
 import types
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -123,7 +123,8 @@ class Recorder:
 
     - *observed*: at every torch function a traced function calls (tensor methods and
       attributes, ``torch.*`` and ``torch.nn.functional`` functions: the trace's own
-      ``TorchFunctionMode`` calls :data:`functrans._trace.trace_run.TORCH_CALL_WATCHERS`),
+      ``TorchFunctionMode`` calls the watchers bound with
+      :func:`functrans._trace.trace_run.watching`),
       each frame on the stack up to the one that entered the recorder; for a method (first
       argument ``self`` or ``cls``) also the class it was called on;
     - *reached* (:attr:`static`), at exit: what that code names, followed to a fixed point: a
@@ -155,12 +156,12 @@ class Recorder:
         self.static: set[types.CodeType] = set()
         self.ok = False
         self._classes: list[type] = []
-        self._watch: Callable[[], None] | None = None
+        self._watching: contextlib.ExitStack | None = None
         self._stack: list[types.FrameType] = []
         self._index: dict[int, int] = {}
 
     def __enter__(self) -> Recorder:
-        from functrans._trace.trace_run import TORCH_CALL_WATCHERS
+        from functrans._trace.trace_run import watching
 
         codes, classes = self.codes, self._classes
         boundary = sys._getframe(1)  # the frame that entered: it and its callers are outside
@@ -197,17 +198,15 @@ class Recorder:
                 index[id(f)] = len(stack)
                 stack.append(f)
 
-        self._watch = watch
-        TORCH_CALL_WATCHERS.append(watch)
+        self._watching = contextlib.ExitStack()
+        self._watching.enter_context(watching(watch))
         self.ok = True
         return self
 
     def __exit__(self, *exc: object) -> None:
-        from functrans._trace.trace_run import TORCH_CALL_WATCHERS
-
-        if self._watch is not None:
-            TORCH_CALL_WATCHERS.remove(self._watch)
-            self._watch = None
+        if self._watching is not None:
+            self._watching.close()
+            self._watching = None
         self._stack.clear()  # the frames (and their locals) are not kept past the trace
         self._index.clear()
         if self.ok and exc[0] is None:
