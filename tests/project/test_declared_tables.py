@@ -62,15 +62,20 @@ def _writes_to_imported(tree: ast.Module) -> Iterator[ast.stmt]:
             and _base(call.func.value) in imported
         ):
             yield node
-        targets = (
-            node.targets
-            if isinstance(node, ast.Assign)
-            else [node.target]
-            if isinstance(node, ast.AugAssign)
-            else []
-        )
-        if any(isinstance(t, ast.Subscript) and _base(t) in imported for t in targets):
+        if _item_write(node, imported):
             yield node
+
+
+def _item_write(node: ast.AST, names: set[str]) -> bool:
+    """Whether ``node`` assigns to an item of one of ``names`` (``TABLE[k] = v``, ``+=``)."""
+    targets = (
+        node.targets
+        if isinstance(node, ast.Assign)
+        else [node.target]
+        if isinstance(node, ast.AugAssign)
+        else []
+    )
+    return any(isinstance(t, ast.Subscript) and _base(t) in names for t in targets)
 
 
 def test_no_module_writes_another_modules_table_at_import_time() -> None:
@@ -219,14 +224,7 @@ def _tables_written_anywhere(tree: ast.Module) -> Iterator[ast.AST]:
             and node.func.value.id in tables
         ):
             yield node
-        targets = (
-            node.targets
-            if isinstance(node, ast.Assign)
-            else [node.target]
-            if isinstance(node, ast.AugAssign)
-            else []
-        )
-        if any(isinstance(t, ast.Subscript) and _base(t) in tables for t in targets):
+        if _item_write(node, tables):
             yield node
 
 
