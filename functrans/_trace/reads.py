@@ -171,6 +171,18 @@ _LOGGING = (logging.Filterer, logging.Manager, logging.PlaceHolder)
 _SEQUENCES = (list, tuple, set, frozenset)
 
 
+def _user_callable(value: Any) -> bool:
+    """Whether ``value`` is a function (a bound method, a ``functools.partial``) whose code is
+    not functrans' or torch's machinery: a transform's own closures (``ft.grad``'s wrappers)
+    hold the user's function, which the trace runs, so its reads count whoever holds it."""
+    fn = value
+    if issubclass(type(fn), functools.partial):
+        fn = fn.func
+    if issubclass(type(fn), types.MethodType):
+        fn = fn.__func__
+    return issubclass(type(fn), types.FunctionType) and not machinery(fn.__code__)
+
+
 class Recorder:
     """Records what code run while it is entered reads from what ``root`` reaches (see the
     module docstring); :attr:`reads` in the order they happened. ``name``: how messages name
@@ -361,7 +373,7 @@ class Recorder:
                 self._record(cell, How.CELL, None, original(value), where)
             if issubclass(type(value), types.ModuleType):  # ``helpers.SCALE``, helpers a closure's
                 self._cell_chains(code, var, value, where.then(("contents", None), var), user)
-            elif user:
+            elif user or _user_callable(value):  # a transform's closure holds the user's f
                 self._slot_learn(value, where.then(("contents", None), var), _cell_put(cell))
         if role == "machinery":
             return

@@ -99,3 +99,52 @@ def test_every_kind_is_seen(name):
         assert jitted.cache_info().misses == 2
     finally:
         undo()
+
+
+def _summed(f):
+    return lambda x: f(x).sum()
+
+
+def _grad_of(g):
+    return lambda x: g(x)[1]
+
+
+#: each transform, built once over ``f``: the input's gradient of ``f(x).sum()`` (``vjp``: the
+#: pull-back of ones), what eager's autograd gives for the same call
+_TRANSFORMS = {
+    "grad": lambda f: ft.grad(_summed(f)),
+    "value_and_grad": lambda f: _grad_of(ft.value_and_grad(_summed(f))),
+    "jit(grad)": lambda f: ft.jit(ft.grad(_summed(f))),
+    "vjp": lambda f: lambda x: ft.vjp(f, x)[1](torch.ones_like(x))[0],
+}
+
+
+def _eager_grad(f, x: torch.Tensor) -> torch.Tensor:
+    x = x.detach().requires_grad_()
+    (g,) = torch.autograd.grad(f(x).sum(), x)
+    return g
+
+
+@settings(max_examples=max(40, settings().max_examples // 3))
+@given(
+    names=_pieces,
+    which=st.integers(0, 2),
+    transform=st.sampled_from(sorted(_TRANSFORMS)),
+    seed=st.integers(0, 99),
+)
+def test_property_a_change_the_function_reads_is_seen_through_every_transform(
+    names, which, transform, seed
+):
+    """The rule holds for every transform that keeps compiled entries, not only ``ft.jit``:
+    ``ft.grad`` once kept the first call's Python values (its function is reached through
+    functrans' own closures, which the reads were not followed through)."""
+    pieces = [kinds.KINDS[n]() for n in names]
+    f = _function(pieces)
+    run = _TRANSFORMS[transform](f)
+    x = torch.randn(4, generator=torch.Generator().manual_seed(seed))
+    torch.testing.assert_close(run(x), _eager_grad(f, x))
+    undo = pieces[which % len(pieces)].change()
+    try:
+        torch.testing.assert_close(run(x), _eager_grad(f, x))
+    finally:
+        undo()
