@@ -185,7 +185,10 @@ def stage_graphs(jg: JointGraph, at: Sequence[fx.Node], num_diff: int) -> Cut | 
         if n in used and n.op == "call_function" and n.meta.get(PHASE) is Phase.FORWARD
     ]
     for n in forward:
-        stage_of[n] = k
+        src = n.args[0] if n.target is operator.getitem else None
+        # an item of a multi-output op stays in that op's stage: a stage hands on tensors,
+        # not the op's tuple (batch norm's statistics, read after a cut at its output)
+        stage_of[n] = stage_of[src] if isinstance(src, fx.Node) and src in stage_of else k
         k += n in cut
     # values that require grad in the forward: computed from a differentiated input, as
     # autograd marks them (a batch norm's saved mean and inverse deviation do not)

@@ -371,7 +371,10 @@ def trace_module(
     )
     gm: fx.GraphModule = run_traced(lambda: traced(*handed), user_fn)
     for t in recorded:  # the graph's values are detached, as make_fx records them
-        t.requires_grad_(False)
+        if t.is_leaf:
+            t.requires_grad_(False)
+        else:  # written in place from a value with a gradient: the write is refused below
+            t.detach_()
     inputs_first(gm)
     for extension in active():
         if extension.graph_pass is not None:

@@ -27,32 +27,37 @@ import functrans as ft
 def _model(norm: str, depth: int) -> nn.Module:
     torch.manual_seed(0)
     layers: list[nn.Module] = []
-    for _ in range(depth):
-        layers.append(nn.Linear(4, 4))
+    for _ in range(depth):  # the norm last: the model's output is the norm's own output
+        layers += [nn.Linear(4, 4), nn.Tanh()]
         if norm == "batch":
             layers.append(nn.BatchNorm1d(4))
         elif norm == "batch, no running stats":
             layers.append(nn.BatchNorm1d(4, track_running_stats=False))
-        layers.append(nn.Tanh())
     return nn.Sequential(*layers).train()
 
 
+def _output(model: nn.Module, form: str, params: dict[str, torch.Tensor], x: torch.Tensor) -> Any:
+    return functional_call(model, params, (x,)) if form == "functional_call" else model(x)
+
+
 def _loss(model: nn.Module, form: str, params: dict[str, torch.Tensor], x: torch.Tensor) -> Any:
-    out = functional_call(model, params, (x,)) if form == "functional_call" else model(x)
-    return out.square().mean()
+    return _output(model, form, params, x).square().mean()
 
 
 def _eager(model: nn.Module, form: str, params: dict[str, torch.Tensor], x: torch.Tensor) -> Any:
-    """The loss and the gradient eager autograd computes (in the parameters through
-    ``functional_call``, in ``x`` for a closure), writing the model's buffers as a call does."""
+    """The loss, the gradient eager autograd computes (in the parameters through
+    ``functional_call``, in ``x`` for a closure) and the model's output, writing the model's
+    buffers as a call does."""
     if form == "closure":
         xr = x.clone().requires_grad_()
-        loss = _loss(model, form, {}, xr)
-        return loss.detach(), torch.autograd.grad(loss, xr)[0]
+        out = _output(model, form, {}, xr)
+        loss = out.square().mean()
+        return loss.detach(), torch.autograd.grad(loss, xr)[0], out.detach()
     leaves = {k: v.detach().clone().requires_grad_() for k, v in params.items()}
-    loss = _loss(model, form, leaves, x)
+    out = _output(model, form, leaves, x)
+    loss = out.square().mean()
     grads = torch.autograd.grad(loss, list(leaves.values()))
-    return loss.detach(), dict(zip(params, grads, strict=True))
+    return loss.detach(), dict(zip(params, grads, strict=True)), out.detach()
 
 
 @settings(max_examples=8, deadline=None)
@@ -61,17 +66,20 @@ def _eager(model: nn.Module, form: str, params: dict[str, torch.Tensor], x: torc
     depth=st.integers(1, 2),
     form=st.sampled_from(["functional_call", "closure"]),
     transform=st.sampled_from(["grad", "value_and_grad", "jit(grad)"]),
-    aux=st.booleans(),
+    aux=st.sampled_from(["none", "input", "output"]),
 )
-@example(norm="batch", depth=2, form="functional_call", transform="grad", aux=False)
-@example(norm="batch", depth=1, form="functional_call", transform="value_and_grad", aux=True)
-@example(norm="batch", depth=1, form="functional_call", transform="jit(grad)", aux=False)
+@example(norm="batch", depth=2, form="functional_call", transform="grad", aux="none")
+@example(norm="batch", depth=1, form="functional_call", transform="value_and_grad", aux="input")
+@example(norm="batch", depth=1, form="functional_call", transform="jit(grad)", aux="none")
 # found by this property: a staged step (its value returned beside gradients computed from
 # it) took the batch norm's saved statistics as differentiated stage inputs, and raised
 # "the derivative for 'native_batch_norm_backward save_invstd' is not implemented"
-@example(norm="batch", depth=1, form="closure", transform="value_and_grad", aux=False)
+@example(norm="batch", depth=1, form="closure", transform="value_and_grad", aux="none")
+# found by a user's try: the aux the batch norm's output (the loss computed from it) made a
+# staged step hand the norm's tuple of results to its next stage (AttributeError)
+@example(norm="batch", depth=1, form="closure", transform="grad", aux="output")
 def test_gradients_and_buffer_writes_are_eagers(
-    norm: str, depth: int, form: str, transform: str, aux: bool
+    norm: str, depth: int, form: str, transform: str, aux: str
 ) -> None:
     mine, theirs = _model(norm, depth), _model(norm, depth)
     params = {k: v.detach().clone() for k, v in mine.named_parameters()}
@@ -79,26 +87,29 @@ def test_gradients_and_buffer_writes_are_eagers(
     def loss(*args: torch.Tensor | dict[str, torch.Tensor]) -> Any:
         x = args[-1]
         assert isinstance(x, torch.Tensor)
-        out = _loss(mine, "closure", {}, x) if form == "closure" else _loss(mine, form, *args)  # type: ignore[arg-type]  # (params, x)
-        return (out, x.mean()) if aux else out
+        out = _output(mine, "closure", {}, x) if form == "closure" else _output(mine, form, *args)  # type: ignore[arg-type]  # (params, x)
+        value = out.square().mean()
+        return (value, {"input": x.mean(), "output": out}[aux]) if aux != "none" else value
 
+    has_aux = aux != "none"
     run = {
-        "grad": lambda: ft.grad(loss, has_aux=aux),
-        "value_and_grad": lambda: ft.value_and_grad(loss, has_aux=aux),
-        "jit(grad)": lambda: ft.jit(ft.grad(loss, has_aux=aux)),
+        "grad": lambda: ft.grad(loss, has_aux=has_aux),
+        "value_and_grad": lambda: ft.value_and_grad(loss, has_aux=has_aux),
+        "jit(grad)": lambda: ft.jit(ft.grad(loss, has_aux=has_aux)),
     }[transform]()
     for step in range(2):
         x = torch.randn(6, 4, generator=torch.Generator().manual_seed(step))
-        want_loss, want = _eager(theirs, form, params, x)
+        want_loss, want, want_out = _eager(theirs, form, params, x)
+        want_aux = {"none": None, "input": x.mean(), "output": want_out}[aux]
         got = run(x) if form == "closure" else run(params, x)
+        got_aux = None
         if transform == "value_and_grad":  # ((loss, aux), grads) with aux
             value, got = got
-            loss_got, got_aux = value if aux else (value, x.mean())
+            loss_got, got_aux = value if has_aux else (value, None)
             torch.testing.assert_close(loss_got, want_loss)
-        elif aux:  # (grads, aux)
+        elif has_aux:  # (grads, aux)
             got, got_aux = got
-        if aux:
-            torch.testing.assert_close(got_aux, x.mean())
+        torch.testing.assert_close(got_aux, want_aux, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
         for (name, a), (_, b) in zip(mine.named_buffers(), theirs.named_buffers(), strict=True):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=f"{name} after {step}")
@@ -121,8 +132,28 @@ def test_jax_style_grad_over_a_training_batch_norm_writes_its_statistics() -> No
         torch.func.grad(loss)(params, x)  # eager's transform refuses it (a copy: it may write)
     model.load_state_dict(twin.state_dict())
     got = ft.grad(loss)(params, x)
-    _, want = _eager(twin, "functional_call", params, x)
+    _, want, _ = _eager(twin, "functional_call", params, x)
     torch.testing.assert_close(got, want)
     for (name, a), (_, b) in zip(model.named_buffers(), twin.named_buffers(), strict=True):
         assert torch.equal(a, b), name
-    assert int(model[1].num_batches_tracked) == 1
+    assert int(model[2].num_batches_tracked) == 1
+
+
+@pytest.mark.parametrize("transform", ["grad", "jit(grad)"])
+def test_an_argument_written_from_a_value_with_a_gradient_is_eagers(transform: str) -> None:
+    """``s.copy_((x @ w).mean(0))`` inside ``f``, the gradient taken in ``w``: eager and
+    ``torch.func.grad`` compute it; functrans raised "you can only change requires_grad flags
+    of leaf variables" from its own trace (found by a user's try)."""
+
+    def f(w: torch.Tensor, s: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        s.copy_((x @ w).mean(0))
+        return (s * s).sum()
+
+    torch.manual_seed(0)
+    w, x = torch.randn(4, 3), torch.randn(5, 4)
+    s_eager, s_mine = torch.zeros(3), torch.zeros(3)
+    wl = w.clone().requires_grad_()
+    (want,) = torch.autograd.grad(f(wl, s_eager, x), wl)
+    run = ft.grad(f) if transform == "grad" else ft.jit(ft.grad(f))
+    torch.testing.assert_close(run(w, s_mine, x), want)
+    torch.testing.assert_close(s_mine, s_eager.detach())
