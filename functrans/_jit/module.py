@@ -31,6 +31,7 @@ from functrans._core.shapes import EveryInput
 from functrans._core.stack import transform_frame
 from functrans._core.state import GLOBAL_HOOKS, ModuleFlags, module_state
 from functrans._cut.partition import Partition
+from functrans._trace.capture import carry_rebinding
 
 from .apply import OVERWRITES, Entry
 from .cache import CacheInfo
@@ -148,13 +149,20 @@ def _swapped(module: torch.nn.Module, values: Mapping[str, torch.Tensor]) -> Ite
         children = [(f"{prefix}{k}.", c) for k, c in m._modules.items() if c is not None]
         stack.extend(reversed(children))  # _gather's order: its names are found here
     restore: list[tuple[dict[str, Any], str, Any]] = []
+    put: list[tuple[str, dict[str, Any], str, Any]] = []
     try:
         for name, value in values.items():
             held = tables[name][name.rpartition(".")[2]]
             for table, key in slots.pop(id(held), ()):
                 restore.append((table, key, table[key]))
                 table[key] = value
+                put.append((name, table, key, value))
         yield
+        stand_ins = {id(v) for v in values.values()}
+        for name, table, key, value in put:  # a slot the forward rebound: see carry_rebinding
+            now = table.get(key)
+            if id(now) not in stand_ins:  # not a cache refreshed from the others
+                carry_rebinding(name, value, now)
     finally:
         for table, key, old in reversed(restore):
             table[key] = old

@@ -32,9 +32,18 @@ from typing import Any, NamedTuple
 
 import torch
 
+from functrans._core.errors import UnsupportedOpError
 from functrans._core.graph import SOURCE
 
-__all__ = ["Path", "Reach", "Reader", "captured_constants", "reach", "swapped"]
+__all__ = [
+    "Path",
+    "Reach",
+    "Reader",
+    "captured_constants",
+    "carry_rebinding",
+    "reach",
+    "swapped",
+]
 
 # a step from one object to the next: (kind, key); kinds are the rows of _READ
 PathStep = tuple[str, Any]
@@ -46,6 +55,8 @@ _READ: dict[str, Callable[[Any, Any], Any]] = {
     "self": lambda m, _: m.__self__,
     "func": lambda m, _: m.__func__ if isinstance(m, types.MethodType) else m.func,
     "item": lambda c, k: c[k],  # dict, list, tuple
+    "partial_arg": lambda p, i: p.args[i],
+    "partial_kw": lambda p, k: p.keywords[k],
     "attr": lambda o, name: o.__dict__[name],
     "param": lambda m, name: m._parameters[name],
     "buffer": lambda m, name: m._buffers[name],
@@ -59,6 +70,16 @@ def _set_cell(f: Any, i: int, v: Any) -> None:
 
 def _set_global(f: Any, name: str, v: Any) -> None:
     f.__globals__[name] = v
+
+
+def _set_partial_arg(p: functools.partial[Any], i: int, v: Any) -> None:
+    args = list(p.args)
+    args[i] = v
+    p.__setstate__((p.func, tuple(args), p.keywords, p.__dict__ or None))  # type: ignore[attr-defined]  # partial's state hook: typeshed leaves it out
+
+
+def _set_partial_kw(p: functools.partial[Any], k: str, v: Any) -> None:
+    p.keywords[k] = v
 
 
 def _set_forward_global(m: Any, name: str, v: Any) -> None:
@@ -87,6 +108,8 @@ _WRITE: dict[str, Callable[[Any, Any, Any], None]] = {
     "global": _set_global,
     "forward_global": _set_forward_global,
     "item": _set_item,
+    "partial_arg": _set_partial_arg,
+    "partial_kw": _set_partial_kw,
     "attr": _set_attr,
     "param": _set_param,
     "buffer": _set_buffer,
@@ -192,8 +215,10 @@ def _children(obj: Any, name: str, home: Any = None) -> Iterator[_Child]:
         yield ("func", None), obj.__func__, name, False
     elif isinstance(obj, functools.partial):
         yield ("func", None), obj.func, name, False
-        yield from _items(obj.args, name, writable=False)
-        yield from _items(obj.keywords, name, writable=True)
+        for i, value in enumerate(obj.args[:_MAX_ITEMS]):  # bound: swapped like a closure's
+            yield ("partial_arg", i), value, f"{name}.args[{i}]", True
+        for key, value in list(obj.keywords.items())[:_MAX_ITEMS]:
+            yield ("partial_kw", key), value, f"{name}.keywords[{key!r}]", True
     elif isinstance(obj, torch.nn.Module):
         yield from _module_children(obj, name, home)
     elif isinstance(obj, (dict, list)):
@@ -393,7 +418,8 @@ def _visit(plan: _Plan, obj: Any, out: list[Any]) -> None:
 @contextlib.contextmanager
 def swapped(paths: Sequence[Path], root: Any, values: Sequence[Any]) -> Iterator[None]:
     """Temporarily put ``values`` where ``paths`` lead (the trace then reads its own inputs
-    there, as ``torch.func.functional_call`` does for module parameters); restored after."""
+    there, as ``torch.func.functional_call`` does for module parameters); restored after. A
+    slot the body rebinds is written into its value first (:func:`carry_rebinding`)."""
     old = [p.read(root) for p in paths]
     done: list[tuple[Path, Any]] = []
     try:
@@ -401,9 +427,39 @@ def swapped(paths: Sequence[Path], root: Any, values: Sequence[Any]) -> Iterator
             p.write(root, v)
             done.append((p, o))
         yield
+        put = {id(v) for v in values}  # a slot now holding another stand-in: torch's caches
+        for p, v in zip(paths, values, strict=True):
+            now = p.read(root)
+            if id(now) not in put:
+                carry_rebinding(p.name, v, now)
     finally:
         for p, o in reversed(done):
             p.write(root, o)
+
+
+def carry_rebinding(name: str, put: Any, now: Any) -> None:
+    """The traced body rebound the slot ``name``, where its input ``put`` stood, to ``now``
+    (``self.ema = 0.9 * self.ema + 0.1 * x.mean(0)`` in a forward): eager leaves the new
+    tensor there, and the trace's slot is restored after it. (A slot rebound to another of
+    the swapped-in tensors is not this: an RNN refreshing ``_flat_weights`` from its
+    parameters; the caller skips it.) The new value is written into
+    ``put`` in place instead, an input write the caller writes back (``ft.jit`` copies it
+    into the real buffer): the buffer holds eager's value after the call, though not a new
+    tensor object. A value of another shape, dtype or device cannot be written so: refused,
+    naming the slot."""
+    if now is put or not isinstance(put, torch.Tensor) or not isinstance(now, torch.Tensor):
+        return
+    same = (now.shape, now.dtype, now.device) == (put.shape, put.dtype, put.device)
+    if not same:
+        raise UnsupportedOpError(
+            f"the traced function rebinds {name} (a {put.dtype} tensor of shape "
+            f"{tuple(put.shape)}) to a {now.dtype} tensor of shape {tuple(now.shape)} on "
+            f"{now.device}: a compiled call writes a rebound tensor back into the one it "
+            "replaced, which needs the same shape, dtype and device. Keep them, or pass the "
+            "tensor in and return the new one"
+        )
+    with torch.no_grad():
+        put.copy_(now)
 
 
 def captured_constants(gm: Any) -> list[tuple[torch.Tensor, str]]:

@@ -413,6 +413,13 @@ def refuse_escapes(
         left.append(e)
     if not left:
         return
+    # refused: no fake stays in the caller's objects where the real tensor it stood for is
+    # known (eager's state after the call; jit's staleness does not arise, nothing is cached)
+    known = _reals(traced, real_inputs, stand_ins)
+    for e in left:
+        real = known.get(_layout(e.value)) if type(e.value) is FakeTensor else None
+        if real is not None:
+            e.put(real)
     names = list(static_names()) if static_names is not None and statics else []
     graph = traced if isinstance(traced, fx.GraphModule) else None
     raise TraceError(_message(f, left, transform, names, graph, input_names))
