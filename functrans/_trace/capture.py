@@ -56,6 +56,8 @@ _READ: dict[str, Callable[[Any, Any], Any]] = {
     "func": lambda m, _: m.__func__ if isinstance(m, types.MethodType) else m.func,
     "item": lambda c, k: c[k],  # dict, list, tuple
     "partial_arg": lambda p, i: p.args[i],
+    "default": lambda f, i: f.__defaults__[i],
+    "kwdefault": lambda f, k: f.__kwdefaults__[k],
     "partial_kw": lambda p, k: p.keywords[k],
     "attr": lambda o, name: o.__dict__[name],
     "param": lambda m, name: m._parameters[name],
@@ -244,6 +246,12 @@ def _function_children(f: types.FunctionType, name: str, home: Any) -> Iterator[
                 yield ("cell", i), _ModuleView(value, _global_names(code)), var, True
             continue
         yield ("cell", i), value, var, True
+    # ``def loss(x, m=model)``: what a default holds is reached (a module's tensors are
+    # swapped in its own tables); a default itself is not written (its tuple is guarded whole)
+    for i, value in enumerate(f.__defaults__ or ()):
+        yield ("default", i), value, f"{name}.__defaults__[{i}]", False
+    for key, value in (f.__kwdefaults__ or {}).items():
+        yield ("kwdefault", key), value, f"{name}.__kwdefaults__[{key!r}]", False
     yield from _globals_read("global", f.__globals__, _global_names(code), home)
 
 
