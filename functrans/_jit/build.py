@@ -319,7 +319,7 @@ class Builder:
         if at and dims is None and not subclass:  # returned intermediates: see staged
             self._times.trace_s += t1 - t0
             done = self._staged(jg, at, len(example[0]), inputs, backend)
-            if done is None and _blockwise(jg):  # cut the unrolled forward
+            if done is None and _calls_regions(jg):  # cut the unrolled forward
                 flat = self._traced(disk, "joint", decompositions, traced_joint, dims)
                 mask = [w and d for w, d in zip(wants, flat.differentiable, strict=True)]
                 at = staged.cuts(flat, mask)
@@ -403,7 +403,7 @@ class Builder:
             stages.append(staged.Stage(first, takes))
             graphs, gives = head.later, head.gives
         else:
-            if _blockwise(jg):  # the stages are cut from the unrolled forward
+            if _calls_regions(jg):  # the stages are cut from the unrolled forward
                 return None
             graphs, gives = tuple(cut.graphs), cut.gives
         decompositions = self.decompositions()
@@ -466,7 +466,7 @@ class Builder:
         return outlined(jg, self.options.partition, self.options.partition_options, backend)
 
 
-def _blockwise(jg: JointGraph) -> bool:
+def _calls_regions(jg: JointGraph) -> bool:
     """Whether ``jg`` calls regions (kept, or outlined)."""
     return bool(jg.attached(OUTLINED)) or bool(jg.attached(REGIONS))
 

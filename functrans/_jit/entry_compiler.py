@@ -140,7 +140,10 @@ class EntryCompiler:
             None
             if training
             else planned_grad.plan(
-                self._f, self._captures, self._owner, flat, example, paths, dims, tuple(written)
+                self._f,
+                planned_grad.PlannedCall(
+                    self._captures, self._owner, flat, example, paths, dims, tuple(written)
+                ),
             )
         )
         disk = functools.partial(

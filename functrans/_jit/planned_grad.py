@@ -50,7 +50,7 @@ from .captures import Captures
 from .outline import OUTLINED
 from .step_plan import blockwise, outlined
 
-__all__ = ["Plan", "Stitched", "plan"]
+__all__ = ["Plan", "PlannedCall", "Stitched", "plan"]
 
 
 @dataclass(frozen=True)
@@ -67,25 +67,31 @@ class Stitched:
 Plan = Callable[[Decompositions, Backend], Stitched | None]
 
 
-def plan(
-    f: Callable[..., Any],
-    captures: Captures,
-    owner: str,
-    flat: Flat,
-    example: Any,
-    paths: list[str],
-    dims: Dims | None,
-    written: tuple[int, ...] = (),
-) -> Plan | None:
-    """The plan for an inference entry of jitted ``f`` (None: ``f`` is traced as it is).
-    ``written``: the tensor leaves ``f`` writes in place (a training batch norm's running
-    statistics, lifted), by position; the plan's function then returns ``(result, their
-    final values)`` for jit to write back, as a traced function with writes does."""
+@dataclass(frozen=True)
+class PlannedCall:
+    """The jitted call a plan is made for: the jitted function's captures and name (for
+    errors), the call's structure, its example leaves ``(diff, other)`` and their names, its
+    symbolic dimensions, and ``written``: the tensor leaves the function writes in place (a
+    training batch norm's running statistics, lifted), by position; the plan's function then
+    returns ``(result, their final values)`` for jit to write back, as a traced function with
+    writes does."""
+
+    captures: Captures
+    owner: str
+    flat: Flat
+    example: Any
+    paths: list[str]
+    dims: Dims | None
+    written: tuple[int, ...] = ()
+
+
+def plan(f: Callable[..., Any], call: PlannedCall) -> Plan | None:
+    """The plan for an inference entry of jitted ``f`` (None: ``f`` is traced as it is)."""
     spec, batched = plan_of(f, GradSpec), plan_of(f, VmapOfGrad)
-    if spec is not None and _chosen(spec, dims):
-        return _planned_grad(spec, captures, owner, flat, example, paths, dims, written)
-    if batched is not None and _chosen(batched.spec, dims) and not written:
-        return _planned_per_example(batched, captures, owner, flat, example, paths)
+    if spec is not None and _chosen(spec, call.dims):
+        return _planned_grad(spec, call)
+    if batched is not None and _chosen(batched.spec, call.dims) and not call.written:
+        return _planned_per_example(batched, call)
     return None
 
 
@@ -97,23 +103,15 @@ def _chosen(spec: GradSpec, dims: Dims | None) -> bool:
     return dims is None or spec.partition != "default" or bool(spec.options)
 
 
-def _planned_grad(
-    spec: GradSpec,
-    captures: Captures,
-    owner: str,
-    flat: Flat,
-    example: Any,
-    paths: list[str],
-    dims: Dims | None,
-    written: tuple[int, ...],
-) -> Plan:
+def _planned_grad(spec: GradSpec, call: PlannedCall) -> Plan:
     """For ``jit(grad(f, partition=s))``: ``f``'s joint graph cut by ``s``, its forward then
     its backward; repeated blocks kept as regions and cut block by block as a training step's
     are (:mod:`functrans._jit.step_plan`), so a peak goal is planned as the step runs. The
     leaves ``f`` writes (``written``) are copied inside the joint graph, and the copies'
     final values are outputs without a tangent, beside ``f``'s aux (:func:`_writing`)."""
-    leaves = [*example[1]]  # an inference entry: no input is differentiated
-    target = captures.swapping(spec.f)
+    flat, written = call.flat, call.written
+    leaves = [*call.example[1]]  # an inference entry: no input is differentiated
+    target = call.captures.swapping(spec.f)
     if written:
         target = _writing(target, flat, written, spec.has_aux)
     options = dict(spec.options)
@@ -131,7 +129,7 @@ def _planned_grad(
                     decompositions=decompositions,
                 )(*a, **kw)
 
-        p = _blockwise(traced, spec.partition, options, backend, dims)
+        p = _blockwise(traced, spec.partition, options, backend, call.dims)
         if p is None:
             p = partition(traced(), spec.partition, **options)
 
@@ -147,7 +145,7 @@ def _planned_grad(
                 result = (grads, value[1]) if spec.has_aux else grads
             return (result, copies) if written else result
 
-        return _stitched(stitched, p, spec, owner, paths)
+        return _stitched(stitched, p, spec, call)
 
     return make
 
@@ -184,18 +182,12 @@ def _written(value: Any, has_aux: bool) -> tuple[Any, tuple[torch.Tensor, ...]]:
     return loss, tuple(rest)
 
 
-def _planned_per_example(
-    batched: VmapOfGrad,
-    captures: Captures,
-    owner: str,
-    flat: Flat,
-    example: Any,
-    paths: list[str],
-) -> Plan:
+def _planned_per_example(batched: VmapOfGrad, call: PlannedCall) -> Plan:
     """For ``jit(vmap(grad(f, partition=s)))``: as :func:`_planned_grad`, for the per-example
     joint graph eager ``vmap(grad)`` plans (None where that plan does not apply: the batched
     function is traced as it is)."""
-    spec, leaves, target = batched.spec, [*example[1]], captures.swapping(batched.spec.f)
+    spec, flat = batched.spec, call.flat
+    leaves, target = [*call.example[1]], call.captures.swapping(batched.spec.f)
 
     def plan_for(a: tuple[Any, ...]) -> PerExample | None:
         return plan_per_example(spec, target, batched.in_dims, batched.randomness, a)
@@ -219,7 +211,7 @@ def _planned_per_example(
             grads = p.backward(saved, (torch.ones_like(total),))
             return again.finish(values, grads)
 
-        return _stitched(stitched, p, spec, owner, paths)
+        return _stitched(stitched, p, spec, call)
 
     return make
 
@@ -254,9 +246,7 @@ def _blockwise(
     return p
 
 
-def _stitched(
-    fn: Callable[..., Any], p: Partition, spec: GradSpec, owner: str, paths: list[str]
-) -> Stitched:
-    fn.__qualname__ = getattr(spec.f, "__qualname__", owner)
-    leave(fn, ArgPaths(tuple(paths)))  # errors inside name the jitted function's arguments
+def _stitched(fn: Callable[..., Any], p: Partition, spec: GradSpec, call: PlannedCall) -> Stitched:
+    fn.__qualname__ = getattr(spec.f, "__qualname__", call.owner)
+    leave(fn, ArgPaths(tuple(call.paths)))  # errors inside name the jitted function's arguments
     return Stitched(fn, p)
