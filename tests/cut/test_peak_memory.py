@@ -11,6 +11,7 @@ a lower ``N``, and a named error below the lowest peak it reaches.
 from __future__ import annotations
 
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +73,30 @@ def test_measure_peak_ignores_frees_of_what_was_live_before():
 
     m = measure_peak(drop_then_allocate)
     assert (m.peak_bytes, m.end_bytes) == (400, 400)
+
+
+def test_measure_peak_counts_what_other_threads_free_and_allocate():
+    """A block the call allocates and another thread frees (as gloo's worker thread frees a
+    collective's buffer after the caller's wait) is freed when that thread frees it, and what
+    another thread allocates during the call is counted. Summed from the calling thread's
+    events alone, the first stayed live to the end (FSDP2 step peaks varied by a unit's
+    gradients from step to step)."""
+    held: list[torch.Tensor] = []
+
+    def run_in_thread(fn: Any) -> None:
+        t = threading.Thread(target=fn)
+        t.start()
+        t.join()
+
+    def handed_over():
+        held.append(torch.empty(1000))  # 4000
+        run_in_thread(held.clear)  # freed by the other thread: 0 live
+        run_in_thread(lambda: held.append(torch.empty(250)))  # 1000, allocated there
+        return torch.empty(500)  # 3000
+
+    m = measure_peak(handed_over)
+    assert (m.peak_bytes, m.end_bytes) == (4000, 3000)
+    held.clear()
 
 
 def test_measure_peak_of_an_autograd_step():
