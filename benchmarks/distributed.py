@@ -9,14 +9,18 @@ per rank) trained with:
 - functrans' own FSDP-style step: each weight a shard all-gathered with
   ``all_gather_tensor_autograd`` inside one ``ft.jit``'d loss, ``min_cut`` with
   ``policies.reshard_after_forward`` (the gathered weights are re-gathered in backward, as
-  FSDP2 does eagerly).
+  FSDP2 does eagerly);
+- a step budget: ``ft.distributed.budget_blocks(model, step, peak_bytes=N)`` for N from above
+  eager FSDP2's step peak down to the lowest bound it accepts, each rank's later steps
+  measured against the plan's bound (``step_budget`` in the results).
 
 Activation bytes: bytes of the distinct storages autograd saves during one forward (packed by
 ``saved_tensors_hooks``), parameters (sharded, unsharded or gathered copies FSDP frees) not
 counted; for the functrans FSDP-style step, what its partition saves (gathered weights are
 recomputed, so none of them). Peak: each rank's measured peak of one step above what was live
-before it (``functrans.testing.measure_peak``: the CPU allocator's events; FSDP2's unsharded
-parameters included; the median of 3 steps). Step time: median forward+backward over
+before it (``functrans.testing.measure_peak``: the CPU allocator's events, every thread's
+frees counted, gloo's worker threads' too; FSDP2's unsharded parameters included; the median
+of 3 steps). Step time: median forward+backward over
 interleaved rounds.
 
     python -m benchmarks.distributed [--quick] [--no-compile] [--steps N]
@@ -173,6 +177,7 @@ def worker(rank: int, world: int, port: int, opts: dict[str, Any], queue: Any) -
             dist.barrier()
             samples[name].append(measure_peak(lambda step=step: step().backward()).peak_bytes)
     peak = {name: int(statistics.median(v)) for name, v in samples.items()}
+    budgets = _budget_sweep(base, x, opts["rounds"])
     times: dict[str, list[float]] = {k: [] for k in steps}
     for _ in range(opts["steps"]):
         for name, step in steps.items():
@@ -192,6 +197,7 @@ def worker(rank: int, world: int, port: int, opts: dict[str, Any], queue: Any) -
                 "peak_vs_eager_fsdp2": {k: v / peak["eager FSDP2"] for k, v in peak.items()},
                 "seconds": seconds,
                 "time_vs_eager_fsdp2": {k: v / base_s for k, v in seconds.items()},
+                "step_budget": budgets,
                 "regathered_in_backward": sum(
                     1
                     for p in resharded_partitions
@@ -204,6 +210,65 @@ def worker(rank: int, world: int, port: int, opts: dict[str, Any], queue: Any) -
     dist.destroy_process_group()
 
 
+def _budget_sweep(base: Stack, x: torch.Tensor, rounds: int) -> dict[str, Any]:
+    """``ft.distributed.budget_blocks`` at limits from above eager FSDP2's step peak down to
+    the lowest bound a refusal names, each on a fresh FSDP2 copy: the plan's bound, the cuts,
+    the seconds planning took, and each rank's peak over ``rounds`` later steps, every step
+    from no gradients (as after ``zero_grad()``: the sharded gradients are in the peak, as
+    when budget_blocks measures); eager FSDP2 measured the same way beside them."""
+
+    def peaks(m: Stack) -> list[int]:
+        out = []
+        for _ in range(rounds):
+            m.zero_grad(set_to_none=True)
+            dist.barrier()
+            out.append(measure_peak(lambda: m(x).backward()).peak_bytes)
+        return out
+
+    def budget(m: Stack, limit: int) -> ft.distributed.StepBudget:
+        return ft.distributed.budget_blocks(m, lambda: m(x).backward(), peak_bytes=limit)
+
+    eager = peaks(fsdp(copy.deepcopy(base)))
+    worst = torch.tensor(max(eager))
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # every rank sweeps the same limits
+    top = int(worst)
+    try:
+        budget(fsdp(copy.deepcopy(base)), 1)
+        raise AssertionError("a 1-byte step budget was accepted")
+    except ft.InvalidPartitionError as e:
+        lowest = int(str(e).split("bound is ")[1].split(" ")[0])
+    rows = []
+    for limit in sorted({int(top * 1.05), top, (top + lowest) // 2, lowest}, reverse=True):
+        m = fsdp(copy.deepcopy(base))
+        start = time.perf_counter()
+        try:
+            b = budget(m, limit)
+        except ft.InvalidPartitionError:
+            rows.append({"limit": limit, "refused": True})
+            continue
+        seconds = time.perf_counter() - start
+        got = peaks(m)
+        rows.append(
+            {
+                "limit": limit,
+                "bound": b.peak_bytes,
+                "measured_max": max(got),
+                "measured": got,
+                "within_bound": max(got) <= b.peak_bytes,
+                "cuts": b.describe(),
+                "recompute_flops": b.chosen.recompute_flops,
+                "plans_measured": len(b.tried),
+                "planning_seconds": seconds,
+            }
+        )
+    return {
+        "eager_fsdp2_measured": eager,
+        "eager_fsdp2_worst_rank": top,
+        "lowest_bound": lowest,
+        "rows": rows,
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
@@ -211,7 +276,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
-    opts = {"quick": a.quick, "compile": not a.no_compile, "steps": 3 if a.quick else a.steps}
+    opts = {
+        "quick": a.quick,
+        "compile": not a.no_compile,
+        "steps": 3 if a.quick else a.steps,
+        "rounds": 3 if a.quick else 10,
+    }
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -231,6 +301,10 @@ def main() -> None:
     }
     for r in range(2):
         print(f"rank {r}")
+        sweep = results[r]["step_budget"]
+        print("  step budget (eager FSDP2 measured max", max(sweep["eager_fsdp2_measured"]), ")")
+        for row in sweep["rows"]:
+            print("   ", {k: v for k, v in row.items() if k != "measured"})
         for key in ("activation_vs_eager_fsdp2", "peak_vs_eager_fsdp2", "time_vs_eager_fsdp2"):
             print(
                 " ", key, json.dumps({k: round(v, 3) for k, v in results[r][key].items()}, indent=3)

@@ -155,6 +155,69 @@ def fsdp2_training(rank: int, world: int) -> dict[str, Any]:
     return {"losses": losses, "refused": refused}
 
 
+def fsdp2_step_budget(rank: int, world: int) -> dict[str, Any]:
+    """budget_blocks on a 3-block FSDP2 model: at no limit (nothing recomputed) and at the
+    lowest bound a refusal names, each rank's later steps measure within the bound, and
+    training losses equal eager FSDP2's."""
+    import copy
+
+    from torch.distributed.fsdp import fully_shard
+
+    from functrans.testing import measure_peak
+
+    torch.manual_seed(0)
+    base = Net(d=32, n=3)
+    x = torch.randn(32, 32, generator=torch.Generator().manual_seed(rank))
+
+    def sharded() -> Net:
+        m = copy.deepcopy(base)
+        for b in m.blocks:
+            fully_shard(b)
+        fully_shard(m)
+        return m
+
+    def peaks(m: Net) -> list[int]:
+        out = []
+        for _ in range(6):
+            m.zero_grad(set_to_none=True)
+            dist.barrier()
+            out.append(measure_peak(lambda: m(x).backward()).peak_bytes)
+        return out
+
+    def budget(m: Net, limit: int) -> ft.distributed.StepBudget:
+        return ft.distributed.budget_blocks(m, lambda: m(x).backward(), peak_bytes=limit)
+
+    eager = sharded()
+    out: dict[str, Any] = {"eager": peaks(eager)}
+    try:  # each rank its own limit: refused on both, no rank left waiting
+        budget(sharded(), 1 << (20 + rank))
+    except ft.InvalidArgumentError as e:
+        out["mismatch"] = str(e)
+    try:
+        budget(sharded(), 1)
+    except ft.InvalidPartitionError as e:
+        out["refused"] = str(e)
+    lowest = int(out["refused"].split("bound is ")[1].split(" ")[0])
+    models = {"eager": eager}
+    for name, limit in (("roomy", 1 << 30), ("lowest", lowest)):
+        m = sharded()
+        b = budget(m, limit)
+        out[name] = {"bound": b.peak_bytes, "cuts": b.chosen.cuts, "measured": peaks(m)}
+        out[name]["margin"] = b.margin
+        models[name] = m
+    losses: dict[str, list[float]] = {k: [] for k in models}
+    for name, m in models.items():
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        for _ in range(2):
+            opt.zero_grad()
+            loss = m(x)
+            loss.backward()
+            opt.step()
+            losses[name].append(loss.item())
+    out["losses"] = losses
+    return out
+
+
 def dtensor_arguments(rank: int, world: int) -> dict[str, Any]:
     """DTensor arguments to trace, jit and grad: taken apart to their local tensors (the graph
     has local shapes and the collectives DTensor issues), rebuilt on the way out, values equal

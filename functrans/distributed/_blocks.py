@@ -1,38 +1,21 @@
-"""functrans inside torch.distributed: FSDP2 (``fully_shard``) training with compiled blocks.
-
-FSDP2 all-gathers each unit's parameters in a forward pre-hook and frees them after (with
-``reshard_after_forward``), around the unit's ``forward``. Inside ``forward`` the parameters
-are plain, unsharded tensors: that is where functrans compiles. :func:`jit_blocks` replaces the
-``forward`` of every innermost FSDP unit (a transformer block, typically) by ``ft.jit`` of it
-(optionally under a remat policy), leaving FSDP's hooks, collectives and optimizer state as
-they are: losses and gradients equal eager FSDP2's.
-
-Inside a traced graph, torch.distributed's functional collectives are a class of their own
-(:attr:`functrans.extend.OpClass.COLLECTIVE`): never recomputed, merged or dropped by any
-strategy or pass unless a remat policy tags them (:func:`functrans.policies.reshard_after_forward`),
-so every rank issues the same collectives whatever its local shapes.
-
->>> import torch
->>> from functrans.distributed import fsdp_units
->>> fsdp_units(torch.nn.Linear(2, 2))  # no fully_shard: no units
-[]
-"""
+"""``jit_blocks``: each innermost FSDP unit's ``forward`` compiled, FSDP's hooks around it."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 
-from ._core.errors import InvalidArgumentError
-from ._core.marks import leave, marked
-from ._core.module_view import is_fsdp_module as is_fsdp_module
-from ._core.tags import PolicyLike
-from ._jit.api import jit
-from ._transforms.remat import remat
+from functrans._core.errors import InvalidArgumentError
+from functrans._core.marks import leave, marked
+from functrans._core.module_view import is_fsdp_module
+from functrans._core.tags import PolicyLike
+from functrans._jit.api import jit
+from functrans._transforms.remat import remat
 
-__all__ = ["fsdp_units", "is_fsdp_module", "jit_blocks"]
+__all__ = ["JitBlock", "compiled_forward", "fsdp_units", "jit_blocks"]
 
 
 @dataclass(frozen=True)
@@ -58,7 +41,9 @@ def jit_blocks(
     """Compile the ``forward`` of every innermost FSDP unit of ``model`` with ``ft.jit``
     (``jit_options``: ``partition``, ``backend``, strategy options), under
     ``ft.remat(..., policy=policy)`` unless ``policy`` is False; in place, returns ``model``.
-    ``blocks`` chooses the modules instead (each must be an FSDP unit or inside one).
+    ``blocks`` chooses the modules instead (each must be an FSDP unit or inside one). A
+    ``peak_bytes`` would bound each block's own peak, not the step's: it is refused, naming
+    :func:`~functrans.distributed.budget_blocks`, which budgets the step on every rank.
 
     The root unit's own code (embeddings, head, loss) stays eager: it calls the blocks, whose
     FSDP hooks all-gather outside any trace.
@@ -69,6 +54,13 @@ def jit_blocks(
     ...
     functrans._core.errors.InvalidArgumentError: jit_blocks: Linear has no FSDP unit...
     """
+    if "peak_bytes" in jit_options:
+        raise InvalidArgumentError(
+            f"jit_blocks: peak_bytes={jit_options['peak_bytes']!r} is not accepted: it would "
+            "bound each block's own peak, not the step's, which FSDP's buffers dominate; use "
+            "ft.distributed.budget_blocks(model, step, peak_bytes=...) for a step budget on "
+            "each rank"
+        )
     chosen = fsdp_units(model) if blocks is None else list(blocks)
     if not chosen:
         raise InvalidArgumentError(
@@ -79,9 +71,16 @@ def jit_blocks(
     for block in chosen:
         if marked(block, JitBlock):
             continue
-        body = block.forward  # the unit's own forward; FSDP's hooks stay around it
-        if policy is not False:
-            body = remat(body, policy=policy)
-        block.forward = jit(body, **jit_options)
+        # the unit's own forward; FSDP's hooks stay around it
+        block.forward = compiled_forward(block.forward, policy, jit_options)
         leave(block, JitBlock())
     return model
+
+
+def compiled_forward(
+    body: Callable[..., Any], policy: PolicyLike | Literal[False], jit_options: dict[str, Any]
+) -> Any:
+    """``ft.jit`` of a block's ``forward`` (under ``ft.remat`` with ``policy`` unless False)."""
+    if policy is not False:
+        body = remat(body, policy=policy)
+    return jit(body, **jit_options)

@@ -45,6 +45,26 @@ def test_fsdp2_training_with_jit_blocks_equals_eager():
         assert "jit_blocks" in rank["refused"]
 
 
+def test_fsdp2_step_budget_bounds_each_ranks_step_peak():
+    """ft.distributed.budget_blocks on 2 gloo ranks: limits that differ between ranks are
+    refused on both (a search per rank would hang); a limit below every plan is refused
+    naming the lowest bound; at that bound and at no limit, every later step's measured peak
+    on each rank is within the bound; gradients (so losses) equal eager FSDP2's."""
+    import dist_workers
+
+    for rank in run_on_ranks(dist_workers.fsdp2_step_budget, timeout=180.0):
+        assert "ask for at least that" in rank["refused"]
+        assert "pass the same limit on every rank" in rank["mismatch"]
+        for name in ("roomy", "lowest"):
+            got = rank[name]
+            assert max(got["measured"]) <= got["bound"], (name, got)
+            assert got["margin"] > 0  # a unit's unsharded bytes: gloo frees late
+        assert set(rank["roomy"]["cuts"]) == {"default"}
+        assert rank["lowest"]["bound"] < rank["roomy"]["bound"]
+        for name, losses in rank["losses"].items():
+            assert losses == pytest.approx(rank["losses"]["eager"], rel=1e-5), name
+
+
 def test_dtensor_arguments_trace_jit_grad():
     import dist_workers
 

@@ -25,8 +25,13 @@ LAYERS = ("_core", "_trace", "_cut", "_transforms", "_jit")
 #: A sub-layer with a narrower rule: it may import only these layers (and itself).
 NARROWER = {"functrans._jit.disk": ("_core", "_trace")}
 #: Public modules and packages: they may import anything.
-FACES = ("functrans", "functrans.extend", "functrans.policies", "functrans.distributed")
-FACE_PACKAGES = ("functrans.viz", "functrans.testing", "functrans.__main__")
+FACES = ("functrans", "functrans.extend", "functrans.policies")
+FACE_PACKAGES = (
+    "functrans.viz",
+    "functrans.testing",
+    "functrans.distributed",
+    "functrans.__main__",
+)
 PLUGINS = ("functrans.partitioners", "functrans.codegen")
 
 
