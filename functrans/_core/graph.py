@@ -51,6 +51,28 @@ MADE_BY = "functrans.made_by"
 #: program hands the call its inputs (:data:`functrans.extend.HANDOVER_OPS`), so those whose
 #: last use it is die inside it; else the dispatcher holds them until it returns
 HANDED_OVER = "functrans.handed_over"
+#: on a forward node of a joint graph whose value autograd did not record though an input
+#: requires grad (an op under ``torch.no_grad()``, a ``detach``): True. The joint's backward
+#: already holds no gradient through it; a transform that differentiates the forward again
+#: (a step compiled in stages) must detach its inputs there
+NO_GRAD = "functrans.no_grad"
+#: on a forward node: the positions (among its node arguments, args then kwargs, in order)
+#: whose argument reached it through a ``detach`` the trace dropped as a rename (the
+#: gradient stops on that edge only); absent where none did
+STOPPED = "functrans.stopped"
+
+
+def argument_nodes(node: fx.Node) -> list[fx.Node]:
+    """The nodes ``node`` reads, in the order of its arguments (args, then kwargs), each as
+    often as it appears: the positions :data:`STOPPED` counts."""
+    found: list[fx.Node] = []
+
+    def visit(a: fx.Node) -> fx.Node:
+        found.append(a)
+        return a
+
+    fx.node.map_arg((node.args, node.kwargs), visit)
+    return found
 
 
 _T = TypeVar("_T")

@@ -35,7 +35,16 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
 
 from functrans._core.dtypes import differentiable
-from functrans._core.graph import PHASE, JointGraph, Phase, ancestors, copy_joint
+from functrans._core.graph import (
+    NO_GRAD,
+    PHASE,
+    STOPPED,
+    JointGraph,
+    Phase,
+    ancestors,
+    argument_nodes,
+    copy_joint,
+)
 
 from .apply import OVERWRITES, Entry, Twice
 
@@ -194,7 +203,7 @@ def stage_graphs(jg: JointGraph, at: Sequence[fx.Node], num_diff: int) -> Cut | 
     # autograd marks them (a batch norm's saved mean and inverse deviation do not)
     reached = {n for n, i in primals.items() if i < num_diff}
     for n in forward:
-        if any(a in reached for a in n.all_input_nodes) and _autograd_output(n, reached):
+        if any(a in reached for a in _differentiated(n)) and _autograd_output(n, reached):
             reached.add(n)
     grad_of = {n for n in reached if differentiable(n.meta.get("val"))}
     needed = {o for o in outs if o in stage_of}
@@ -211,6 +220,15 @@ def stage_graphs(jg: JointGraph, at: Sequence[fx.Node], num_diff: int) -> Cut | 
         graphs.append(_stage(jg, nodes, exports[s], where, grad_of, stage_of))
         where.update((n, Source(s, j)) for j, n in enumerate(exports[s]))
     return Cut(graphs, tuple(where[o] for o in outs), tuple(exports[0]))
+
+
+def _differentiated(n: fx.Node) -> list[fx.Node]:
+    """The arguments of ``n`` autograd differentiated ``n`` in: none where it ran under
+    ``no_grad`` (or is a detach), none that came through a detach."""
+    if n.meta.get(NO_GRAD):
+        return []
+    stopped = n.meta.get(STOPPED, ())
+    return [a for i, a in enumerate(argument_nodes(n)) if i not in stopped]
 
 
 #: per op, output index and which inputs require grad: whether that output does
@@ -431,11 +449,32 @@ def _stage(
         env[a] = g.placeholder(a.name)
         env[a].meta.update(a.meta)
     for n in nodes:
-        env[n] = g.node_copy(n, lambda a: env[a] if a in env else _outside(g, a, env))
+        env[n] = g.node_copy(n, _reading(g, n, env))
     g.output(tuple(env[n] for n in exports))
     gm = fx.GraphModule(jg.graph_module, g)
     num_diff = sum(a in grad_of for a in inputs)
     return StageGraph(gm, tuple(where[a] for a in inputs), num_diff)
+
+
+def _reading(g: fx.Graph, n: fx.Node, env: dict[fx.Node, fx.Node]) -> Callable[[fx.Node], fx.Node]:
+    """How ``n``'s copy in a stage reads each argument (in the order of
+    :func:`~functrans._core.graph.argument_nodes`): its value in the stage, detached where
+    autograd did not differentiate ``n`` in it (:func:`_differentiated`), so that the stage's
+    own joint graph stops there as eager's autograd did."""
+    stopped = n.meta.get(STOPPED, ())
+    position = iter(range(len(argument_nodes(n))))
+
+    def read(a: fx.Node) -> fx.Node:
+        i = next(position)
+        value = env[a] if a in env else _outside(g, a, env)
+        cut = n.meta.get(NO_GRAD) or i in stopped
+        if not cut or not differentiable(a.meta.get("val")):
+            return value
+        detached = g.call_function(torch.ops.aten.detach.default, (value,))
+        detached.meta["val"] = a.meta.get("val")
+        return detached
+
+    return read
 
 
 def _outside(g: fx.Graph, a: fx.Node, env: dict[fx.Node, fx.Node]) -> fx.Node:

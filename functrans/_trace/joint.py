@@ -34,6 +34,7 @@ from functrans._core.shapes import Dynamic, refuse_size_outputs, resolve, symbol
 from functrans._core.state import autocast_off
 from functrans._core.validate import check_argnums, check_bool, check_callable
 
+from . import stops
 from .decomp import Decompositions, decomposition_table
 from .escape import refuse_escapes
 from .options import OPTIONS, TraceOptions, options
@@ -260,7 +261,8 @@ def _joint_function(
                 if rebuilt[i] is not primals[i] and not rebuilt[i].requires_grad:
                     rebuilt[i].requires_grad_()
             a, kw = unflatten(fn_in, rebuilt, rebuilt=True)
-            result = f(*a, **kw)
+            with stops.recording():  # where autograd stops in the forward, noted
+                result = f(*a, **kw)
             outs, flat = flatten(result)
             raw = [t for t in leaves_of(result)[0] if isinstance(t, torch.Tensor)]
             wants_tangent = check(result, outs, flat)

@@ -18,7 +18,16 @@ import optree
 import torch
 import torch.fx as fx
 
-from functrans._core.graph import PATH, ROLE, SOURCE, Role, lazy_module
+from functrans._core.graph import (
+    NO_GRAD,
+    PATH,
+    ROLE,
+    SOURCE,
+    STOPPED,
+    Role,
+    argument_nodes,
+    lazy_module,
+)
 from functrans._core.ops import cancelled_transposes, is_collective, is_random, is_view_op
 from functrans._core.tags import REMAT
 
@@ -116,11 +125,14 @@ def canonicalize(
     seen: dict[Any, fx.Node] = {}
     outputs = set(next(n for n in reversed(gm.graph.nodes) if n.op == "output").all_input_nodes)
     returned = {_through_identities(n) for n in outputs}
+    cut: set[fx.Node] = set()  # dropped renames that went through a detach autograd saw
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             continue
         if node.op == "call_function" and node.target in _IDENTITY_OPS:
             env[node] = env[node.args[0]]
+            if node.meta.get(NO_GRAD) or node.args[0] in cut:
+                cut.add(node)
             continue
         base = cancelled_transposes(node)
         if base is not None and not (env[base].op == "placeholder" and node in outputs):
@@ -129,11 +141,14 @@ def canonicalize(
         # a returned value is a tensor of its own, as in eager: merged with another, the
         # other's users would be on its autograd path (``return loss, h`` with h computed
         # twice, the loss from the first: the gradient of the loss at h is None in eager)
-        key = cse_key(node, env) if cse and node not in returned else None
+        stopped = frozenset(i for i, a in enumerate(argument_nodes(node)) if a in cut)
+        key = cse_key(node, env, stopped) if cse and node not in returned else None
         if key is not None and key in seen:
             env[node] = seen[key]
             continue
         copied = new.node_copy(node, lambda n: env[n])
+        if stopped:
+            copied.meta[STOPPED] = tuple(sorted(stopped))
         if key is not None:
             seen[key] = copied
         src = source_of(node.meta.get("stack_trace"))
@@ -160,10 +175,12 @@ def _frozen(value: Any) -> Any:
     return (type(value), value)
 
 
-def cse_key(node: fx.Node, env: dict[fx.Node, Any]) -> Any:
+def cse_key(node: fx.Node, env: dict[fx.Node, Any], stopped: frozenset[int] = frozenset()) -> Any:
     """Key under which ``node`` is interchangeable with an earlier node (common-subexpression
     elimination), or None. Random and mutating ops are never merged; neither are ops that a
-    remat policy tagged differently (JAX's prevent_cse across remat boundaries)."""
+    remat policy tagged differently (JAX's prevent_cse across remat boundaries), nor ops that
+    autograd records differently (one under ``no_grad`` or reading a detached argument, the
+    other not: ``stopped``, the positions of its arguments that came through a detach)."""
     target = node.target
     if node.op != "call_function" or not (
         target is operator.getitem or isinstance(target, torch._ops.OpOverload)
@@ -175,7 +192,8 @@ def cse_key(node: fx.Node, env: dict[fx.Node, Any]) -> Any:
         return None  # each collective is a message the other ranks expect: never merged
     args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
     try:
-        return (target, _frozen(args), _frozen(kwargs), node.meta.get(REMAT))
+        grad = (bool(node.meta.get(NO_GRAD)), stopped)
+        return (target, _frozen(args), _frozen(kwargs), node.meta.get(REMAT), grad)
     except TypeError:
         return None
 

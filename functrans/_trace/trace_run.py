@@ -39,6 +39,7 @@ from .extensions import TraceExtension, active, register_trace_extension
 from .record import stack_traces
 from .rng import seeded_then_drew, tracing_guard
 from .session import Slot
+from .stops import note, note_detach
 
 __all__ = [
     "TRACE_LOCK",
@@ -137,6 +138,10 @@ class _PlainRNNs(torch.overrides.TorchFunctionMode):
         for watch in WATCHERS.get():
             watch()
         kwargs = kwargs or {}
+        if func in _DETACHES:
+            out = func(*args, **kwargs)
+            note_detach(args, out)  # the code stops autograd here
+            return out
         if func not in _RNNS or not torch.is_grad_enabled() or not _requires_grad(args):
             return func(*args, **kwargs)
         ctx = torch._C
@@ -150,11 +155,16 @@ class _PlainRNNs(torch.overrides.TorchFunctionMode):
             ctx._set_cudnn_enabled(cudnn)
 
 
+#: what the traced code calls to stop autograd (noted: :mod:`functrans._trace.stops`)
+_DETACHES = frozenset({torch.Tensor.detach, torch.detach})
+
+
 class _FakeDevices(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's mode base is unannotated
     """While a trace runs: a fake tensor's device, which autograd asks of the inputs and
     outputs of every op it records and of the gradients its engine passes on (three dozen
     times for a block's backward), answered here as the fake mode answers it, before the
-    tracing modes see the query (through each, about 10 us)."""
+    tracing modes see the query (through each, about 10 us). Every op's nodes are noted where
+    autograd stops (:func:`functrans._trace.stops.note`)."""
 
     #: a higher-order op (a random op replayed from a saved generator state, in a traced
     #: partition) runs as it is: the mode only answers device queries
@@ -165,7 +175,9 @@ class _FakeDevices(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
             t = args[0]
             if type(t) is FakeTensor and not t.fake_mode.in_kernel_invocation:
                 return t.fake_device
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        note(func, args, kwargs, out)  # where autograd stops (no_grad, detach)
+        return out
 
 
 _DEVICE = torch.ops.prim.device.default

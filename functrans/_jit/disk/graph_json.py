@@ -39,11 +39,13 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from functrans._core.fakes import fake_empty
 from functrans._core.graph import (
+    NO_GRAD,
     PATH,
     PHASE,
     RECOMPUTED,
     ROLE,
     SOURCE,
+    STOPPED,
     Graph,
     JointGraph,
     Phase,
@@ -161,9 +163,11 @@ def _meta(node: fx.Node) -> dict[str, Any]:
         if key in (ROLE, PHASE, REMAT):
             out[key] = value.name
         elif (key in (SOURCE, PATH) and isinstance(value, str)) or (
-            key == RECOMPUTED and isinstance(value, bool)
+            key in (RECOMPUTED, NO_GRAD) and isinstance(value, bool)
         ):
             out[key] = value
+        elif key == STOPPED and isinstance(value, tuple):
+            out[key] = [int(i) for i in value]
         elif key == REMAT_OP and isinstance(value, RematOp):
             out[key] = [_target(value.op), bool(value.holds_output)]
         else:
@@ -171,7 +175,7 @@ def _meta(node: fx.Node) -> dict[str, Any]:
     return out
 
 
-_PLAIN_META = (SOURCE, PATH, RECOMPUTED)
+_PLAIN_META = (SOURCE, PATH, RECOMPUTED, NO_GRAD)
 _ENUMS: dict[str, Any] = {ROLE: Role, PHASE: Phase, REMAT: Policy}
 
 
@@ -184,6 +188,8 @@ def _unmeta(doc: dict[str, Any]) -> dict[str, Any]:
             out[key] = value
         elif key == REMAT_OP:
             out[key] = RematOp(_untarget(value[0]), bool(value[1]))
+        elif key == STOPPED and isinstance(value, list):
+            out[key] = tuple(int(i) for i in value)
         else:
             raise CorruptEntry(f"node meta {key!r}")
     return out

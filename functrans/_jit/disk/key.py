@@ -36,8 +36,9 @@ from .fingerprint import Fingerprint, Unhashable
 __all__ = ["FORMAT", "DiskKey", "digest"]
 
 #: The version of the entries' format (in the key and in every entry); 3: module paths of the
-#: folder layout (stored type names changed); 4: entries hold what their trace read.
-FORMAT = 4
+#: folder layout (stored type names changed); 4: entries hold what their trace read; 5: graphs
+#: note where autograd stopped (``functrans.no_grad``, ``functrans.stopped``).
+FORMAT = 5
 # options of jit that do not reach the trace (they act on the traced graph, after it)
 _TRACE_FREE = frozenset({"partition", "partition_options", "backend", "cache_size"})
 
