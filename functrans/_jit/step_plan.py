@@ -58,7 +58,17 @@ from functrans._trace.regions.graph import REGIONS
 
 from .outline import CutOf, Outlined, cut_region, outline, region_calls, uniform
 
-__all__ = ["CHOICES", "Choice", "Outcome", "Planned", "blockwise", "outlined", "plan_step"]
+__all__ = [
+    "CHOICES",
+    "Choice",
+    "Outcome",
+    "Planned",
+    "blockwise",
+    "folded",
+    "largest_passing",
+    "outlined",
+    "plan_step",
+]
 
 
 @dataclass(frozen=True)
@@ -104,14 +114,23 @@ class Planned:
 
     def describe(self) -> str:
         """Which cut each block call took (runs of equal cuts folded) and the step's cut."""
-        runs: list[list[Any]] = []
-        for level in self.assignment.levels:
-            if runs and runs[-1][0] == level:
-                runs[-1][1] += 1
-            else:
-                runs.append([level, 1])
-        blocks = ", ".join(f"{n} x {CHOICES[level].label}" for level, n in runs)
+        blocks = folded([CHOICES[level].label for level in self.assignment.levels])
         return f"blocks: {blocks}; around them: {self.assignment.step}"
+
+
+def folded(labels: Sequence[str]) -> str:
+    """Labels in order, runs of equal ones folded.
+
+    >>> folded(["min_cut", "min_cut", "default"])
+    '2 x min_cut, 1 x default'
+    """
+    runs: list[list[Any]] = []
+    for label in labels:
+        if runs and runs[-1][0] == label:
+            runs[-1][1] += 1
+        else:
+            runs.append([label, 1])
+    return ", ".join(f"{n} x {label}" for label, n in runs)
 
 
 class Outcome(NamedTuple):
@@ -262,7 +281,7 @@ def _staircase(planner: _Planner, start: Planned, limit: int, offered: Sequence[
                 trial[i] = level
             return planner.evaluate(Assignment(tuple(trial), start.assignment.step))
 
-        fits = _most(len(below), lambda m: moved(m).peak <= limit)
+        fits = largest_passing(len(below), lambda m: moved(m).peak <= limit)
         if fits == 0:
             continue
         found = moved(fits)
@@ -271,12 +290,12 @@ def _staircase(planner: _Planner, start: Planned, limit: int, offered: Sequence[
     return best
 
 
-def _most(n: int, ok: Callable[[int], bool]) -> int:
+def largest_passing(n: int, ok: Callable[[int], bool]) -> int:
     """The largest ``m`` in ``0..n`` with ``ok(m)``, by bisection (``ok(0)`` is taken to hold
     and ``ok`` to fall once as ``m`` grows).
 
-    >>> _most(10, lambda m: m <= 7), _most(4, lambda m: True), _most(4, lambda m: m == 0)
-    (7, 4, 0)
+    >>> largest_passing(10, lambda m: m <= 7), largest_passing(4, lambda m: m == 0)
+    (7, 0)
     """
     lo, hi = 0, n
     while lo < hi:

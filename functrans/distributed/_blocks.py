@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -15,7 +15,7 @@ from functrans._core.tags import PolicyLike
 from functrans._jit.api import jit
 from functrans._transforms.remat import remat
 
-__all__ = ["JitBlock", "compiled_forward", "fsdp_units", "jit_blocks"]
+__all__ = ["JitBlock", "chosen_blocks", "compiled_forward", "fsdp_units", "jit_blocks"]
 
 
 @dataclass(frozen=True)
@@ -61,20 +61,27 @@ def jit_blocks(
             "ft.distributed.budget_blocks(model, step, peak_bytes=...) for a step budget on "
             "each rank"
         )
-    chosen = fsdp_units(model) if blocks is None else list(blocks)
-    if not chosen:
-        raise InvalidArgumentError(
-            f"jit_blocks: {type(model).__name__} has no FSDP unit; call "
-            "torch.distributed.fsdp.fully_shard on each block (and the root) first, or pass "
-            "blocks=[...]"
-        )
-    for block in chosen:
+    for block in chosen_blocks("jit_blocks", model, blocks):
         if marked(block, JitBlock):
             continue
         # the unit's own forward; FSDP's hooks stay around it
         block.forward = compiled_forward(block.forward, policy, jit_options)
         leave(block, JitBlock())
     return model
+
+
+def chosen_blocks(
+    where: str, model: torch.nn.Module, blocks: Sequence[torch.nn.Module] | None
+) -> list[torch.nn.Module]:
+    """``blocks``, or the innermost FSDP units of ``model``; an error naming ``where`` if none."""
+    chosen = fsdp_units(model) if blocks is None else list(blocks)
+    if not chosen:
+        raise InvalidArgumentError(
+            f"{where}: {type(model).__name__} has no FSDP unit; call "
+            "torch.distributed.fsdp.fully_shard on each block (and the root) first, or pass "
+            "blocks=[...]"
+        )
+    return chosen
 
 
 def compiled_forward(

@@ -23,7 +23,9 @@ measuring the user's own ``step`` on every rank:
   steps change is put back: gradients, buffers and the random number generators' states.
 
 A limit below every uniform plan's bound is an :class:`~functrans.InvalidPartitionError`
-naming the lowest bound, the blocks left as they were. The plan holds for the step measured:
+naming the lowest bound, the blocks left as they were; limits that differ between ranks are
+refused on every rank. An error ``step`` raises on one rank is raised there, the blocks left
+as they were; the other ranks wait for it at their next collective, as in any step. The plan holds for the step measured:
 a step with other shapes recompiles the same cuts, unmeasured (call again to budget it).
 
 >>> import torch
@@ -48,10 +50,10 @@ from functrans._core.errors import InvalidArgumentError, InvalidPartitionError
 from functrans._core.marks import leave, marked
 from functrans._core.tags import PolicyLike
 from functrans._core.validate import check_number
-from functrans._jit.step_plan import CHOICES, Choice, _most
+from functrans._jit.step_plan import CHOICES, Choice, folded, largest_passing
 from functrans.testing import measure_peak
 
-from ._blocks import JitBlock, compiled_forward, fsdp_units
+from ._blocks import JitBlock, chosen_blocks, compiled_forward
 
 __all__ = ["CUTS", "StepBudget", "Trial", "budget_blocks"]
 
@@ -89,13 +91,7 @@ class StepBudget:
 
     def describe(self) -> str:
         """The chosen cuts (runs of equal cuts folded), the bound and the limit."""
-        runs: list[list[Any]] = []
-        for cut in self.chosen.cuts:
-            if runs and runs[-1][0] == cut:
-                runs[-1][1] += 1
-            else:
-                runs.append([cut, 1])
-        cuts = ", ".join(f"{n} x {cut}" for cut, n in runs)
+        cuts = folded(self.chosen.cuts)
         return f"{cuts}: bound {self.peak_bytes} of {self.limit} bytes ({len(self.tried)} measured)"
 
 
@@ -130,13 +126,7 @@ def budget_blocks(
             f"budget_blocks: partition={jit_options['partition']!r} is not accepted; the "
             "budget chooses each block's cut (use jit_blocks to name one)"
         )
-    chosen = fsdp_units(model) if blocks is None else list(blocks)
-    if not chosen:
-        raise InvalidArgumentError(
-            f"budget_blocks: {type(model).__name__} has no FSDP unit; call "
-            "torch.distributed.fsdp.fully_shard on each block (and the root) first, or pass "
-            "blocks=[...]"
-        )
+    chosen = chosen_blocks("budget_blocks", model, blocks)
     done = [type(b).__name__ for b in chosen if marked(b, JitBlock)]
     if done:
         raise InvalidArgumentError(
@@ -241,7 +231,7 @@ class _Plans:
                     trial[i] = level
                 return tuple(trial)
 
-            fits = _most(len(below), lambda m: self.measure(moved(m)).bound <= limit)
+            fits = largest_passing(len(below), lambda m: self.measure(moved(m)).bound <= limit)
             if fits:
                 levels = list(moved(fits))
         chosen = self.measure(tuple(levels))

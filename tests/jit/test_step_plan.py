@@ -21,7 +21,7 @@ from torch import nn
 
 import functrans as ft
 from functrans._jit.outline import OUTLINED
-from functrans._jit.step_plan import CHOICES, _most
+from functrans._jit.step_plan import CHOICES, largest_passing
 from functrans.testing import measure_peak
 
 
@@ -166,7 +166,7 @@ def test_any_limit_between_the_floor_and_default_is_met(
 
 def test_the_choices_run_from_least_to_most_saved() -> None:
     assert CHOICES[0].strategy == "full_remat" and CHOICES[-1].strategy == "default"
-    assert _most(9, lambda m: m < 4) == 3
+    assert largest_passing(9, lambda m: m < 4) == 3
 
 
 def test_grad_plans_its_blocks_as_jit_does(named: dict[str, tuple[int, Any]]) -> None:
