@@ -9,7 +9,11 @@ call: 33 ms a call for a 4-layer MLP where ``torch.func.grad`` takes 1.7 ms. The
 everything the trace read. Where the inputs require grad, the gradients are differentiable in
 them (the entry is the joint graph of the gradient: its double backward), as they were. Inside
 another functrans trace and under ``torch.func`` transforms the call runs as written, as
-before (the outer transform sees its ops). Errors name ``grad``, not the jit it runs through.
+before (the outer transform sees its ops). A call the jit cannot compile (a module path a
+trace cannot follow, as a BatchNorm with ``momentum=None`` in training; hooks; a tensor
+subclass it cannot take apart) runs torch's autograd eagerly
+(:func:`functrans._transforms.grad.eager_grad`): eager's gradient, eager's buffer updates.
+Errors name ``grad``, not the jit it runs through.
 
 >>> import torch, functrans as ft
 >>> g = ft.grad(lambda x: (x * x).sum())
@@ -84,7 +88,9 @@ def grad(
     >>> grads, aux
     (tensor([2., 2.]), tensor(1.))
     """
-    return _reusing(_grad.grad(f, argnums, has_aux, partition=partition, **options), "grad", f)
+    run = _grad.grad(f, argnums, has_aux, partition=partition, **options)
+    eager = _grad.eager_grad(f, argnums, has_aux, with_value=False)
+    return _reusing(run, "grad", f, eager)
 
 
 def value_and_grad(
@@ -104,14 +110,19 @@ def value_and_grad(
     (tensor(5.), tensor([2., 4.]))
     """
     run = _grad.value_and_grad(f, argnums, has_aux, partition=partition, **options)
-    return _reusing(run, "value_and_grad", f)
+    eager = _grad.eager_grad(f, argnums, has_aux, with_value=True)
+    return _reusing(run, "value_and_grad", f, eager)
 
 
-def _reusing(run: Callable[_P, _R], transform: str, f: Any) -> Callable[_P, _R]:
-    """``run`` (``transform`` of ``f``) through a jit of it, on calls that can be compiled."""
+def _reusing(
+    run: Callable[_P, _R], transform: str, f: Any, eager: Callable[_P, _R]
+) -> Callable[_P, _R]:
+    """``run`` (``transform`` of ``f``) through a jit of it, on calls that can be compiled;
+    ``eager`` (torch's autograd, run as written) on those that cannot (a module's path a
+    trace cannot follow, hooks, a tensor subclass it cannot take apart)."""
     owner = f"{transform}({getattr(f, '__qualname__', type(f).__name__)})"
     options = Options("default", "aten", (), "auto", {})
-    jitted = Jitted(run, options, shown=False, owner=owner)
+    jitted = Jitted(run, options, shown=False, owner=owner, as_written=eager)
 
     @functools.wraps(run)
     def call(*args: _P.args, **kwargs: _P.kwargs) -> _R:

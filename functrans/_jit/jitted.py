@@ -115,12 +115,16 @@ class Jitted(Generic[_P, _R]):
         module_names: Callable[[], Sequence[str]] | None = None,
         shown: bool = True,
         owner: str | None = None,
+        as_written: Callable[_P, _R] | None = None,
     ) -> None:
         """``module_names``: for a caller that passes the module flags itself (``jit(module)``
         does), the names of the modules behind them; ``shown``: named in messages (False for
         the jit ``grad`` runs through); ``owner``: the name its warnings and errors give it
-        (``jit(f)`` unless given)."""
+        (``jit(f)`` unless given); ``as_written``: what runs a call that cannot be compiled
+        (hooks, an eager-only module path, a tensor subclass it cannot take apart), ``f``
+        unless given (``grad`` gives torch's autograd run eagerly)."""
         self._f, self._opts = f, options
+        self._uncompiled = f if as_written is None else as_written
         self._shown = shown  # named in messages (not where grad reuses its trace through it)
         self._owner = owner or f"jit({getattr(f, '__qualname__', type(f).__name__)})"
         self._cache: Cache[Entry] = Cache(self._owner, options.cache_size)
@@ -183,7 +187,7 @@ class Jitted(Generic[_P, _R]):
         ran = self._run(args, kwargs, None)
         if ran is None:
             with transform_frame("jit", self._f, self._shown):
-                return self._f(*args, **kwargs)
+                return self._uncompiled(*args, **kwargs)
         outs, entry, _ = ran
         result: _R = unflatten(entry.out_flat, outs)  # the same tree f returns
         return result

@@ -150,6 +150,83 @@ def _torch_func_vjp(
     return found[0], found[1]
 
 
+def eager_grad(
+    f: Callable[..., Any], argnums: int | Sequence[int], has_aux: bool, *, with_value: bool
+) -> Callable[..., Any]:
+    """``grad`` of ``f`` (``value_and_grad`` where ``with_value``) by torch's autograd, run as
+    written: for a call that cannot be traced (a BatchNorm with ``momentum=None`` reads its
+    batch counter as a Python number; hooks run on every call), what ``loss.backward()``
+    would give, the modules' buffers updated as eager updates them. Gradients are those of
+    the traced transform: zeros where the output does not depend on a leaf, differentiable
+    in the inputs that require grad (grad mode on).
+
+    >>> import torch
+    >>> eager_grad(lambda x: (x * x).sum(), 0, False, with_value=True)(torch.ones(2))
+    (tensor(2.), tensor([2., 2.]))
+    """
+    name = "value_and_grad" if with_value else "grad"
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        check_differentiable(f, args, argnums, name)
+        nums = normalize_argnums(argnums, len(args))
+        given = list(args)
+        outer = torch.is_grad_enabled() and any(
+            t.requires_grad for i in nums for t in _tensors(given[i])
+        )
+        specs, wrt = [], []
+        for i in nums:
+            leaves, spec = optree.tree_flatten(given[i], namespace=NAMESPACE)
+            fresh = [_differentiated_leaf(t, outer) for t in leaves]
+            given[i] = optree.tree_unflatten(spec, fresh)
+            specs.append((spec, len(fresh)))
+            wrt.extend(fresh)
+        with torch.enable_grad():
+            value = f(*given, **kwargs)
+            out = scalar_output(f, value, has_aux)
+            tensors = [t for t in wrt if isinstance(t, torch.Tensor)]
+            found = (
+                torch.autograd.grad(out, tensors, create_graph=outer, allow_unused=True)
+                if out.requires_grad and tensors
+                else (None,) * len(tensors)
+            )
+        by_leaf = iter(found)
+        flat = [_zero_if_none(next(by_leaf), t) if isinstance(t, torch.Tensor) else t for t in wrt]
+        grads, start = [], 0
+        for spec, n in specs:
+            grads.append(optree.tree_unflatten(spec, flat[start : start + n]))
+            start += n
+        result = grads[0] if isinstance(argnums, int) else tuple(grads)
+        if not outer:
+            value = optree.tree_map(_detached, value, namespace=NAMESPACE)
+        if with_value:
+            return value, result
+        return (result, value[1]) if has_aux else result
+
+    return run
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    return [t for t in optree.tree_leaves(tree, namespace=NAMESPACE) if isinstance(t, torch.Tensor)]
+
+
+def _differentiated_leaf(t: Any, outer: bool) -> Any:
+    """``t`` as a leaf the call differentiates in: on the caller's graph where the caller's
+    autograd differentiates the result too, else a fresh leaf."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    if outer and t.requires_grad:
+        return t.view_as(t)
+    return t.detach().requires_grad_()
+
+
+def _zero_if_none(g: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(like) if g is None else g
+
+
+def _detached(x: Any) -> Any:
+    return x.detach() if isinstance(x, torch.Tensor) else x
+
+
 def _torch_func_value_and_grad(
     f: Callable[..., Any], argnums: Any, has_aux: bool, args: Any, kwargs: Any
 ) -> tuple[Any, Any]:

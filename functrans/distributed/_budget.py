@@ -25,8 +25,9 @@ measuring the user's own ``step`` on every rank:
 A limit below every uniform plan's bound is an :class:`~functrans.InvalidPartitionError`
 naming the lowest bound, the blocks left as they were; limits that differ between ranks are
 refused on every rank. An error ``step`` raises on one rank is raised there, the blocks left
-as they were; the other ranks wait for it at their next collective, as in any step. The plan holds for the step measured:
-a step with other shapes recompiles the same cuts, unmeasured (call again to budget it).
+as they were; the other ranks wait for it at their next collective, as in any step. The plan
+holds for the step measured: a step with other shapes recompiles the same cuts, unmeasured
+(call again to budget it).
 
 >>> import torch
 >>> from functrans.distributed import budget_blocks

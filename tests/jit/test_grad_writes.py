@@ -6,7 +6,8 @@ BatchNorm's running statistics and step counter) as eager's call of ``f`` leaves
 ``f`` reaches the module: closing over it, or JAX-style through
 ``functional_call(model, params, x)`` with plain-tensor parameters (``torch.func.grad``
 refuses that one: it writes a captured tensor). The property generates the model, the form,
-the transform and the aux, and compares two steps with eager's.
+the transform and the aux, and compares two steps with eager's. A model a trace cannot follow
+(a BatchNorm with ``momentum=None``) runs torch's autograd eagerly, with the same results.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ def _model(norm: str, depth: int) -> nn.Module:
             layers.append(nn.BatchNorm1d(4))
         elif norm == "batch, no running stats":
             layers.append(nn.BatchNorm1d(4, track_running_stats=False))
+        elif norm == "batch, momentum=None":  # a cumulative average: runs eagerly
+            layers.append(nn.BatchNorm1d(4, momentum=None))
     return nn.Sequential(*layers).train()
 
 
@@ -62,7 +65,7 @@ def _eager(model: nn.Module, form: str, params: dict[str, torch.Tensor], x: torc
 
 @settings(max_examples=8, deadline=None)
 @given(
-    norm=st.sampled_from(["batch", "batch, no running stats", "none"]),
+    norm=st.sampled_from(["batch", "batch, no running stats", "batch, momentum=None", "none"]),
     depth=st.integers(1, 2),
     form=st.sampled_from(["functional_call", "closure"]),
     transform=st.sampled_from(["grad", "value_and_grad", "jit(grad)"]),
@@ -78,6 +81,20 @@ def _eager(model: nn.Module, form: str, params: dict[str, torch.Tensor], x: torc
 # found by a user's try: the aux the batch norm's output (the loss computed from it) made a
 # staged step hand the norm's tuple of results to its next stage (AttributeError)
 @example(norm="batch", depth=1, form="closure", transform="grad", aux="output")
+# a user's try: momentum=None (its update reads the batch counter as a Python number) was
+# refused under every gradient transform (InputMutation): the call a trace cannot follow now
+# runs torch's autograd eagerly
+@example(norm="batch, momentum=None", depth=1, form="functional_call", transform="grad", aux="none")
+@example(
+    norm="batch, momentum=None", depth=2, form="closure", transform="value_and_grad", aux="input"
+)
+@example(
+    norm="batch, momentum=None",
+    depth=1,
+    form="functional_call",
+    transform="jit(grad)",
+    aux="output",
+)
 def test_gradients_and_buffer_writes_are_eagers(
     norm: str, depth: int, form: str, transform: str, aux: str
 ) -> None:
@@ -157,3 +174,27 @@ def test_an_argument_written_from_a_value_with_a_gradient_is_eagers(transform: s
     run = ft.grad(f) if transform == "grad" else ft.jit(ft.grad(f))
     torch.testing.assert_close(run(w, s_mine, x), want)
     torch.testing.assert_close(s_mine, s_eager.detach())
+
+
+def test_the_eager_fallback_is_differentiable_again_as_eager() -> None:
+    """The eager fallback (a BatchNorm with ``momentum=None``) gives gradients that are
+    differentiable in inputs that require grad, as the traced transform's are: a second
+    derivative through them is eager's, and so are the statistics after both calls."""
+    mine, theirs = _model("batch, momentum=None", 1), _model("batch, momentum=None", 1)
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(0))
+
+    def params_of(model: nn.Module) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone().requires_grad_() for k, v in model.named_parameters()}
+
+    ours, ref = params_of(mine), params_of(theirs)
+    grads = ft.grad(lambda p, x: _loss(mine, "functional_call", p, x))(ours, x)
+    want = torch.autograd.grad(
+        _loss(theirs, "functional_call", ref, x), list(ref.values()), create_graph=True
+    )
+    assert all(g.requires_grad for g in grads.values())
+    second = torch.autograd.grad(sum((g * g).sum() for g in grads.values()), list(ours.values()))
+    want_second = torch.autograd.grad(sum((g * g).sum() for g in want), list(ref.values()))
+    torch.testing.assert_close(list(grads.values()), list(want), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(second, want_second, rtol=1e-5, atol=1e-6)
+    for a, b in zip(mine.buffers(), theirs.buffers(), strict=True):
+        torch.testing.assert_close(a, b)

@@ -218,12 +218,28 @@ def test_nested_escape_names_the_stack() -> None:
         ft.grad(lambda x: ft.vmap(case.f)(x.expand(2, 3)).sum())(X)
 
 
-def test_forward_hook_capturing_activations_is_refused() -> None:
+def test_forward_hook_capturing_activations_is_refused_by_a_trace() -> None:
     acts: dict[str, torch.Tensor] = {}
     net = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Tanh())
     net[0].register_forward_hook(lambda mod, args, out: acts.__setitem__("l0", out))
     with pytest.raises(ft.TraceError, match=r"escaped to `acts\['l0'\]`"):
-        ft.grad(lambda x: net(x).sum())(X)
+        ft.joint(lambda x: net(x).sum())(X)
+
+
+def test_forward_hook_capturing_activations_under_grad_runs_as_eager() -> None:
+    """While a hook is registered ``ft.grad`` runs as written, torch's autograd eagerly (as
+    ``jit`` does): the probe stores eager's activation and the gradient is eager's (it was
+    refused as an escape)."""
+    acts: dict[str, torch.Tensor] = {}
+    net = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Tanh())
+    net[0].register_forward_hook(lambda mod, args, out: acts.__setitem__("l0", out))
+    with pytest.warns(UserWarning, match="hook"):
+        got = ft.grad(lambda x: net(x).sum())(X)
+    ours = acts.pop("l0")
+    x = X.clone().requires_grad_()
+    (want,) = torch.autograd.grad(net(x).sum(), x)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(ours, acts["l0"])
 
 
 def test_static_argument_escape_names_the_argument() -> None:
