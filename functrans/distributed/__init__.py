@@ -5,7 +5,10 @@ FSDP2 all-gathers each unit's parameters in a forward pre-hook and frees them af
 are plain, unsharded tensors: that is where functrans compiles. :func:`jit_blocks` replaces the
 ``forward`` of every innermost FSDP unit (a transformer block, typically) by ``ft.jit`` of it
 (optionally under a remat policy), leaving FSDP's hooks, collectives and optimizer state as
-they are: losses and gradients equal eager FSDP2's.
+they are: losses and gradients equal eager FSDP2's. :func:`budget_blocks` compiles the same
+blocks with a cut each, chosen so that the user's training step peaks within a byte limit on
+every rank: measured, since FSDP2's own buffers (gathered parameters, gradient buffers, a
+collective's buffer freed late by its worker thread) are most of that peak.
 
 Inside a traced graph, torch.distributed's functional collectives are a class of their own
 (:attr:`functrans.extend.OpClass.COLLECTIVE`): never recomputed, merged or dropped by any
