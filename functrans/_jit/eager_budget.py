@@ -60,7 +60,7 @@ from functrans._transforms.remat import RematDecorator, RematModule
 from .outline import region_calls
 from .step_plan import CHOICES, plan_step
 
-__all__ = ["BudgetedModule", "EagerPlan", "remat"]
+__all__ = ["BudgetedModule", "EagerPlan", "buffers_kept", "remat"]
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -187,10 +187,10 @@ class _Call:
 
 
 @contextlib.contextmanager
-def _buffers_kept(block: torch.nn.Module) -> Iterator[None]:
+def buffers_kept(block: torch.nn.Module) -> Iterator[None]:
     """``block``'s buffers as they were on entry, once inside is done: a recomputation
     writes running statistics (BatchNorm's) a second time, and eager's step writes them
-    once."""
+    once (and steps measured to plan a budget write them at all)."""
     kept = [(b, b.clone()) for b in block.buffers()]
     try:
         yield
@@ -274,7 +274,7 @@ def _checkpointed(block: torch.nn.Module) -> Callable[..., Any]:
             if not call.ran:  # the forward
                 call.ran = True
                 return original(*args, **kwargs)
-            with _buffers_kept(block):  # the recomputation: eager's step updates them once
+            with buffers_kept(block):  # the recomputation: eager's step updates them once
                 return original(*args, **kwargs)
         finally:
             for (table, name), t in zip(slots, held, strict=True):

@@ -25,6 +25,7 @@ tensor([0.9589, 1.6829])
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -222,13 +223,16 @@ def stage_graphs(jg: JointGraph, at: Sequence[fx.Node], num_diff: int) -> Cut | 
     return Cut(graphs, tuple(where[o] for o in outs), tuple(exports[0]))
 
 
+def _stopped(n: fx.Node, i: int) -> bool:
+    """Whether autograd did not differentiate ``n`` in its ``i``-th argument (in the order of
+    :func:`~functrans._core.graph.argument_nodes`): ``n`` ran under ``no_grad`` (or is a
+    detach), or that argument came through a detach."""
+    return bool(n.meta.get(NO_GRAD)) or i in n.meta.get(STOPPED, ())
+
+
 def _differentiated(n: fx.Node) -> list[fx.Node]:
-    """The arguments of ``n`` autograd differentiated ``n`` in: none where it ran under
-    ``no_grad`` (or is a detach), none that came through a detach."""
-    if n.meta.get(NO_GRAD):
-        return []
-    stopped = n.meta.get(STOPPED, ())
-    return [a for i, a in enumerate(argument_nodes(n)) if i not in stopped]
+    """The arguments of ``n`` autograd differentiated ``n`` in."""
+    return [a for i, a in enumerate(argument_nodes(n)) if not _stopped(n, i)]
 
 
 #: per op, output index and which inputs require grad: whether that output does
@@ -457,18 +461,15 @@ def _stage(
 
 
 def _reading(g: fx.Graph, n: fx.Node, env: dict[fx.Node, fx.Node]) -> Callable[[fx.Node], fx.Node]:
-    """How ``n``'s copy in a stage reads each argument (in the order of
-    :func:`~functrans._core.graph.argument_nodes`): its value in the stage, detached where
-    autograd did not differentiate ``n`` in it (:func:`_differentiated`), so that the stage's
-    own joint graph stops there as eager's autograd did."""
-    stopped = n.meta.get(STOPPED, ())
-    position = iter(range(len(argument_nodes(n))))
+    """How ``n``'s copy in a stage reads each argument, in order (``node_copy`` maps them in
+    the order of :func:`~functrans._core.graph.argument_nodes`): its value in the stage,
+    detached where autograd did not differentiate ``n`` in it (:func:`_stopped`), so that
+    the stage's own joint graph stops there as eager's autograd did."""
+    position = itertools.count()
 
     def read(a: fx.Node) -> fx.Node:
-        i = next(position)
         value = env[a] if a in env else _outside(g, a, env)
-        cut = n.meta.get(NO_GRAD) or i in stopped
-        if not cut or not differentiable(a.meta.get("val")):
+        if not _stopped(n, next(position)) or not differentiable(a.meta.get("val")):
             return value
         detached = g.call_function(torch.ops.aten.detach.default, (value,))
         detached.meta["val"] = a.meta.get("val")

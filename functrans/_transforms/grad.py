@@ -16,7 +16,7 @@ from functrans._core.describe import check_numpy_leaves
 from functrans._core.dtypes import differentiable
 from functrans._core.errors import InvalidArgumentError, NonScalarOutputError, UnsupportedOpError
 from functrans._core.marks import leave
-from functrans._core.pytree import NAMESPACE, flatten
+from functrans._core.pytree import NAMESPACE, flatten, leaves_of, tensor_leaves
 from functrans._core.stack import transform_frame
 from functrans._core.validate import (
     check_argnums,
@@ -171,11 +171,11 @@ def eager_grad(
         nums = normalize_argnums(argnums, len(args))
         given = list(args)
         outer = torch.is_grad_enabled() and any(
-            t.requires_grad for i in nums for t in _tensors(given[i])
+            t.requires_grad for i in nums for t in tensor_leaves(given[i])
         )
         specs, wrt = [], []
         for i in nums:
-            leaves, spec = optree.tree_flatten(given[i], namespace=NAMESPACE)
+            leaves, spec = leaves_of(given[i])
             fresh = [_differentiated_leaf(t, outer) for t in leaves]
             given[i] = optree.tree_unflatten(spec, fresh)
             specs.append((spec, len(fresh)))
@@ -203,10 +203,6 @@ def eager_grad(
         return (result, value[1]) if has_aux else result
 
     return run
-
-
-def _tensors(tree: Any) -> list[torch.Tensor]:
-    return [t for t in optree.tree_leaves(tree, namespace=NAMESPACE) if isinstance(t, torch.Tensor)]
 
 
 def _differentiated_leaf(t: Any, outer: bool) -> Any:

@@ -51,6 +51,7 @@ from functrans._core.errors import InvalidArgumentError, InvalidPartitionError
 from functrans._core.marks import leave, marked
 from functrans._core.tags import PolicyLike
 from functrans._core.validate import check_number
+from functrans._jit.eager_budget import buffers_kept
 from functrans._jit.step_plan import CHOICES, Choice, folded, largest_passing
 from functrans.testing import measure_peak
 
@@ -64,14 +65,19 @@ CUTS: tuple[Choice, ...] = CHOICES
 
 @dataclass(frozen=True)
 class Trial:
-    """One plan measured: each block's cut (labels of :data:`CUTS`, blocks in forward
+    """One plan measured: each block's cut (indices into :data:`CUTS`, blocks in forward
     order), the step peaks measured (per round, the highest of the ranks), the bound taken
     from them, and the FLOPs the blocks' backward recomputes."""
 
-    cuts: tuple[str, ...]
+    levels: tuple[int, ...]
     measured: tuple[int, ...]
     bound: int
     recompute_flops: int
+
+    @property
+    def cuts(self) -> tuple[str, ...]:
+        """Each block's cut, by its label in :data:`CUTS`."""
+        return tuple(CUTS[level].label for level in self.levels)
 
 
 @dataclass(frozen=True)
@@ -188,9 +194,7 @@ class _Plans:
                 for i, level in enumerate(levels)
                 for p in self.forward(i, level).partitions()
             )
-            self.seen[levels] = Trial(
-                tuple(CUTS[lv].label for lv in levels), tuple(worst), bound, recompute
-            )
+            self.seen[levels] = Trial(levels, tuple(worst), bound, recompute)
         return self.seen[levels]
 
     def search(self, limit: int) -> StepBudget:
@@ -239,9 +243,8 @@ class _Plans:
         return StepBudget(limit, self.margin, chosen, tuple(self.seen.values()))
 
     def install(self, trial: Trial) -> None:
-        labels = [c.label for c in CUTS]
-        for i, block in enumerate(self.blocks):
-            block.forward = self.forward(i, labels.index(trial.cuts[i]))
+        for i, (block, level) in enumerate(zip(self.blocks, trial.levels, strict=True)):
+            block.forward = self.forward(i, level)
             leave(block, JitBlock())
 
     def put_back(self) -> None:
@@ -297,15 +300,12 @@ def _highest_on_any_rank(peaks: list[int]) -> list[int]:
 def _restored(model: torch.nn.Module) -> Iterator[None]:
     """Put back what measuring steps change: gradients, buffers, random number generators."""
     grads = [(p, p.grad) for p in model.parameters()]
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
     try:
-        yield
+        with buffers_kept(model):
+            yield
     finally:
-        with torch.no_grad():
-            for b, saved in buffers:
-                b.copy_(saved)
         for p, g in grads:
             p.grad = g
         torch.set_rng_state(cpu_rng)
